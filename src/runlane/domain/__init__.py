@@ -1,0 +1,1 @@
+"""The pure domain: states, reason codes, retry policy and task validation. No I/O here."""

@@ -1,0 +1,47 @@
+"""Reason codes: why an attempt or a run ended the way it did.
+
+Retry decisions are made from these codes, never from log text.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    WORKER_LOST = "WORKER_LOST"
+    SANDBOX_START_TIMEOUT = "SANDBOX_START_TIMEOUT"
+    PROVIDER_RATE_LIMIT = "PROVIDER_RATE_LIMIT"
+    GIT_CLONE_FAILED_TRANSIENT = "GIT_CLONE_FAILED_TRANSIENT"
+    POLICY_DENIED = "POLICY_DENIED"
+    TASK_CONTRACT_INVALID = "TASK_CONTRACT_INVALID"
+    VERIFIER_FAILED = "VERIFIER_FAILED"
+    JUDGE_REJECTED = "JUDGE_REJECTED"
+    CANCELLED_BY_USER = "CANCELLED_BY_USER"
+    AGENT_FAILED = "AGENT_FAILED"
+    TIMEOUT = "TIMEOUT"
+    LIMIT_EXCEEDED = "LIMIT_EXCEEDED"
+    LEASE_LOST = "LEASE_LOST"
+    PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+    # Budgets of a run (seed 000 §15): recorded when a retryable failure is not retried.
+    RETRY_BUDGET_EXHAUSTED = "RETRY_BUDGET_EXHAUSTED"
+    # Lease given back on purpose (drain past its grace period).
+    LEASE_RELEASED = "LEASE_RELEASED"
+    # Reconciler repairs (seed 000 §25), each recorded with its own code.
+    RECONCILED_ADMITTED_NOT_QUEUED = "RECONCILED_ADMITTED_NOT_QUEUED"
+    RECONCILED_TERMINAL_LEASE = "RECONCILED_TERMINAL_LEASE"
+    RECONCILED_ACTIVE_WITHOUT_LEASE = "RECONCILED_ACTIVE_WITHOUT_LEASE"
+    RECONCILED_CANCELLED_TASK = "RECONCILED_CANCELLED_TASK"
+    WORKER_HEARTBEAT_STALE = "WORKER_HEARTBEAT_STALE"
+
+
+DEFAULT_RETRYABLE: frozenset[Reason] = frozenset(
+    {
+        Reason.WORKER_LOST,
+        Reason.SANDBOX_START_TIMEOUT,
+        Reason.PROVIDER_RATE_LIMIT,
+        Reason.GIT_CLONE_FAILED_TRANSIENT,
+        Reason.TIMEOUT,
+        Reason.LEASE_RELEASED,
+    }
+)

@@ -1,0 +1,78 @@
+"""Retry classification and backoff: pure functions of a failure and a budget."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from runlane.domain.reasons import DEFAULT_RETRYABLE, Reason
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a run's failures are retried (seed 000 §14-§15)."""
+
+    base_seconds: float = 30.0
+    max_seconds: float = 1800.0
+    max_attempts: int = 3
+    max_total_run_seconds: float | None = None
+    max_cost_usd: float | None = None
+    retryable: frozenset[str] = field(default_factory=lambda: frozenset(DEFAULT_RETRYABLE))
+
+
+@dataclass(frozen=True)
+class RunBudget:
+    """What a run has spent so far, read inside the transaction that decides."""
+
+    attempt_count: int
+    max_attempts: int
+    elapsed_seconds: float
+    cost_usd: float
+
+
+@dataclass(frozen=True)
+class RetryDecision:
+    retry: bool
+    delay_seconds: float = 0.0
+    # Why the run ends when it is not retried (the failure's own code, or a budget code).
+    final_reason: str | None = None
+
+
+def backoff_delay(
+    attempt_no: int, base: float, cap: float, rng: random.Random | None = None
+) -> float:
+    """Exponential delay after attempt ``attempt_no`` (1-based), capped, plus up to 25% jitter.
+
+    The jitter is added on top of the capped value so that a storm of failures
+    spreads out instead of retrying in lock step.
+    """
+    exponent = min(max(attempt_no - 1, 0), 20)
+    capped = min(base * (2**exponent), cap)
+    jitter = (rng or random).uniform(0.0, capped / 4) if capped > 0 else 0.0
+    return capped + jitter
+
+
+def decide(
+    reason: str,
+    budget: RunBudget,
+    policy: RetryPolicy,
+    retry_after_seconds: float | None = None,
+    rng: random.Random | None = None,
+) -> RetryDecision:
+    """Whether a failed attempt is retried, and after how long."""
+    if reason not in policy.retryable:
+        return RetryDecision(retry=False, final_reason=reason)
+    if budget.attempt_count >= budget.max_attempts:
+        return RetryDecision(retry=False, final_reason=reason)
+    if (
+        policy.max_total_run_seconds is not None
+        and budget.elapsed_seconds >= policy.max_total_run_seconds
+    ) or (policy.max_cost_usd is not None and budget.cost_usd >= policy.max_cost_usd):
+        return RetryDecision(retry=False, final_reason=Reason.RETRY_BUDGET_EXHAUSTED)
+    delay = backoff_delay(budget.attempt_count, policy.base_seconds, policy.max_seconds, rng)
+    if reason == Reason.LEASE_RELEASED:
+        # A drained worker gave the run back on purpose: no penalty delay.
+        delay = 0.0
+    if retry_after_seconds is not None:
+        delay = max(delay, float(retry_after_seconds))
+    return RetryDecision(retry=True, delay_seconds=delay)

@@ -1,0 +1,210 @@
+"""What a user asks for: the task contract, validated before anything is written."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from runlane.domain.reasons import Reason
+
+PRIORITY_CLASSES: dict[str, int] = {
+    "critical": 0,
+    "high": 50,
+    "normal": 100,
+    "low": 150,
+    "batch": 200,
+}
+MAX_PRIORITY = 1000
+
+# Optional context sections, in the order they are truncated when a task is over
+# the payload cap (seed 004): the least valuable first. The prompt itself is never
+# truncated; a task whose prompt alone is over the cap is refused.
+CONTEXT_TRUNCATION_ORDER: tuple[str, ...] = (
+    "summary",  # an older summary of the conversation or issue
+    "history",  # older verbatim history; cut from its oldest (first) lines
+    "comments",  # review or issue comments
+    "diff",  # the full diff the task refers to
+    "ci_failures",  # CI failure excerpts: kept longest, most actionable
+)
+DEFAULT_PAYLOAD_CAP_BYTES = 4 * 1024 * 1024
+TRUNCATION_MARK = "\n[runlane: truncated {n} bytes]\n"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+_SCP_LIKE = re.compile(r"^[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:[^\s]+$")
+_URL_SCHEMES = {"http", "https", "ssh", "git", "file"}
+
+
+class TaskInvalid(ValueError):
+    """A task that cannot be accepted; ``field`` names the offending input."""
+
+    def __init__(self, field: str, problem: str, reason: str = Reason.TASK_CONTRACT_INVALID):
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+        self.reason = reason
+
+
+def parse_priority(value: int | str) -> int:
+    if isinstance(value, bool):
+        raise ValueError("must be an integer or one of " + ", ".join(PRIORITY_CLASSES))
+    if isinstance(value, int):
+        number = value
+    else:
+        text = str(value).strip().lower()
+        if text in PRIORITY_CLASSES:
+            return PRIORITY_CLASSES[text]
+        if not re.fullmatch(r"[+-]?\d+", text):
+            raise ValueError(
+                f"{value!r} is not an integer or one of " + ", ".join(PRIORITY_CLASSES)
+            )
+        number = int(text)
+    if not 0 <= number <= MAX_PRIORITY:
+        raise ValueError(f"must be between 0 and {MAX_PRIORITY} (lower runs first)")
+    return number
+
+
+def validate_repo(value: str) -> str:
+    repo = value.strip()
+    if not repo:
+        raise ValueError("must not be empty")
+    if any(ch.isspace() for ch in repo):
+        raise ValueError(f"{value!r} contains white space")
+    if _SCP_LIKE.match(repo):
+        return repo
+    if "://" in repo:
+        parsed = urlparse(repo)
+        if parsed.scheme not in _URL_SCHEMES:
+            raise ValueError(
+                f"{value!r}: scheme {parsed.scheme!r} is not one of {sorted(_URL_SCHEMES)}"
+            )
+        if parsed.scheme != "file" and not parsed.hostname:
+            raise ValueError(f"{value!r} has no host")
+        if not parsed.path or parsed.path == "/":
+            raise ValueError(f"{value!r} has no repository path")
+        return repo
+    if ":" in repo.split("/", 1)[0]:
+        raise ValueError(f"{value!r} is neither a URL, user@host:path nor a local path")
+    return repo  # a local path (absolute or relative to where the worker runs)
+
+
+class TaskSpec(BaseModel):
+    """One task as submitted (CLI flags, a JSON Lines row, or the Python API)."""
+
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+
+    tenant: str
+    repo: str
+    prompt: str
+    queue: str = "default"
+    priority: int = PRIORITY_CLASSES["normal"]
+    idempotency_key: str | None = Field(default=None, max_length=255)
+    max_attempts: int | None = Field(default=None, ge=1, le=100)
+    context: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("tenant", "queue")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not value:
+            raise ValueError("must not be empty")
+        if not _NAME.match(value):
+            raise ValueError(
+                f"{value!r} must be 1-128 characters of letters, digits and ._:@/-"
+            )
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: str) -> str:
+        if not value:
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("repo")
+    @classmethod
+    def _repo(cls, value: str) -> str:
+        return validate_repo(value)
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _priority(cls, value: Any) -> int:
+        return parse_priority(value)
+
+    @field_validator("context")
+    @classmethod
+    def _context(cls, value: dict[str, str]) -> dict[str, str]:
+        unknown = sorted(set(value) - set(CONTEXT_TRUNCATION_ORDER))
+        if unknown:
+            raise ValueError(
+                f"unknown section(s) {unknown}; known: {list(CONTEXT_TRUNCATION_ORDER)}"
+            )
+        return value
+
+
+def parse_task(raw: dict[str, Any], where: str = "") -> TaskSpec:
+    """Validate one raw task, turning pydantic's report into one line naming the field."""
+    try:
+        return TaskSpec.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "task"
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = "unknown field"
+        elif first["type"] == "missing":
+            message = "is required"
+        raise TaskInvalid(f"{where}{field}", message) from None
+
+
+@dataclass(frozen=True)
+class PayloadReport:
+    size_bytes: int
+    truncated_sections: tuple[str, ...]
+
+
+def payload_size(spec: TaskSpec) -> int:
+    return len(json.dumps(spec.model_dump(mode="json"), ensure_ascii=False).encode())
+
+
+def enforce_payload_cap(spec: TaskSpec, cap_bytes: int = DEFAULT_PAYLOAD_CAP_BYTES) -> tuple[
+    TaskSpec, PayloadReport
+]:
+    """Fit a task under the payload cap by truncating context in the documented order.
+
+    Returns the (possibly truncated) task; raises ``TaskInvalid`` with
+    ``PAYLOAD_TOO_LARGE`` only when every optional section is already empty.
+    """
+    size = payload_size(spec)
+    if size <= cap_bytes:
+        return spec, PayloadReport(size, ())
+    context = dict(spec.context)
+    truncated: list[str] = []
+    for section in CONTEXT_TRUNCATION_ORDER:
+        text = context.get(section)
+        if not text:
+            continue
+        over = size - cap_bytes
+        encoded = text.encode()
+        # Leave room for the marker; cut whole bytes, then drop a split character.
+        keep = max(len(encoded) - over - len(TRUNCATION_MARK) - 16, 0)
+        removed = len(encoded) - keep
+        if section == "history":
+            kept = encoded[removed:].decode(errors="ignore")  # drop the oldest lines first
+            context[section] = TRUNCATION_MARK.format(n=removed) + kept if keep else ""
+        else:
+            kept = encoded[:keep].decode(errors="ignore")
+            context[section] = kept + TRUNCATION_MARK.format(n=removed) if keep else ""
+        truncated.append(section)
+        spec = spec.model_copy(update={"context": context})
+        size = payload_size(spec)
+        if size <= cap_bytes:
+            return spec, PayloadReport(size, tuple(truncated))
+    raise TaskInvalid(
+        "prompt",
+        f"task is {size} bytes after truncating every context section; the cap is {cap_bytes}",
+        reason=Reason.PAYLOAD_TOO_LARGE,
+    )

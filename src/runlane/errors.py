@@ -1,0 +1,36 @@
+"""Errors a caller can act on. Each carries a one-line message for the CLI."""
+
+from __future__ import annotations
+
+
+class RunlaneError(Exception):
+    """Base of every error runlane reports to a user instead of a traceback."""
+
+    exit_code = 1
+
+
+class NotFound(RunlaneError):
+    exit_code = 3
+
+
+class DatabaseUnavailable(RunlaneError):
+    exit_code = 4
+
+
+class SchemaOutdated(RunlaneError):
+    exit_code = 4
+
+
+class LeaseLost(RunlaneError):
+    """A fenced write was refused: the lease expired, was revoked, or a newer one exists.
+
+    The worker must stop at once and write nothing more about the run.
+    """
+
+
+class CancelRequested(RunlaneError):
+    """A fenced write was refused because the run is being cancelled."""
+
+
+class TransitionRefused(RunlaneError):
+    """A compare-and-set status write lost: the run is not in the expected state."""

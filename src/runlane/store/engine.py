@@ -1,0 +1,80 @@
+"""Engines for the two supported databases, tuned for a job queue.
+
+SQLite: WAL, a long busy timeout, and every transaction opened with
+``BEGIN IMMEDIATE`` so that writers queue on the file lock up front instead of
+failing with "database is locked" when a read transaction tries to upgrade.
+PostgreSQL: psycopg 3, a pool sized to the machine, pre-ping for dead sessions.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+
+SQLITE_BUSY_TIMEOUT_SECONDS = 60.0
+
+
+class DatabaseUrlInvalid(ValueError):
+    pass
+
+
+def normalize_url(url: str) -> str:
+    """Map ``postgresql://`` to the psycopg 3 driver; leave other URLs alone."""
+    try:
+        parsed = make_url(url)
+    except Exception as exc:  # sqlalchemy raises ArgumentError with a long message
+        raise DatabaseUrlInvalid(f"DATABASE_URL {url!r} is not a database URL") from exc
+    backend = parsed.get_backend_name()
+    if backend == "postgresql":
+        return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    if backend == "sqlite":
+        return url
+    raise DatabaseUrlInvalid(
+        f"DATABASE_URL {url!r}: only sqlite:/// and postgresql:// databases are supported"
+    )
+
+
+def dialect_of(url: str) -> str:
+    return make_url(normalize_url(url)).get_backend_name()
+
+
+def build_engine(url: str, pool_size: int | None = None) -> Engine:
+    url = normalize_url(url)
+    if dialect_of(url) == "sqlite":
+        return _sqlite_engine(url)
+    size = pool_size or max(4, (os.cpu_count() or 2) * 2)
+    return create_engine(
+        url,
+        pool_size=size,
+        max_overflow=size,
+        pool_pre_ping=True,
+        # psycopg 3 prepares statements after this many executions of the same text.
+        connect_args={"prepare_threshold": 2, "application_name": "runlane"},
+    )
+
+
+def _sqlite_engine(url: str) -> Engine:
+    engine = create_engine(
+        url,
+        connect_args={"timeout": SQLITE_BUSY_TIMEOUT_SECONDS, "check_same_thread": False},
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take transaction control away from pysqlite so that BEGIN IMMEDIATE is ours.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine

@@ -1,0 +1,120 @@
+"""Index migrations that never hold a long SHARE lock on a populated table (seed 003).
+
+On PostgreSQL an index is built inline only while its table is empty; on a
+populated table it is built ``CONCURRENTLY`` outside the migration's
+transaction. An index that already exists under the name is accepted only if
+its definition is exactly the expected one (a stale pre-created index is
+refused, with the commands that fix it); a build that failed half-way (an
+INVALID index) is dropped and rebuilt concurrently. SQLite has no concurrent
+build and no concurrent readers to starve: the index is simply created.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import structlog
+from sqlalchemy import Connection, text
+
+log = structlog.get_logger("runlane.migrations")
+
+
+class IndexDefinitionMismatch(RuntimeError):
+    pass
+
+
+class Plan(StrEnum):
+    CREATE_INLINE = "create_inline"
+    CREATE_CONCURRENTLY = "create_concurrently"
+    REBUILD_INVALID = "rebuild_invalid"
+    KEEP = "keep"
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    name: str
+    table: str
+    columns: tuple[str, ...]
+    where: str | None = None
+    unique: bool = False
+
+    def create_sql(self, concurrently: bool = False, table: str | None = None) -> str:
+        return (
+            f"CREATE {'UNIQUE ' if self.unique else ''}INDEX "
+            f"{'CONCURRENTLY ' if concurrently else ''}{self.name} "
+            f"ON {table or self.table} ({', '.join(self.columns)})"
+            + (f" WHERE {self.where}" if self.where else "")
+        )
+
+
+def _definition(conn: Connection, name: str) -> tuple[str, bool] | None:
+    row = conn.execute(
+        text(
+            "SELECT pg_get_indexdef(i.indexrelid) AS indexdef, i.indisvalid AS valid "
+            "FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE c.relname = :name AND pg_table_is_visible(c.oid)"
+        ),
+        {"name": name},
+    ).first()
+    return None if row is None else (str(row.indexdef), bool(row.valid))
+
+
+def _canonical(conn: Connection, spec: IndexSpec) -> str:
+    """The definition PostgreSQL itself prints for ``spec``, from a scratch copy of the
+    table, so the comparison is exact and independent of how the SQL was spelled."""
+    probe = f"_runlane_probe_{spec.table}"
+    conn.execute(text(f"CREATE TEMP TABLE {probe} (LIKE {spec.table})"))
+    try:
+        temp = IndexSpec(f"{spec.name}_probe", spec.table, spec.columns, spec.where, spec.unique)
+        conn.execute(text(temp.create_sql(table=probe)))
+        found = _definition(conn, temp.name)
+        assert found is not None
+        return _normalize(found[0], temp.name, probe)
+    finally:
+        conn.execute(text(f"DROP TABLE {probe}"))
+
+
+def _normalize(definition: str, name: str, table: str) -> str:
+    return (definition.replace(f"INDEX {name} ", "INDEX <name> ")
+            .replace(f" ON pg_temp.{table} ", " ON <table> ")
+            .replace(f" ON {table} ", " ON <table> ")
+            .replace(f" ON public.{table} ", " ON <table> "))
+
+
+def plan_index(conn: Connection, spec: IndexSpec) -> Plan:
+    found = _definition(conn, spec.name)
+    if found is not None:
+        definition, valid = found
+        expected = _canonical(conn, spec)
+        actual = _normalize(definition, spec.name, spec.table)
+        if actual != expected:
+            raise IndexDefinitionMismatch(
+                f"index {spec.name} exists with a different definition:\n"
+                f"  found:    {definition}\n"
+                f"  expected: {spec.create_sql()}\n"
+                f"Replace it without blocking writes, then run `runlane db upgrade` again:\n"
+                f"  DROP INDEX CONCURRENTLY {spec.name};\n"
+                f"  {spec.create_sql(concurrently=True)};"
+            )
+        return Plan.KEEP if valid else Plan.REBUILD_INVALID
+    populated = conn.execute(text(f"SELECT EXISTS (SELECT 1 FROM {spec.table})")).scalar()
+    return Plan.CREATE_CONCURRENTLY if populated else Plan.CREATE_INLINE
+
+
+def ensure_index(op: Any, spec: IndexSpec) -> Plan:
+    conn: Connection = op.get_bind()
+    if conn.dialect.name != "postgresql":
+        op.execute(spec.create_sql().replace("INDEX ", "INDEX IF NOT EXISTS ", 1))
+        return Plan.CREATE_INLINE
+    plan = plan_index(conn, spec)
+    log.info("index_migration", index=spec.name, plan=plan.value)
+    if plan is Plan.CREATE_INLINE:
+        op.execute(spec.create_sql())
+    elif plan in (Plan.CREATE_CONCURRENTLY, Plan.REBUILD_INVALID):
+        with op.get_context().autocommit_block():
+            if plan is Plan.REBUILD_INVALID:
+                op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {spec.name}")
+            op.execute(spec.create_sql(concurrently=True))
+    return plan

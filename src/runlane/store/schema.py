@@ -1,0 +1,173 @@
+"""The database schema: tasks, runs, attempts (each carrying its lease), events, workers.
+
+Design choices, each keeping every invariant of DESIGN.md while making a claim
+cheaper (issue 2 allows both merges):
+
+* The queue item lives in the run row. A run is deliverable exactly when its
+  status is QUEUED and ``visible_at`` has passed, so a run has at most one
+  active delivery by construction (its primary key), and a terminal run can
+  never keep a live one.
+* The lease lives in the attempt row (``lease_status``, ``lease_expires_at``,
+  ``fencing_token``). A partial unique index allows at most one ACTIVE lease
+  per run; expired and released leases stay as history.
+* Times are seconds since the Unix epoch (double precision). Every expiry is
+  computed in SQL from the database clock, or from a ``now`` the caller pins.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
+)
+
+metadata = MetaData()
+
+ID = String(36)
+Timestamp = Float  # epoch seconds, see module docstring
+EventId = BigInteger().with_variant(Integer(), "sqlite")
+
+tasks = Table(
+    "tasks",
+    metadata,
+    Column("task_id", ID, primary_key=True),
+    Column("tenant", String(128), nullable=False),
+    Column("repo", Text, nullable=False),
+    Column("prompt", Text, nullable=False),
+    Column("queue", String(128), nullable=False),
+    Column("priority", Integer, nullable=False),
+    Column("idempotency_key", String(255)),
+    Column("max_attempts", Integer, nullable=False),
+    Column("context", JSON, nullable=False),
+    Column("truncated_sections", JSON, nullable=False),
+    Column("payload_bytes", Integer, nullable=False),
+    Column("cancel_requested_at", Timestamp),
+    Column("created_at", Timestamp, nullable=False),
+    UniqueConstraint("tenant", "idempotency_key", name="uq_tasks_tenant_idempotency_key"),
+)
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("run_id", ID, primary_key=True),
+    Column("task_id", ID, ForeignKey("tasks.task_id"), nullable=False),
+    Column("tenant", String(128), nullable=False),
+    Column("repo", Text, nullable=False),
+    Column("queue", String(128), nullable=False),
+    Column("priority", Integer, nullable=False),
+    Column("status", String(32), nullable=False),
+    Column("attempt_count", Integer, nullable=False, server_default="0"),
+    Column("max_attempts", Integer, nullable=False),
+    # The token of the newest lease; every new lease of this run takes token + 1.
+    Column("fencing_token", BigInteger, nullable=False, server_default="0"),
+    Column("visible_at", Timestamp, nullable=False),
+    Column("created_at", Timestamp, nullable=False),
+    Column("updated_at", Timestamp, nullable=False),
+    Column("ended_at", Timestamp),
+    Column("reason_code", String(64)),
+    Column("message", Text),
+    Column("outcome", String(64)),
+    Column("cost_usd", Float, nullable=False, server_default="0"),
+    Index("ix_runs_task_id", "task_id"),
+    Index("ix_runs_tenant_created", "tenant", "created_at"),
+    Index("ix_runs_status_updated", "status", "updated_at"),
+)
+
+# The dispatch index, created by migration 0002 through the online-index guard:
+# the claim's ``WHERE queue = :queue AND status = 'QUEUED' AND visible_at <= now
+# ORDER BY priority, visible_at, run_id`` walks this index in order, so a claim
+# reads about as many index entries as it takes rows, however long the queue.
+DISPATCH_INDEX_NAME = "ix_runs_dispatch"
+DISPATCH_INDEX_COLUMNS = ("queue", "priority", "visible_at", "run_id")
+DISPATCH_INDEX_WHERE = "status = 'QUEUED'"
+Index(
+    DISPATCH_INDEX_NAME,
+    *(runs.c[name] for name in DISPATCH_INDEX_COLUMNS),
+    postgresql_where=text(DISPATCH_INDEX_WHERE),
+    sqlite_where=text(DISPATCH_INDEX_WHERE),
+)
+
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("run_id", ID, ForeignKey("runs.run_id"), primary_key=True),
+    Column("attempt_no", Integer, primary_key=True),
+    Column("fencing_token", BigInteger, nullable=False),
+    Column("worker_id", String(255), nullable=False),
+    Column("status", String(32), nullable=False),  # RUNNING, SUCCEEDED, FAILED, CANCELLED
+    Column("reason_code", String(64)),
+    Column("message", Text),
+    Column("retry_after_seconds", Float),
+    Column("lease_status", String(16), nullable=False),  # ACTIVE, RELEASED, EXPIRED, REVOKED
+    Column("lease_expires_at", Timestamp, nullable=False),
+    Column("lease_ended_at", Timestamp),
+    Column("heartbeat_at", Timestamp, nullable=False),
+    Column("started_at", Timestamp, nullable=False),
+    Column("ended_at", Timestamp),
+    Column("cost_usd", Float, nullable=False, server_default="0"),
+    Column("input_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("output_tokens", BigInteger, nullable=False, server_default="0"),
+    UniqueConstraint("run_id", "fencing_token", name="uq_attempts_run_fencing_token"),
+    # Invariant 2: at most one ACTIVE lease per run, enforced by the database.
+    Index(
+        "uq_attempts_one_active_lease",
+        "run_id",
+        unique=True,
+        postgresql_where=text("lease_status = 'ACTIVE'"),
+        sqlite_where=text("lease_status = 'ACTIVE'"),
+    ),
+    # The reaper's scan: active leases by expiry.
+    Index(
+        "ix_attempts_active_lease_expiry",
+        "lease_expires_at",
+        postgresql_where=text("lease_status = 'ACTIVE'"),
+        sqlite_where=text("lease_status = 'ACTIVE'"),
+    ),
+    # A worker's heartbeat: its active leases.
+    Index(
+        "ix_attempts_active_lease_worker",
+        "worker_id",
+        postgresql_where=text("lease_status = 'ACTIVE'"),
+        sqlite_where=text("lease_status = 'ACTIVE'"),
+    ),
+)
+
+run_events = Table(
+    "run_events",
+    metadata,
+    Column("event_id", EventId, primary_key=True, autoincrement=True),
+    Column("run_id", ID, ForeignKey("runs.run_id"), nullable=False),
+    Column("attempt_no", Integer),
+    Column("at", Timestamp, nullable=False),
+    Column("actor", String(255), nullable=False),
+    Column("from_status", String(32)),
+    Column("to_status", String(32), nullable=False),
+    Column("reason_code", String(64)),
+    Column("fencing_token", BigInteger),
+    Column("message", Text),
+    Index("ix_run_events_run", "run_id", "event_id"),
+)
+
+workers = Table(
+    "workers",
+    metadata,
+    Column("worker_id", String(255), primary_key=True),
+    Column("version", String(64), nullable=False),
+    Column("queues", JSON, nullable=False),
+    Column("capabilities", JSON, nullable=False),
+    Column("status", String(16), nullable=False),  # STARTING, READY, DRAINING, STOPPED, DEAD
+    Column("started_at", Timestamp, nullable=False),
+    Column("heartbeat_at", Timestamp, nullable=False),
+)
+

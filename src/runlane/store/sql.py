@@ -1,0 +1,326 @@
+"""Every statement that matters, named, with the dialect differences side by side.
+
+Statements are written once with two placeholders filled per dialect:
+
+* ``{now}``: the pinned ``:now`` if the caller passed one, else the database clock;
+* ``{lock}``: ``FOR UPDATE … SKIP LOCKED`` on PostgreSQL; nothing on SQLite, where
+  every transaction is ``BEGIN IMMEDIATE`` and so already holds the write lock.
+
+Status writes are compare-and-set: their ``status IN :sources`` guard is computed
+from the transition table by the store, never written by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import TextClause, bindparam, text
+
+NOW = {
+    "postgresql": (
+        "COALESCE(CAST(:now AS double precision), "
+        "CAST(EXTRACT(EPOCH FROM now()) AS double precision))"
+    ),
+    "sqlite": "COALESCE(:now, (julianday('now') - 2440587.5) * 86400.0)",
+}
+LOCK_SKIP = {"postgresql": "FOR UPDATE OF {alias} SKIP LOCKED", "sqlite": ""}
+LOCK_WAIT = {"postgresql": "FOR UPDATE OF {alias}", "sqlite": ""}
+
+# --- claim -------------------------------------------------------------------------
+
+_CLAIM_SET_AND_RETURN = """
+UPDATE runs
+SET status = 'CLAIMED',
+    fencing_token = runs.fencing_token + 1,
+    attempt_count = runs.attempt_count + 1,
+    updated_at = {now}
+FROM picked
+WHERE runs.run_id = picked.run_id
+  AND runs.status = 'QUEUED'
+RETURNING runs.run_id, runs.task_id, runs.tenant, runs.repo, runs.queue, runs.priority,
+          runs.fencing_token, runs.attempt_count, runs.max_attempts, {now} AS now
+"""
+
+# Claim up to :limit runs of one queue, best first. The candidate scan walks the
+# dispatch index in order; the task is re-read in the same statement so a cancelled
+# task's run is never claimed even if its run row still says QUEUED (invariant 1).
+CLAIM_BATCH = (
+    """
+WITH picked AS (
+    SELECT r.run_id
+    FROM runs r
+    WHERE r.queue = :queue
+      AND r.status = 'QUEUED'
+      AND r.visible_at <= {now}
+      AND NOT EXISTS (SELECT 1 FROM tasks t
+                      WHERE t.task_id = r.task_id AND t.cancel_requested_at IS NOT NULL)
+    ORDER BY r.priority, r.visible_at, r.run_id
+    LIMIT :limit
+    {lock_r_skip}
+)"""
+    + _CLAIM_SET_AND_RETURN
+)
+
+# Claim one named run (a delivery that names its run, e.g. a wake-up): the same
+# re-validation as the batch claim; a duplicate delivery finds nothing to claim.
+CLAIM_ONE = (
+    """
+WITH picked AS (
+    SELECT r.run_id
+    FROM runs r
+    WHERE r.run_id = :run_id
+      AND r.status = 'QUEUED'
+      AND r.visible_at <= {now}
+      AND NOT EXISTS (SELECT 1 FROM tasks t
+                      WHERE t.task_id = r.task_id AND t.cancel_requested_at IS NOT NULL)
+    {lock_r_skip}
+)"""
+    + _CLAIM_SET_AND_RETURN
+)
+
+INSERT_ATTEMPT = """
+INSERT INTO attempts (run_id, attempt_no, fencing_token, worker_id, status, lease_status,
+                      lease_expires_at, heartbeat_at, started_at,
+                      cost_usd, input_tokens, output_tokens)
+VALUES (:run_id, :attempt_no, :fencing_token, :worker_id, 'RUNNING', 'ACTIVE',
+        :lease_expires_at, :now, :now, 0, 0, 0)
+"""
+
+# --- heartbeat ---------------------------------------------------------------------
+
+# Extend every lease a worker still holds, in one statement: only where the lease is
+# ACTIVE, not yet expired, and still the run's newest (its token is the run's token).
+# The run's status rides along as the control signal (CANCEL_REQUESTED).
+HEARTBEAT = """
+UPDATE attempts
+SET lease_expires_at = {now} + :ttl,
+    heartbeat_at = {now}
+WHERE attempts.worker_id = :worker_id
+  AND attempts.run_id IN :run_ids
+  AND attempts.lease_status = 'ACTIVE'
+  AND attempts.lease_expires_at > {now}
+  AND attempts.fencing_token = (SELECT r.fencing_token FROM runs r
+                                WHERE r.run_id = attempts.run_id)
+RETURNING attempts.run_id, attempts.fencing_token, attempts.lease_expires_at,
+          (SELECT r.status FROM runs r WHERE r.run_id = attempts.run_id) AS status
+"""
+
+# --- status writes -----------------------------------------------------------------
+
+_SET_RUN_STATUS = """
+UPDATE runs
+SET status = :to_status,
+    updated_at = {now},
+    visible_at = COALESCE(:visible_at, visible_at),
+    reason_code = COALESCE(:reason_code, reason_code),
+    message = COALESCE(:message, message),
+    outcome = COALESCE(:outcome, outcome),
+    ended_at = COALESCE(:ended_at, ended_at)
+WHERE run_id = :run_id
+  AND status IN :sources
+  AND fencing_token = :token
+"""
+_FENCE = """
+  AND EXISTS (SELECT 1 FROM attempts a
+              WHERE a.run_id = runs.run_id AND a.fencing_token = :token
+                AND a.lease_status = 'ACTIVE' AND a.lease_expires_at > {now})
+"""
+SET_RUN_STATUS = _SET_RUN_STATUS + "RETURNING status"
+# A worker's write: also requires its lease to be the run's live lease (invariant 3).
+SET_RUN_STATUS_FENCED = _SET_RUN_STATUS + _FENCE + "RETURNING status"
+
+# Read a run together with one of its attempts before deciding how that attempt
+# ends; locks the run row so the decision and the write see the same state.
+RUN_WITH_ATTEMPT = """
+SELECT r.run_id, r.task_id, r.status, r.fencing_token AS run_token, r.attempt_count,
+       r.max_attempts, r.created_at, r.cost_usd,
+       a.attempt_no, a.fencing_token, a.lease_status, a.lease_expires_at, a.worker_id,
+       {now} AS now
+FROM runs r
+JOIN attempts a ON a.run_id = r.run_id AND a.fencing_token = :token
+WHERE r.run_id = :run_id
+{lock_r}
+"""
+
+END_ATTEMPT = """
+UPDATE attempts
+SET status = :status,
+    reason_code = :reason_code,
+    message = :message,
+    retry_after_seconds = :retry_after_seconds,
+    lease_status = :lease_status,
+    lease_ended_at = :now,
+    ended_at = :now
+WHERE run_id = :run_id
+  AND fencing_token = :token
+  AND lease_status = 'ACTIVE'
+"""
+
+ADD_ATTEMPT_COST = """
+UPDATE attempts
+SET cost_usd = cost_usd + :usd,
+    input_tokens = input_tokens + :input_tokens,
+    output_tokens = output_tokens + :output_tokens
+WHERE run_id = :run_id
+  AND fencing_token = :token
+  AND lease_status = 'ACTIVE'
+  AND lease_expires_at > {now}
+"""
+ADD_RUN_COST = """
+UPDATE runs SET cost_usd = cost_usd + :usd, updated_at = {now}
+WHERE run_id = :run_id AND fencing_token = :token
+"""
+
+# --- cancellation ------------------------------------------------------------------
+
+MARK_TASK_CANCELLED = """
+UPDATE tasks SET cancel_requested_at = COALESCE(cancel_requested_at, {now})
+WHERE task_id = :task_id
+RETURNING task_id
+"""
+RUNS_OF_TASK = """
+SELECT r.run_id, r.status, r.fencing_token, {now} AS now
+FROM runs r WHERE r.task_id = :task_id
+{lock_r}
+"""
+
+# --- reaper ------------------------------------------------------------------------
+
+# Expired leases, oldest first; several reapers split the batch (SKIP LOCKED).
+EXPIRED_LEASES = """
+SELECT a.run_id, a.fencing_token, a.worker_id
+FROM attempts a
+WHERE a.lease_status = 'ACTIVE'
+  AND a.lease_expires_at <= {now}
+ORDER BY a.lease_expires_at
+LIMIT :limit
+{lock_a_skip}
+"""
+
+# --- reconciler (seed 000 §25) -----------------------------------------------------
+
+ADMITTED_NOT_QUEUED = """
+SELECT r.run_id FROM runs r
+WHERE r.status = 'ADMITTED' AND r.updated_at <= {now} - :grace
+ORDER BY r.updated_at LIMIT :limit
+{lock_r_skip}
+"""
+TERMINAL_WITH_LEASE = """
+SELECT a.run_id, a.fencing_token FROM attempts a JOIN runs r ON r.run_id = a.run_id
+WHERE a.lease_status = 'ACTIVE' AND r.status IN :terminal
+LIMIT :limit
+{lock_a_skip}
+"""
+REVOKE_LEASE = """
+UPDATE attempts
+SET lease_status = 'REVOKED', lease_ended_at = {now}, ended_at = COALESCE(ended_at, {now}),
+    status = CASE WHEN status = 'RUNNING' THEN 'FAILED' ELSE status END,
+    reason_code = COALESCE(reason_code, :reason_code)
+WHERE run_id = :run_id AND fencing_token = :token AND lease_status = 'ACTIVE'
+"""
+QUEUED_OF_CANCELLED_TASK = """
+SELECT r.run_id FROM runs r JOIN tasks t ON t.task_id = r.task_id
+WHERE r.status IN :waiting AND t.cancel_requested_at IS NOT NULL
+LIMIT :limit
+{lock_r_skip}
+"""
+ACTIVE_WITHOUT_LEASE = """
+SELECT r.run_id, r.fencing_token FROM runs r
+WHERE r.status IN :active
+  AND r.updated_at <= {now} - :grace
+  AND NOT EXISTS (SELECT 1 FROM attempts a
+                  WHERE a.run_id = r.run_id AND a.lease_status = 'ACTIVE')
+LIMIT :limit
+{lock_r_skip}
+"""
+STALE_WORKERS = """
+UPDATE workers SET status = 'DEAD'
+WHERE status IN ('STARTING', 'READY', 'DRAINING') AND heartbeat_at <= {now} - :grace
+RETURNING worker_id
+"""
+OVERLONG_ATTEMPTS = """
+SELECT a.run_id, a.fencing_token FROM attempts a
+WHERE a.lease_status = 'ACTIVE' AND a.started_at <= {now} - :max_seconds
+LIMIT :limit
+{lock_a_skip}
+"""
+
+# --- audit (DESIGN.md invariants, checked on a live database) ----------------------
+
+AUDIT_CHECKS: dict[str, str] = {
+    "two_active_leases": """
+        SELECT run_id, 'active leases: ' || CAST(COUNT(*) AS TEXT) AS detail
+        FROM attempts WHERE lease_status = 'ACTIVE'
+        GROUP BY run_id HAVING COUNT(*) > 1""",
+    "overlapping_leases": """
+        SELECT b.run_id, 'attempt ' || CAST(b.attempt_no AS TEXT)
+               || ' leased before attempt ' || CAST(a.attempt_no AS TEXT)
+               || '''s lease ended' AS detail
+        FROM attempts a JOIN attempts b
+          ON b.run_id = a.run_id AND b.attempt_no > a.attempt_no
+        WHERE b.started_at < CASE
+            WHEN a.lease_ended_at IS NOT NULL AND a.lease_ended_at < a.lease_expires_at
+            THEN a.lease_ended_at ELSE a.lease_expires_at END""",
+    "terminal_run_with_live_lease": """
+        SELECT r.run_id, 'status ' || r.status || ' with an ACTIVE lease' AS detail
+        FROM runs r JOIN attempts a ON a.run_id = r.run_id AND a.lease_status = 'ACTIVE'
+        WHERE r.status IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'POLICY_DENIED')""",
+    "waiting_run_with_live_lease": """
+        SELECT r.run_id, 'status ' || r.status || ' with an ACTIVE lease' AS detail
+        FROM runs r JOIN attempts a ON a.run_id = r.run_id AND a.lease_status = 'ACTIVE'
+        WHERE r.status IN ('ADMITTED', 'WAITING_CAPACITY', 'QUEUED')""",
+    "fencing_token_not_increasing": """
+        SELECT b.run_id, 'attempt ' || CAST(b.attempt_no AS TEXT) || ' token '
+               || CAST(b.fencing_token AS TEXT) || ' <= attempt '
+               || CAST(a.attempt_no AS TEXT) || ' token '
+               || CAST(a.fencing_token AS TEXT) AS detail
+        FROM attempts a JOIN attempts b
+          ON b.run_id = a.run_id AND b.attempt_no = a.attempt_no + 1
+        WHERE b.fencing_token <= a.fencing_token
+        UNION ALL
+        SELECT r.run_id, 'run token ' || CAST(r.fencing_token AS TEXT)
+               || ' behind its attempts' AS detail
+        FROM runs r JOIN attempts a ON a.run_id = r.run_id
+        GROUP BY r.run_id, r.fencing_token HAVING MAX(a.fencing_token) > r.fencing_token""",
+    "attempts_not_contiguous": """
+        SELECT r.run_id, 'attempt_count ' || CAST(r.attempt_count AS TEXT) || ' but '
+               || CAST(COUNT(a.attempt_no) AS TEXT) || ' attempts numbered up to '
+               || CAST(COALESCE(MAX(a.attempt_no), 0) AS TEXT) AS detail
+        FROM runs r LEFT JOIN attempts a ON a.run_id = r.run_id
+        GROUP BY r.run_id, r.attempt_count
+        HAVING COUNT(a.attempt_no) <> r.attempt_count
+            OR COALESCE(MAX(a.attempt_no), 0) <> r.attempt_count
+            OR COALESCE(MIN(a.attempt_no), 1) <> 1""",
+    "attempts_over_budget": """
+        SELECT run_id, CAST(attempt_count AS TEXT) || ' attempts, max '
+               || CAST(max_attempts AS TEXT) AS detail
+        FROM runs WHERE attempt_count > max_attempts""",
+    "failed_attempt_without_reason": """
+        SELECT run_id, 'attempt ' || CAST(attempt_no AS TEXT) || ' ' || status
+               || ' without a reason code' AS detail
+        FROM attempts WHERE status IN ('FAILED', 'CANCELLED') AND reason_code IS NULL""",
+}
+# Transitions are checked in Python against the one table.
+AUDIT_TRANSITIONS = """
+SELECT from_status, to_status, MIN(run_id) AS run_id, COUNT(*) AS n
+FROM run_events GROUP BY from_status, to_status
+"""
+
+
+@dataclass(frozen=True)
+class Statements:
+    """The statements above, rendered for one dialect."""
+
+    dialect: str
+
+    def render(self, sql: str, *expanding: str) -> TextClause:
+        rendered = sql.format(
+            now=NOW[self.dialect],
+            lock_r=LOCK_WAIT[self.dialect].format(alias="r"),
+            lock_r_skip=LOCK_SKIP[self.dialect].format(alias="r"),
+            lock_a_skip=LOCK_SKIP[self.dialect].format(alias="a"),
+        )
+        clause = text(rendered)
+        if expanding:
+            clause = clause.bindparams(*(bindparam(name, expanding=True) for name in expanding))
+        return clause

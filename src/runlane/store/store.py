@@ -1,0 +1,829 @@
+"""The one interface to the database, for SQLite and PostgreSQL alike.
+
+Every method is one transaction. Status writes go through ``_set_status``, which
+takes its compare-and-set guard from the transition table and records one event
+per hop. Worker writes carry the lease's fencing token; when such a write
+changes nothing the store says why (``LeaseLost`` or ``CancelRequested``).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import structlog
+from sqlalchemy import Connection, Engine, insert, select, text
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.exc import OperationalError
+
+from runlane.clock import Clock, DatabaseClock
+from runlane.domain.reasons import Reason
+from runlane.domain.retry import RetryPolicy, RunBudget, decide
+from runlane.domain.states import (
+    LEASED,
+    TERMINAL,
+    WAITING,
+    RunStatus,
+    check_path,
+    is_allowed,
+)
+from runlane.domain.tasks import DEFAULT_PAYLOAD_CAP_BYTES, TaskSpec, enforce_payload_cap
+from runlane.errors import CancelRequested, LeaseLost, NotFound, TransitionRefused
+from runlane.store import sql
+from runlane.store.engine import build_engine, dialect_of
+from runlane.store.schema import run_events, runs, tasks, workers
+
+log = structlog.get_logger("runlane.store")
+T = TypeVar("T")
+S = RunStatus
+
+WAKEUP_CHANNEL = "runlane_wakeup"  # payload: queue name
+CANCEL_CHANNEL = "runlane_cancel"  # payload: run id
+CANCELLING = frozenset({S.CANCEL_REQUESTED, S.CANCELLING})
+
+
+@dataclass
+class Lease:
+    """A worker's right to execute one attempt of a run."""
+
+    run_id: str
+    task_id: str
+    attempt_no: int
+    fencing_token: int
+    worker_id: str
+    expires_at: float
+    tenant: str
+    repo: str
+    queue: str
+    priority: int
+    max_attempts: int
+    stage: RunStatus = S.CLAIMED
+
+    @property
+    def attempt_id(self) -> str:
+        return f"{self.run_id}/{self.attempt_no}"
+
+
+@dataclass(frozen=True)
+class Submission:
+    task_id: str
+    run_id: str
+    status: str
+    created: bool
+    truncated_sections: tuple[str, ...] = ()
+    payload_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class HeartbeatResult:
+    extended: dict[str, float] = field(default_factory=dict)  # run_id -> new expiry
+    cancel_requested: frozenset[str] = frozenset()
+    lost: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    task_id: str
+    runs: dict[str, str]  # run_id -> status after the request
+
+
+@dataclass(frozen=True)
+class Violation:
+    check: str
+    run_id: str | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """A run and one of its attempts, read under the run's row lock."""
+
+    run_id: str
+    status: RunStatus
+    run_token: int
+    attempt_count: int
+    max_attempts: int
+    created_at: float
+    cost_usd: float
+    attempt_no: int
+    fencing_token: int
+    lease_status: str
+    lease_expires_at: float
+    now: float
+
+    @property
+    def lease_live(self) -> bool:
+        return (
+            self.lease_status == "ACTIVE"
+            and self.run_token == self.fencing_token
+            and self.lease_expires_at > self.now
+        )
+
+
+class Store:
+    def __init__(
+        self,
+        url: str,
+        *,
+        clock: Clock | None = None,
+        retry_policy: RetryPolicy | None = None,
+        payload_cap_bytes: int = DEFAULT_PAYLOAD_CAP_BYTES,
+        engine: Engine | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.url = url
+        self.dialect = dialect_of(url)
+        self.engine = engine or build_engine(url)
+        self.clock: Clock = clock or DatabaseClock()
+        self.retry_policy = retry_policy or RetryPolicy()
+        self.payload_cap_bytes = payload_cap_bytes
+        self.rng = rng or random.Random()
+        self._sql = sql.Statements(self.dialect)
+        self._cache: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.dialect == "postgresql"
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # --- plumbing -----------------------------------------------------------------
+
+    def _q(self, statement: str, *expanding: str) -> Any:
+        key = (statement, expanding)
+        clause = self._cache.get(key)
+        if clause is None:
+            clause = self._cache[key] = self._sql.render(statement, *expanding)
+        return clause
+
+    def _transaction(self, work: Callable[[Connection], T]) -> T:
+        """Run ``work`` in one transaction; on SQLite, retry if the file stayed locked
+        past the busy timeout, so that "database is locked" never reaches a caller."""
+        attempt = 0
+        while True:
+            try:
+                with self.engine.begin() as conn:
+                    return work(conn)
+            except OperationalError as exc:
+                attempt += 1
+                if self.dialect != "sqlite" or "locked" not in str(exc) or attempt >= 20:
+                    raise
+                log.warning("sqlite_busy_retry", attempt=attempt)
+                time.sleep(min(0.05 * attempt, 1.0) * (1 + self.rng.random()))
+
+    def _now(self, conn: Connection) -> float:
+        return float(conn.execute(self._q("SELECT {now} AS now"), {"now": self.clock.now()})
+                     .scalar_one())
+
+    def _notify(self, conn: Connection, channel: str, payload: str) -> None:
+        if self.is_postgres:
+            conn.execute(text("SELECT pg_notify(:channel, :payload)"),
+                         {"channel": channel, "payload": payload})
+
+    def _record(self, conn: Connection, events: list[dict[str, Any]]) -> None:
+        if events:
+            conn.execute(insert(run_events), events)
+
+    def _set_status(
+        self,
+        conn: Connection,
+        *,
+        run_id: str,
+        source: RunStatus,
+        path: Sequence[RunStatus],
+        run_token: int,
+        actor: str,
+        now: float | None,
+        fenced: bool = False,
+        attempt_no: int | None = None,
+        reason_code: str | None = None,
+        message: str | None = None,
+        outcome: str | None = None,
+        visible_at: float | None = None,
+    ) -> bool:
+        """Compare-and-set a run from ``source`` along ``path``; True when it won.
+
+        ``path`` may have several hops (``[FAILED_RETRYABLE, QUEUED]``): one UPDATE,
+        one event per hop, every hop checked against the transition table.
+        """
+        check_path([source], path)
+        target = path[-1]
+        statement = sql.SET_RUN_STATUS_FENCED if fenced else sql.SET_RUN_STATUS
+        row = conn.execute(
+            self._q(statement, "sources"),
+            {
+                "run_id": run_id,
+                "sources": [source.value],
+                "to_status": target.value,
+                "now": now,
+                "token": run_token,
+                "visible_at": visible_at,
+                "reason_code": reason_code,
+                "message": message,
+                "outcome": outcome,
+                "ended_at": now if target in TERMINAL else None,
+            },
+        ).first()
+        if row is None:
+            return False
+        event_at = now if now is not None else self._now(conn)
+        hops = [source, *path]
+        self._record(
+            conn,
+            [
+                {
+                    "run_id": run_id,
+                    "attempt_no": attempt_no,
+                    "at": event_at,
+                    "actor": actor,
+                    "from_status": a.value,
+                    "to_status": b.value,
+                    "reason_code": reason_code,
+                    "fencing_token": run_token,
+                    "message": message,
+                }
+                for a, b in zip(hops, hops[1:], strict=False)
+            ],
+        )
+        return True
+
+    # --- submit -------------------------------------------------------------------
+
+    def submit(self, specs: Sequence[TaskSpec], *, default_max_attempts: int = 3,
+               actor: str = "api") -> list[Submission]:
+        """Create a task, its run and its delivery for each spec, all or nothing.
+
+        The same (tenant, idempotency key) again returns the existing task and run.
+        """
+        fitted = [enforce_payload_cap(spec, self.payload_cap_bytes) for spec in specs]
+        insert_task = (pg_dialect.insert if self.is_postgres else sqlite_dialect.insert)(tasks)
+        insert_task = insert_task.on_conflict_do_nothing(
+            index_elements=["tenant", "idempotency_key"]
+        ).returning(tasks.c.task_id)
+
+        def work(conn: Connection) -> list[Submission]:
+            now = self._now(conn)
+            first_of_key: dict[tuple[str, str], int] = {}
+            task_rows: list[dict[str, Any]] = []
+            plan: list[tuple[int, dict[str, Any], str]] = []  # index, task row, run id
+            results: list[Submission | None] = [None] * len(fitted)
+            aliases: dict[int, int] = {}
+            for i, (spec, report) in enumerate(fitted):
+                if spec.idempotency_key is not None:
+                    key = (spec.tenant, spec.idempotency_key)
+                    if key in first_of_key:
+                        aliases[i] = first_of_key[key]
+                        continue
+                    first_of_key[key] = i
+                row = {
+                    "task_id": str(uuid.uuid4()),
+                    "tenant": spec.tenant,
+                    "repo": spec.repo,
+                    "prompt": spec.prompt,
+                    "queue": spec.queue,
+                    "priority": spec.priority,
+                    "idempotency_key": spec.idempotency_key,
+                    "max_attempts": spec.max_attempts or default_max_attempts,
+                    "context": spec.context,
+                    "truncated_sections": list(report.truncated_sections),
+                    "payload_bytes": report.size_bytes,
+                    "cancel_requested_at": None,
+                    "created_at": now,
+                }
+                task_rows.append(row)
+                plan.append((i, row, str(uuid.uuid4())))
+            inserted: set[str] = set()
+            if task_rows:
+                inserted = {r.task_id for r in conn.execute(insert_task, task_rows)}
+            run_rows: list[dict[str, Any]] = []
+            for i, row, run_id in plan:
+                report = fitted[i][1]
+                if row["task_id"] in inserted:
+                    run_rows.append(
+                        {
+                            "run_id": run_id,
+                            "task_id": row["task_id"],
+                            "tenant": row["tenant"],
+                            "repo": row["repo"],
+                            "queue": row["queue"],
+                            "priority": row["priority"],
+                            "status": S.QUEUED.value,
+                            "attempt_count": 0,
+                            "max_attempts": row["max_attempts"],
+                            "fencing_token": 0,
+                            "visible_at": now,
+                            "created_at": now,
+                            "updated_at": now,
+                            "cost_usd": 0.0,
+                        }
+                    )
+                    results[i] = Submission(row["task_id"], run_id, S.QUEUED.value, True,
+                                            report.truncated_sections, report.size_bytes)
+                else:
+                    existing = conn.execute(
+                        text(
+                            "SELECT t.task_id, r.run_id, r.status FROM tasks t "
+                            "JOIN runs r ON r.task_id = t.task_id "
+                            "WHERE t.tenant = :tenant AND t.idempotency_key = :key"
+                        ),
+                        {"tenant": row["tenant"], "key": row["idempotency_key"]},
+                    ).one()
+                    results[i] = Submission(existing.task_id, existing.run_id, existing.status,
+                                            False)
+            if run_rows:
+                conn.execute(insert(runs), run_rows)
+                assert is_allowed(None, S.QUEUED)
+                self._record(
+                    conn,
+                    [
+                        {
+                            "run_id": r["run_id"],
+                            "attempt_no": None,
+                            "at": now,
+                            "actor": actor,
+                            "from_status": None,
+                            "to_status": S.QUEUED.value,
+                            "reason_code": None,
+                            "fencing_token": None,
+                            "message": "submitted",
+                        }
+                        for r in run_rows
+                    ],
+                )
+                for queue in sorted({r["queue"] for r in run_rows}):
+                    self._notify(conn, WAKEUP_CHANNEL, queue)
+            for i, first in aliases.items():
+                results[i] = results[first]
+            return [r for r in results if r is not None]
+
+        submissions = self._transaction(work)
+        created = sum(1 for s in submissions if s.created)
+        log.info("submitted", tasks=len(submissions), created=created)
+        return submissions
+
+    # --- claim --------------------------------------------------------------------
+
+    def claim(self, worker_id: str, queue: str = "default", *, limit: int = 1,
+              lease_ttl: float = 60.0, run_id: str | None = None) -> list[Lease]:
+        """Claim up to ``limit`` runs in one transaction: CAS each run QUEUED -> CLAIMED,
+        bump its fencing token, and create the attempt that carries the new lease."""
+        check_path([S.QUEUED], [S.CLAIMED])
+
+        def work(conn: Connection) -> list[Lease]:
+            if run_id is not None:
+                rows = conn.execute(self._q(sql.CLAIM_ONE),
+                                    {"run_id": run_id, "now": self.clock.now()}).all()
+            else:
+                rows = conn.execute(
+                    self._q(sql.CLAIM_BATCH),
+                    {"queue": queue, "limit": limit, "now": self.clock.now()},
+                ).all()
+            if not rows:
+                return []
+            leases = [
+                Lease(
+                    run_id=r.run_id, task_id=r.task_id, attempt_no=r.attempt_count,
+                    fencing_token=r.fencing_token, worker_id=worker_id,
+                    expires_at=r.now + lease_ttl, tenant=r.tenant, repo=r.repo, queue=r.queue,
+                    priority=r.priority, max_attempts=r.max_attempts,
+                )
+                for r in rows
+            ]
+            now = rows[0].now
+            conn.execute(
+                self._q(sql.INSERT_ATTEMPT),
+                [
+                    {"run_id": lease.run_id, "attempt_no": lease.attempt_no,
+                     "fencing_token": lease.fencing_token, "worker_id": worker_id,
+                     "lease_expires_at": lease.expires_at, "now": now}
+                    for lease in leases
+                ],
+            )
+            self._record(
+                conn,
+                [
+                    {"run_id": lease.run_id, "attempt_no": lease.attempt_no, "at": now,
+                     "actor": worker_id, "from_status": S.QUEUED.value,
+                     "to_status": S.CLAIMED.value, "reason_code": None,
+                     "fencing_token": lease.fencing_token, "message": None}
+                    for lease in leases
+                ],
+            )
+            return leases
+
+        return self._transaction(work)
+
+    # --- heartbeat ----------------------------------------------------------------
+
+    def heartbeat(self, worker_id: str, leases: Iterable[Lease], *,
+                  lease_ttl: float = 60.0) -> HeartbeatResult:
+        """Extend all of a worker's leases in one statement; report the lost ones."""
+        held = {lease.run_id: lease for lease in leases}
+        if not held:
+            return HeartbeatResult()
+
+        def work(conn: Connection) -> HeartbeatResult:
+            rows = conn.execute(
+                self._q(sql.HEARTBEAT, "run_ids"),
+                {"worker_id": worker_id, "run_ids": list(held), "ttl": lease_ttl,
+                 "now": self.clock.now()},
+            ).all()
+            extended: dict[str, float] = {}
+            cancel: set[str] = set()
+            for r in rows:
+                if held[r.run_id].fencing_token != r.fencing_token:
+                    continue
+                extended[r.run_id] = r.lease_expires_at
+                held[r.run_id].expires_at = r.lease_expires_at
+                if r.status in CANCELLING:
+                    cancel.add(r.run_id)
+            return HeartbeatResult(extended, frozenset(cancel), frozenset(set(held) - set(extended)))
+
+        result = self._transaction(work)
+        if result.lost:
+            log.warning("lease_lost", worker_id=worker_id, run_ids=sorted(result.lost))
+        return result
+
+    # --- fenced worker writes -----------------------------------------------------
+
+    def _snapshot(self, conn: Connection, run_id: str, token: int) -> _Snapshot | None:
+        row = conn.execute(self._q(sql.RUN_WITH_ATTEMPT),
+                           {"run_id": run_id, "token": token, "now": self.clock.now()}).first()
+        if row is None:
+            return None
+        return _Snapshot(
+            run_id=row.run_id, status=S(row.status), run_token=row.run_token,
+            attempt_count=row.attempt_count, max_attempts=row.max_attempts,
+            created_at=row.created_at, cost_usd=row.cost_usd, attempt_no=row.attempt_no,
+            fencing_token=row.fencing_token, lease_status=row.lease_status,
+            lease_expires_at=row.lease_expires_at, now=row.now,
+        )
+
+    def _refusal(self, conn: Connection, lease: Lease, wanted: RunStatus) -> Exception:
+        snap = self._snapshot(conn, lease.run_id, lease.fencing_token)
+        if snap is None or not snap.lease_live:
+            return LeaseLost(f"run {lease.run_id}: lease with token {lease.fencing_token} "
+                             "is no longer live")
+        if snap.status in CANCELLING:
+            return CancelRequested(f"run {lease.run_id} is {snap.status}")
+        return TransitionRefused(f"run {lease.run_id} is {snap.status}; cannot move to {wanted}")
+
+    def advance(self, lease: Lease, stage: RunStatus) -> None:
+        """Move the run to a later stage; raises LeaseLost/CancelRequested when refused."""
+        self._fenced_path(lease, [stage])
+
+    def complete(self, lease: Lease, *, outcome: str = "succeeded") -> None:
+        """The one door to SUCCEEDED: FINALIZING -> SUCCEEDED, lease released."""
+        path = [S.SUCCEEDED] if lease.stage is S.FINALIZING else [S.FINALIZING, S.SUCCEEDED]
+        self._fenced_path(lease, path, outcome=outcome, end_attempt="SUCCEEDED")
+
+    def _fenced_path(self, lease: Lease, path: list[RunStatus], *, outcome: str | None = None,
+                     end_attempt: str | None = None) -> None:
+        def work(conn: Connection) -> None:
+            now = self.clock.now()
+            won = self._set_status(
+                conn, run_id=lease.run_id, source=lease.stage, path=path,
+                run_token=lease.fencing_token, actor=lease.worker_id, now=now, fenced=True,
+                attempt_no=lease.attempt_no, outcome=outcome,
+            )
+            if not won:
+                raise self._refusal(conn, lease, path[-1])
+            if end_attempt:
+                conn.execute(
+                    self._q(sql.END_ATTEMPT),
+                    {"status": end_attempt, "reason_code": None, "message": None,
+                     "retry_after_seconds": None, "lease_status": "RELEASED",
+                     "now": now if now is not None else self._now(conn),
+                     "run_id": lease.run_id, "token": lease.fencing_token},
+                )
+
+        self._transaction(work)
+        lease.stage = path[-1]
+
+    def report_cost(self, lease: Lease, usd: float, *, input_tokens: int = 0,
+                    output_tokens: int = 0) -> None:
+        def work(conn: Connection) -> None:
+            params = {"run_id": lease.run_id, "token": lease.fencing_token, "usd": usd,
+                      "input_tokens": input_tokens, "output_tokens": output_tokens,
+                      "now": self.clock.now()}
+            if conn.execute(self._q(sql.ADD_ATTEMPT_COST), params).rowcount != 1:
+                raise LeaseLost(f"run {lease.run_id}: cost refused, lease not live")
+            conn.execute(self._q(sql.ADD_RUN_COST), params)
+
+        self._transaction(work)
+
+    def fail(self, lease: Lease, reason: str, *, message: str | None = None,
+             retry_after_seconds: float | None = None) -> RunStatus:
+        """End the attempt with a reason; requeue with backoff or fail the run."""
+        return self._end_own_attempt(lease, reason, message, retry_after_seconds)
+
+    def release(self, lease: Lease, *, message: str = "released by a draining worker"
+                ) -> RunStatus:
+        """Give a lease back without blame (drain): the run is requeued at once."""
+        return self._end_own_attempt(lease, Reason.LEASE_RELEASED, message, None)
+
+    def _end_own_attempt(self, lease: Lease, reason: str, message: str | None,
+                         retry_after: float | None) -> RunStatus:
+        def work(conn: Connection) -> RunStatus:
+            snap = self._snapshot(conn, lease.run_id, lease.fencing_token)
+            if snap is None or not snap.lease_live:
+                raise LeaseLost(f"run {lease.run_id}: lease with token "
+                                f"{lease.fencing_token} is no longer live")
+            return self._end_attempt(conn, snap, reason, actor=lease.worker_id,
+                                     lease_status="RELEASED", message=message,
+                                     retry_after=retry_after)
+
+        status = self._transaction(work)
+        lease.stage = status
+        return status
+
+    def acknowledge_cancel(self, lease: Lease) -> None:
+        """The worker has seen CANCEL_REQUESTED and is stopping: CANCELLING."""
+        self._fenced_path_from(lease, S.CANCEL_REQUESTED, [S.CANCELLING])
+
+    def finish_cancel(self, lease: Lease) -> None:
+        """The worker has stopped: CANCELLED, its attempt ended, its lease released."""
+        def work(conn: Connection) -> None:
+            snap = self._snapshot(conn, lease.run_id, lease.fencing_token)
+            if snap is None or not snap.lease_live:
+                raise LeaseLost(f"run {lease.run_id}: lease no longer live")
+            if snap.status not in CANCELLING:
+                raise TransitionRefused(f"run {lease.run_id} is {snap.status}, not cancelling")
+            self._end_attempt(conn, snap, Reason.CANCELLED_BY_USER, actor=lease.worker_id,
+                              lease_status="RELEASED", message="cancelled by user")
+
+        self._transaction(work)
+        lease.stage = S.CANCELLED
+
+    def _fenced_path_from(self, lease: Lease, source: RunStatus, path: list[RunStatus]) -> None:
+        def work(conn: Connection) -> None:
+            won = self._set_status(
+                conn, run_id=lease.run_id, source=source, path=path,
+                run_token=lease.fencing_token, actor=lease.worker_id, now=self.clock.now(),
+                fenced=True, attempt_no=lease.attempt_no,
+            )
+            if not won:
+                raise self._refusal(conn, lease, path[-1])
+
+        self._transaction(work)
+        lease.stage = path[-1]
+
+    def _end_attempt(self, conn: Connection, snap: _Snapshot, reason: str, *, actor: str,
+                     lease_status: str, message: str | None = None,
+                     retry_after: float | None = None) -> RunStatus:
+        """End one attempt and decide its run's next state. The single code path for
+        worker failures, drains, the reaper and the reconciler's repairs."""
+        now = snap.now
+        status = snap.status
+        current_lease = snap.run_token == snap.fencing_token
+        attempt_status = "FAILED"
+        path: list[RunStatus] = []
+        run_reason: str | None = reason
+        visible_at: float | None = None
+        if not current_lease or status in TERMINAL or status in WAITING:
+            path = []  # an old lease of a run that has moved on: only the lease ends
+        elif status in CANCELLING:
+            path, attempt_status, run_reason = [S.CANCELLED], "CANCELLED", Reason.CANCELLED_BY_USER
+        elif status in LEASED or status is S.STALE_LEASE:
+            recovered = lease_status in ("EXPIRED", "REVOKED") and status in LEASED
+            prefix = [S.STALE_LEASE] if recovered else []
+            decision = decide(
+                reason,
+                RunBudget(snap.attempt_count, snap.max_attempts, now - snap.created_at,
+                          snap.cost_usd),
+                self.retry_policy, retry_after, self.rng,
+            )
+            if decision.retry:
+                path = [*prefix, S.FAILED_RETRYABLE, S.QUEUED]
+                visible_at = now + decision.delay_seconds
+            else:
+                path = [*prefix, S.FAILED]
+                run_reason = decision.final_reason or reason
+        conn.execute(
+            self._q(sql.END_ATTEMPT),
+            {"status": attempt_status, "reason_code": reason, "message": message,
+             "retry_after_seconds": retry_after, "lease_status": lease_status, "now": now,
+             "run_id": snap.run_id, "token": snap.fencing_token},
+        )
+        if path:
+            won = self._set_status(
+                conn, run_id=snap.run_id, source=status, path=path, run_token=snap.run_token,
+                actor=actor, now=now, attempt_no=snap.attempt_no, reason_code=run_reason,
+                message=message, visible_at=visible_at,
+            )
+            if not won:  # cannot happen under the row lock; refuse loudly rather than guess
+                raise TransitionRefused(f"run {snap.run_id} changed while locked")
+            log.info("attempt_ended", run_id=snap.run_id, attempt=snap.attempt_no,
+                     fencing_token=snap.fencing_token, reason_code=reason, actor=actor,
+                     status=path[-1].value)
+            return path[-1]
+        return status
+
+    # --- cancellation -------------------------------------------------------------
+
+    def cancel(self, task_id: str, *, actor: str = "user") -> CancelResult:
+        """Cancel a task: waiting runs end CANCELLED now; leased runs get
+        CANCEL_REQUESTED, delivered to their worker by NOTIFY and the next heartbeat."""
+        def work(conn: Connection) -> CancelResult:
+            if conn.execute(self._q(sql.MARK_TASK_CANCELLED),
+                            {"task_id": task_id, "now": self.clock.now()}).first() is None:
+                raise NotFound(f"no task {task_id!r}")
+            outcome: dict[str, str] = {}
+            for r in conn.execute(self._q(sql.RUNS_OF_TASK),
+                                  {"task_id": task_id, "now": self.clock.now()}).all():
+                status = S(r.status)
+                target: RunStatus | None = None
+                if status in WAITING:
+                    target = S.CANCELLED
+                elif status in LEASED:
+                    target = S.CANCEL_REQUESTED
+                if target is not None and self._set_status(
+                    conn, run_id=r.run_id, source=status, path=[target],
+                    run_token=r.fencing_token, actor=actor, now=r.now,
+                    reason_code=Reason.CANCELLED_BY_USER, message="cancelled by user",
+                ):
+                    status = target
+                    if target is S.CANCEL_REQUESTED:
+                        self._notify(conn, CANCEL_CHANNEL, r.run_id)
+                outcome[r.run_id] = status.value
+            return CancelResult(task_id, outcome)
+
+        result = self._transaction(work)
+        log.info("cancel_requested", task_id=task_id, runs=result.runs)
+        return result
+
+    # --- maintenance: reaper and reconciler -----------------------------------------
+
+    def reap_expired_leases(self, *, limit: int = 100) -> int:
+        """Expire leases past their expiry (database clock) and recover their runs."""
+        def work(conn: Connection) -> int:
+            rows = conn.execute(self._q(sql.EXPIRED_LEASES),
+                                {"limit": limit, "now": self.clock.now()}).all()
+            for r in rows:
+                snap = self._snapshot(conn, r.run_id, r.fencing_token)
+                if snap is None or snap.lease_status != "ACTIVE":
+                    continue
+                self._end_attempt(conn, snap, Reason.WORKER_LOST, actor="reaper",
+                                  lease_status="EXPIRED",
+                                  message=f"lease of worker {r.worker_id} expired")
+            return len(rows)
+
+        return self._transaction(work)
+
+    def reconcile(self, *, admitted_grace: float = 60.0, active_grace: float = 60.0,
+                  worker_grace: float = 180.0, max_attempt_seconds: float = 7200.0,
+                  limit: int = 100) -> dict[str, int]:
+        """The six conservative repairs of seed 000 §25, each recorded with a reason."""
+        def work(conn: Connection) -> dict[str, int]:
+            now = self._now(conn)
+            counts: dict[str, int] = {}
+            p = {"now": now, "limit": limit}
+
+            # 1. Runs admitted but never queued (a lost enqueue): queue them.
+            rows = conn.execute(self._q(sql.ADMITTED_NOT_QUEUED),
+                                {**p, "grace": admitted_grace}).all()
+            counts["admitted_requeued"] = sum(
+                self._set_status(conn, run_id=r.run_id, source=S.ADMITTED, path=[S.QUEUED],
+                                 run_token=self._token(conn, r.run_id), actor="reconciler",
+                                 now=now, reason_code=Reason.RECONCILED_ADMITTED_NOT_QUEUED)
+                for r in rows
+            )
+            # 2. Terminal runs that still hold a live lease: revoke it.
+            rows = conn.execute(self._q(sql.TERMINAL_WITH_LEASE, "terminal"),
+                                {**p, "terminal": [s.value for s in TERMINAL]}).all()
+            for r in rows:
+                conn.execute(self._q(sql.REVOKE_LEASE),
+                             {"now": now, "run_id": r.run_id, "token": r.fencing_token,
+                              "reason_code": Reason.RECONCILED_TERMINAL_LEASE})
+            counts["terminal_leases_revoked"] = len(rows)
+            # 3. Waiting runs of a cancelled task (the cancel write was lost): cancel them.
+            rows = conn.execute(self._q(sql.QUEUED_OF_CANCELLED_TASK, "waiting"),
+                                {**p, "waiting": [s.value for s in WAITING]}).all()
+            n = 0
+            for r in rows:
+                status = S(conn.execute(text("SELECT status FROM runs WHERE run_id = :r"),
+                                        {"r": r.run_id}).scalar_one())
+                n += self._set_status(conn, run_id=r.run_id, source=status,
+                                      path=[S.CANCELLED], run_token=self._token(conn, r.run_id),
+                                      actor="reconciler", now=now,
+                                      reason_code=Reason.RECONCILED_CANCELLED_TASK)
+            counts["cancelled_task_runs_cancelled"] = n
+            # 4. Runs in a leased or cancelling state with no live lease at all.
+            active = [s.value for s in (LEASED | CANCELLING)]
+            rows = conn.execute(self._q(sql.ACTIVE_WITHOUT_LEASE, "active"),
+                                {**p, "active": active, "grace": active_grace}).all()
+            for r in rows:
+                snap = self._snapshot(conn, r.run_id, r.fencing_token)
+                if snap is not None:
+                    self._end_attempt(conn, snap, Reason.WORKER_LOST, actor="reconciler",
+                                      lease_status="REVOKED",
+                                      message=Reason.RECONCILED_ACTIVE_WITHOUT_LEASE.value)
+            counts["active_without_lease_recovered"] = len(rows)
+            # 5. Workers whose heartbeat stopped: DEAD.
+            counts["workers_marked_dead"] = len(
+                conn.execute(self._q(sql.STALE_WORKERS), {"now": now, "grace": worker_grace})
+                .all()
+            )
+            # 6. Attempts running longer than the maximum: TIMEOUT.
+            rows = conn.execute(self._q(sql.OVERLONG_ATTEMPTS),
+                                {**p, "max_seconds": max_attempt_seconds}).all()
+            for r in rows:
+                snap = self._snapshot(conn, r.run_id, r.fencing_token)
+                if snap is not None:
+                    self._end_attempt(conn, snap, Reason.TIMEOUT, actor="reconciler",
+                                      lease_status="REVOKED",
+                                      message=f"attempt ran over {max_attempt_seconds:.0f}s")
+            counts["overlong_attempts_timed_out"] = len(rows)
+            return counts
+
+        counts = self._transaction(work)
+        if any(counts.values()):
+            log.info("reconciled", **counts)
+        return counts
+
+    def _token(self, conn: Connection, run_id: str) -> int:
+        return int(conn.execute(text("SELECT fencing_token FROM runs WHERE run_id = :r"),
+                                {"r": run_id}).scalar_one())
+
+    # --- workers ------------------------------------------------------------------
+
+    def register_worker(self, worker_id: str, *, version: str, queues: Sequence[str],
+                        capabilities: dict[str, Any] | None = None) -> None:
+        def work(conn: Connection) -> None:
+            now = self._now(conn)
+            conn.execute(insert(workers), {
+                "worker_id": worker_id, "version": version, "queues": list(queues),
+                "capabilities": capabilities or {}, "status": "READY", "started_at": now,
+                "heartbeat_at": now})
+
+        self._transaction(work)
+
+    def set_worker_status(self, worker_id: str, status: str) -> None:
+        def work(conn: Connection) -> None:
+            conn.execute(
+                self._q("UPDATE workers SET status = :status, heartbeat_at = {now} "
+                        "WHERE worker_id = :worker_id AND status <> 'DEAD'"),
+                {"status": status, "worker_id": worker_id, "now": self.clock.now()})
+
+        self._transaction(work)
+
+    # --- reads --------------------------------------------------------------------
+
+    def list_runs(self, *, status: str | None = None, tenant: str | None = None,
+                  limit: int = 1000) -> list[dict[str, Any]]:
+        query = select(runs).order_by(runs.c.created_at, runs.c.run_id).limit(limit)
+        if status:
+            query = query.where(runs.c.status == status)
+        if tenant:
+            query = query.where(runs.c.tenant == tenant)
+        with self.engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(query)]
+
+    def get_run(self, run_id: str) -> dict[str, Any]:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(runs).where(runs.c.run_id == run_id)).first()
+            if row is None:
+                raise NotFound(f"no run {run_id!r}")
+            run = dict(row._mapping)
+            task = conn.execute(select(tasks).where(tasks.c.task_id == run["task_id"])).one()
+            run["task"] = dict(task._mapping)
+            run["attempts"] = [
+                dict(a._mapping) for a in conn.execute(
+                    text("SELECT * FROM attempts WHERE run_id = :r ORDER BY attempt_no"),
+                    {"r": run_id})
+            ]
+            run["events"] = [
+                dict(e._mapping) for e in conn.execute(
+                    select(run_events).where(run_events.c.run_id == run_id)
+                    .order_by(run_events.c.event_id))
+            ]
+            return run
+
+    def runs_of_task(self, task_id: str) -> list[str]:
+        with self.engine.connect() as conn:
+            return [r.run_id for r in conn.execute(
+                text("SELECT run_id FROM runs WHERE task_id = :t ORDER BY created_at"),
+                {"t": task_id})]
+
+    # --- audit --------------------------------------------------------------------
+
+    def audit(self) -> list[Violation]:
+        """Check the invariants of DESIGN.md on the live database."""
+        found: list[Violation] = []
+        with self.engine.connect() as conn:
+            for check, statement in sql.AUDIT_CHECKS.items():
+                for r in conn.execute(text(statement)):
+                    found.append(Violation(check, r.run_id, r.detail))
+            for r in conn.execute(text(sql.AUDIT_TRANSITIONS)):
+                source = S(r.from_status) if r.from_status else None
+                if not is_allowed(source, S(r.to_status)):
+                    found.append(Violation(
+                        "illegal_transition", r.run_id,
+                        f"{r.from_status} -> {r.to_status} ({r.n} event(s))"))
+        return found
