@@ -1,0 +1,23 @@
+"""runlane: a durable run scheduler for background AI coding agents."""
+
+from runlane.api import Runlane
+from runlane.clock import DatabaseClock, ManualClock
+from runlane.domain.reasons import Reason
+from runlane.domain.states import RunStatus
+from runlane.errors import CancelRequested, LeaseLost, RunlaneError
+from runlane.store.store import Lease, Store
+
+__version__ = "0.1.0"
+__all__ = [
+    "CancelRequested",
+    "DatabaseClock",
+    "Lease",
+    "LeaseLost",
+    "ManualClock",
+    "Reason",
+    "RunStatus",
+    "Runlane",
+    "RunlaneError",
+    "Store",
+    "__version__",
+]

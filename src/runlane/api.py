@@ -1,0 +1,114 @@
+"""The public Python API: one facade over the store, the same calls the CLI makes."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError
+
+from runlane.clock import Clock
+from runlane.domain.tasks import TaskInvalid, TaskSpec, parse_task
+from runlane.errors import DatabaseUnavailable, SchemaOutdated
+from runlane.services.maintenance import Reaper, ReaperConfig, Reconciler, ReconcilerConfig
+from runlane.settings import Settings, load_settings
+from runlane.store import migrate
+from runlane.store.store import CancelResult, Store, Submission, Violation
+
+
+class Runlane:
+    """Submit, cancel, inspect and audit runs.
+
+    >>> lane = Runlane("sqlite:///runlane.db")          # doctest: +SKIP
+    >>> lane.submit(tenant="acme", repo="/srv/git/app.git", prompt="fix the flaky test")
+    """
+
+    def __init__(self, database_url: str | None = None, *, settings: Settings | None = None,
+                 clock: Clock | None = None, rng: random.Random | None = None) -> None:
+        self.settings = settings or load_settings(database_url=database_url)
+        self.store = Store(
+            self.settings.database_url,
+            clock=clock,
+            retry_policy=self.settings.retry_policy(),
+            payload_cap_bytes=self.settings.payload_cap_bytes,
+            rng=rng,
+        )
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> Runlane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- schema ---------------------------------------------------------------------
+
+    def upgrade_schema(self) -> tuple[str | None, str | None]:
+        return migrate.upgrade(self.store.engine)
+
+    def check_schema(self) -> None:
+        """Refuse to work on a database that is missing or behind, with the fix."""
+        url = self.store.engine.url
+        if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:") \
+                and not Path(url.database).exists():
+            raise SchemaOutdated(f"no database at {url.database}: run `runlane db upgrade`")
+        try:
+            current = migrate.current_revision(self.store.engine)
+        except DBAPIError as exc:
+            raise DatabaseUnavailable(
+                f"cannot reach the database {self.store.engine.url!r}: "
+                f"{str(exc.orig).strip().splitlines()[0]}"
+            ) from None
+        if current != migrate.head_revision():
+            raise SchemaOutdated(
+                f"database schema is at {current or 'nothing'}, runlane needs "
+                f"{migrate.head_revision()}: run `runlane db upgrade`"
+            )
+
+    # --- tasks and runs ------------------------------------------------------------
+
+    def submit(self, tenant: str, repo: str, prompt: str, **fields: Any) -> Submission:
+        raw = {"tenant": tenant, "repo": repo, "prompt": prompt,
+               **{k: v for k, v in fields.items() if v is not None}}
+        return self.store.submit([parse_task(raw)],
+                                 default_max_attempts=self.settings.max_attempts)[0]
+
+    def submit_batch(self, rows: Iterable[dict[str, Any]]) -> list[Submission]:
+        """All or nothing: every row is validated before anything is written."""
+        specs: list[TaskSpec] = []
+        for number, row in enumerate(rows, start=1):
+            if not isinstance(row, dict):
+                raise TaskInvalid(f"line {number}", "is not a JSON object")
+            specs.append(parse_task(row, where=f"line {number}: "))
+        return self.store.submit(specs, default_max_attempts=self.settings.max_attempts)
+
+    def cancel(self, task_id: str) -> CancelResult:
+        return self.store.cancel(task_id)
+
+    def runs(self, *, status: str | None = None, tenant: str | None = None,
+             limit: int = 1000) -> list[dict[str, Any]]:
+        return self.store.list_runs(status=status, tenant=tenant, limit=limit)
+
+    def run(self, run_id: str) -> dict[str, Any]:
+        return self.store.get_run(run_id)
+
+    def audit(self) -> list[Violation]:
+        return self.store.audit()
+
+    # --- maintenance ------------------------------------------------------------------
+
+    def reaper(self) -> Reaper:
+        return Reaper(self.store, ReaperConfig(
+            interval_seconds=self.settings.reaper_interval_seconds))
+
+    def reconciler(self) -> Reconciler:
+        return Reconciler(self.store, ReconcilerConfig(
+            interval_seconds=max(self.settings.reaper_interval_seconds, 10.0),
+            max_attempt_seconds=self.settings.max_attempt_seconds))
+
+    def maintain_once(self) -> dict[str, int]:
+        return {**self.reaper().run_once(), **self.reconciler().run_once()}

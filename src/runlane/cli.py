@@ -1,0 +1,372 @@
+"""The ``runlane`` command. Data goes to stdout (one JSON document with ``--json``);
+logs and errors go to stderr; an error is one line and a non-zero exit code:
+1 invariant violations or a refused operation, 2 bad input, 3 not found,
+4 database unreachable or schema outdated, 70 internal error."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.exc import DBAPIError
+
+from runlane.api import Runlane
+from runlane.domain.states import RunStatus
+from runlane.domain.tasks import TaskInvalid
+from runlane.errors import RunlaneError
+from runlane.logs import configure_logging
+from runlane.settings import load_settings
+
+out = Console()
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def json_flag(fn: F) -> F:
+    return click.option("--json", "as_json", is_flag=True,
+                        help="Print exactly one JSON document on stdout.")(fn)
+
+
+class State:
+    database_url: str | None = None
+
+
+state = State()
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--database-url", default=None,
+              help="SQLAlchemy URL (else RUNLANE_DATABASE_URL, runlane.toml, "
+              "sqlite:///runlane.db).")
+@click.option("--log-level", envvar="RUNLANE_LOG_LEVEL", default="WARNING", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.version_option(package_name="runlane")
+def app(database_url: str | None, log_level: str) -> None:
+    """runlane: a durable run scheduler for background AI coding agents."""
+    state.database_url = database_url
+    configure_logging(log_level)
+
+
+@app.group("db")
+def db_app() -> None:
+    """Schema management."""
+
+
+@app.group("runs")
+def runs_app() -> None:
+    """Inspect runs."""
+
+
+def _lane(check_schema: bool = True) -> Runlane:
+    lane = Runlane(settings=load_settings(database_url=state.database_url))
+    if check_schema:
+        lane.check_schema()
+    return lane
+
+
+def _iso(value: Any) -> Any:
+    if isinstance(value, float):
+        return datetime.fromtimestamp(value, UTC).isoformat(timespec="milliseconds")
+    return value
+
+
+def _times(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: (_iso(v) if k.endswith("_at") else v) for k, v in row.items()}
+
+
+RUN_FIELDS = ("run_id", "task_id", "tenant", "repo", "queue", "status", "priority",
+              "attempt_count", "max_attempts", "fencing_token", "visible_at", "created_at",
+              "updated_at", "ended_at", "reason_code", "message", "outcome", "cost_usd")
+ATTEMPT_FIELDS = ("attempt_no", "status", "reason_code", "message", "worker_id",
+                  "fencing_token", "lease_status", "lease_expires_at", "started_at", "ended_at",
+                  "retry_after_seconds", "cost_usd", "input_tokens", "output_tokens")
+
+
+def run_document(run: dict[str, Any]) -> dict[str, Any]:
+    return _times({k: run.get(k) for k in RUN_FIELDS})
+
+
+def _print_json(document: Any) -> None:
+    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
+
+
+# --- db -----------------------------------------------------------------------------
+
+
+@db_app.command("upgrade")
+@json_flag
+def db_upgrade(as_json: bool) -> None:
+    """Create or migrate the schema; safe to repeat."""
+    with _lane(check_schema=False) as lane:
+        try:
+            before, after = lane.upgrade_schema()
+        except DBAPIError as exc:
+            raise RunlaneError(
+                f"cannot upgrade {lane.store.engine.url!r}: "
+                f"{str(exc.orig).strip().splitlines()[0]}") from None
+    if as_json:
+        _print_json({"from": before, "to": after, "changed": before != after})
+    else:
+        out.print(f"schema at {after}" + ("" if before == after else f" (was {before or 'empty'})"))
+
+
+# --- submit / cancel ----------------------------------------------------------------
+
+
+@app.command()
+@click.option("--tenant", help="Who the run is for.")
+@click.option("--repo", help="Repository URL or local path.")
+@click.option("--prompt", help="What the agent should do.")
+@click.option("--queue")
+@click.option("--priority", help="Integer (lower first) or critical|high|normal|low|batch.")
+@click.option("--idempotency-key")
+@click.option("--max-attempts")
+@click.option("--context", type=click.Path(path_type=Path),
+              help="JSON object of optional context sections (summary, history, comments, "
+              "diff, ci_failures).")
+@click.option("--batch", type=click.Path(path_type=Path),
+              help="JSON Lines file, one task per line; all or nothing.")
+@json_flag
+def submit(tenant: str | None, repo: str | None, prompt: str | None, queue: str | None,
+           priority: str | None, idempotency_key: str | None, max_attempts: str | None,
+           context: Path | None, batch: Path | None, as_json: bool) -> None:
+    """Submit a task (or a batch); the same tenant and idempotency key returns the same run."""
+    if batch is not None:
+        if any(v is not None for v in (tenant, repo, prompt, queue, priority, idempotency_key,
+                                       max_attempts, context)):
+            raise TaskInvalid("--batch", "cannot be combined with per-task flags")
+        rows = _read_jsonl(batch)
+        with _lane() as lane:
+            results = lane.submit_batch(rows)
+        docs = [_submission(s) for s in results]
+        if as_json:
+            _print_json(docs)
+        else:
+            created = sum(1 for s in results if s.created)
+            out.print(f"{len(results)} task(s): {created} created, "
+                      f"{len(results) - created} already present")
+        return
+    raw: dict[str, Any] = {"tenant": tenant, "repo": repo, "prompt": prompt, "queue": queue,
+                           "priority": priority, "idempotency_key": idempotency_key,
+                           "max_attempts": max_attempts}
+    if context is not None:
+        raw["context"] = _read_json(context, "--context")
+    missing = [f"--{k}" for k in ("tenant", "repo", "prompt") if raw[k] is None]
+    if missing:
+        raise TaskInvalid(missing[0], "is required (or use --batch FILE)")
+    with _lane() as lane:
+        result = lane.submit(**{k: v for k, v in raw.items() if v is not None})
+    if as_json:
+        _print_json(_submission(result))
+    else:
+        verb = "submitted" if result.created else "already submitted"
+        out.print(f"{verb}: task {result.task_id} run {result.run_id} ({result.status})")
+
+
+def _submission(s: Any) -> dict[str, Any]:
+    return {"task_id": s.task_id, "run_id": s.run_id, "status": s.status, "created": s.created,
+            "truncated_sections": list(s.truncated_sections), "payload_bytes": s.payload_bytes}
+
+
+def _read_json(path: Path, flag: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        raise TaskInvalid(flag, f"cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise TaskInvalid(flag, f"{path} is not JSON: {exc.msg} at line {exc.lineno}") from None
+
+
+def _read_jsonl(path: Path) -> list[Any]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise TaskInvalid("--batch", f"cannot read {path}: {exc.strerror}") from None
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise TaskInvalid(f"line {number}", f"is not JSON: {exc.msg}") from None
+    if not rows:
+        raise TaskInvalid("--batch", f"{path} holds no tasks")
+    return rows
+
+
+@app.command()
+@click.argument("task_id")
+@json_flag
+def cancel(task_id: str, as_json: bool) -> None:
+    """Cancel a task: queued runs stop now, running ones before their next side effect."""
+    with _lane() as lane:
+        result = lane.cancel(task_id)
+    if as_json:
+        _print_json({"task_id": result.task_id,
+                     "runs": [{"run_id": r, "status": s} for r, s in result.runs.items()]})
+    else:
+        for run_id, status in result.runs.items():
+            out.print(f"run {run_id}: {status}")
+
+
+# --- runs ---------------------------------------------------------------------------
+
+
+@runs_app.command("list")
+@click.option("--status", help="Only runs in this status.")
+@click.option("--tenant", help="Only runs of this tenant.")
+@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
+@json_flag
+def runs_list(status: str | None, tenant: str | None, limit: int, as_json: bool) -> None:
+    """List runs, oldest first."""
+    if status is not None:
+        status = status.upper()
+        if status not in RunStatus.__members__:
+            raise TaskInvalid("--status", f"unknown status; one of {', '.join(RunStatus)}")
+    with _lane() as lane:
+        rows = lane.runs(status=status, tenant=tenant, limit=limit)
+    if as_json:
+        _print_json([run_document(r) for r in rows])
+        return
+    table = Table("run", "tenant", "status", "prio", "attempts", "reason", "updated")
+    for r in rows:
+        table.add_row(r["run_id"], r["tenant"], r["status"], str(r["priority"]),
+                      f"{r['attempt_count']}/{r['max_attempts']}", r["reason_code"] or "",
+                      _iso(r["updated_at"]))
+    out.print(table)
+
+
+@runs_app.command("show")
+@click.argument("run_id")
+@json_flag
+def runs_show(run_id: str, as_json: bool) -> None:
+    """One run with its attempts and its event history."""
+    with _lane() as lane:
+        run = lane.run(run_id)
+    document = run_document(run)
+    document["prompt"] = run["task"]["prompt"]
+    document["idempotency_key"] = run["task"]["idempotency_key"]
+    document["truncated_sections"] = run["task"]["truncated_sections"]
+    document["attempts"] = [_times({k: a[k] for k in ATTEMPT_FIELDS}) for a in run["attempts"]]
+    document["events"] = [_times({k: v for k, v in e.items() if k != "run_id"})
+                          for e in run["events"]]
+    if as_json:
+        _print_json(document)
+        return
+    for key in ("run_id", "task_id", "tenant", "repo", "queue", "status", "priority",
+                "attempt_count", "reason_code", "outcome", "cost_usd", "created_at"):
+        out.print(f"[bold]{key}[/bold]: {document[key]}")
+    attempts = Table("#", "status", "reason", "worker", "token", "lease", "started", "ended")
+    for a in document["attempts"]:
+        attempts.add_row(str(a["attempt_no"]), a["status"], a["reason_code"] or "",
+                         a["worker_id"], str(a["fencing_token"]), a["lease_status"],
+                         str(a["started_at"]), str(a["ended_at"] or ""))
+    out.print(attempts)
+    events = Table("at", "actor", "from", "to", "reason", "token")
+    for e in document["events"]:
+        events.add_row(str(e["at"]), e["actor"], e["from_status"] or "-", e["to_status"],
+                       e["reason_code"] or "", str(e["fencing_token"] or ""))
+    out.print(events)
+
+
+# --- audit / maintain / demo ---------------------------------------------------------
+
+
+@app.command()
+@json_flag
+def audit(as_json: bool) -> None:
+    """Check the invariants of DESIGN.md on the live database; exit 1 on any violation."""
+    with _lane() as lane:
+        violations = lane.audit()
+    if as_json:
+        _print_json({"ok": not violations,
+                     "violations": [v.__dict__ for v in violations]})
+    elif violations:
+        for v in violations:
+            out.print(f"[red]{v.check}[/red] run {v.run_id}: {v.detail}")
+    else:
+        out.print("all invariants hold")
+    if violations:
+        sys.exit(1)
+
+
+@app.command()
+@click.option("--once", is_flag=True, help="One pass, then exit.")
+@json_flag
+def maintain(once: bool, as_json: bool) -> None:
+    """Reaper and reconciler; safe to run on several machines at once."""
+    with _lane() as lane:
+        if once:
+            counts = lane.maintain_once()
+            if as_json:
+                _print_json(counts)
+            else:
+                out.print(", ".join(f"{k}={v}" for k, v in counts.items()))
+            return
+        stop = threading.Event()
+        services = [lane.reaper(), lane.reconciler()]
+        threads = [threading.Thread(target=s.run_forever, args=(stop,), daemon=True)
+                   for s in services]
+        for t in threads:
+            t.start()
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
+            stop.set()
+
+
+@app.command()
+@click.option("--directory", type=click.Path(path_type=Path), default=Path("runlane-demo"),
+              show_default=True, help="Where the demo keeps its database.")
+@json_flag
+def demo(directory: Path, as_json: bool) -> None:
+    """The run lifecycle on SQLite, start to finish, with a worker dying and a cancel."""
+    from runlane.demo import run_demo
+
+    summary = run_demo(directory, console=None if as_json else out)
+    if as_json:
+        _print_json(summary)
+    if summary["violations"]:
+        sys.exit(1)
+
+
+def main() -> None:
+    """Entry point: one clear line on stderr for every error, never a traceback."""
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        code = app.main(standalone_mode=False, prog_name="runlane")
+        sys.exit(code if isinstance(code, int) else 0)
+    except click.UsageError as exc:
+        hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
+        err.print(f"error: {exc.format_message()}{hint}", markup=False, highlight=False)
+        sys.exit(2)
+    except click.Abort:
+        sys.exit(130)
+    except TaskInvalid as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        sys.exit(2)
+    except RunlaneError as exc:
+        err.print(f"error: {exc}", markup=False, highlight=False)
+        sys.exit(exc.exit_code)
+    except DBAPIError as exc:
+        err.print(f"error: database: {str(exc.orig).strip().splitlines()[0]}", markup=False,
+                  highlight=False)
+        sys.exit(4)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as exc:
+        if os.environ.get("RUNLANE_DEBUG"):
+            raise
+        err.print(f"internal error: {type(exc).__name__}: {exc} (set RUNLANE_DEBUG=1 for the "
+                  "traceback)", markup=False, highlight=False)
+        sys.exit(70)

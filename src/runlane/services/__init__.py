@@ -1,0 +1,1 @@
+"""Services that loop: maintenance (reaper, reconciler) now, the scheduler later."""

@@ -1,0 +1,88 @@
+"""Maintenance services, all of one shape: a config with defaults, ``run_once()``
+returning counts, and ``run_forever()`` looping around it. Each is safe to run on
+several machines at once: they claim work with SKIP LOCKED and write with CAS."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import structlog
+
+from runlane.store.store import Store
+
+log = structlog.get_logger("runlane.maintenance")
+
+
+@dataclass(frozen=True)
+class ReaperConfig:
+    interval_seconds: float = 5.0
+    batch_size: int = 100
+    max_batches_per_pass: int = 50
+
+
+@dataclass(frozen=True)
+class ReconcilerConfig:
+    interval_seconds: float = 60.0
+    batch_size: int = 100
+    admitted_grace_seconds: float = 60.0
+    active_grace_seconds: float = 60.0
+    worker_grace_seconds: float = 180.0
+    max_attempt_seconds: float = 7200.0
+
+
+class MaintenanceService:
+    name = "service"
+    interval_seconds: float = 5.0
+
+    def run_once(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def run_forever(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                counts = self.run_once()
+                if any(counts.values()):
+                    log.info("maintenance_pass", service=self.name, **counts)
+            except Exception as exc:  # keep looping: the next pass may succeed
+                log.error("maintenance_failed", service=self.name, error=str(exc))
+            stop.wait(self.interval_seconds)
+
+
+class Reaper(MaintenanceService):
+    """Expires leases whose time has passed and recovers their runs (WORKER_LOST)."""
+
+    name = "reaper"
+
+    def __init__(self, store: Store, config: ReaperConfig | None = None) -> None:
+        self.store = store
+        self.config = config or ReaperConfig()
+        self.interval_seconds = self.config.interval_seconds
+
+    def run_once(self) -> dict[str, int]:
+        total = 0
+        for _ in range(self.config.max_batches_per_pass):
+            reaped = self.store.reap_expired_leases(limit=self.config.batch_size)
+            total += reaped
+            if reaped < self.config.batch_size:
+                break
+        return {"expired_leases": total}
+
+
+class Reconciler(MaintenanceService):
+    """The conservative repairs of seed 000 §25."""
+
+    name = "reconciler"
+
+    def __init__(self, store: Store, config: ReconcilerConfig | None = None) -> None:
+        self.store = store
+        self.config = config or ReconcilerConfig()
+        self.interval_seconds = self.config.interval_seconds
+
+    def run_once(self) -> dict[str, int]:
+        c = self.config
+        return self.store.reconcile(
+            admitted_grace=c.admitted_grace_seconds, active_grace=c.active_grace_seconds,
+            worker_grace=c.worker_grace_seconds, max_attempt_seconds=c.max_attempt_seconds,
+            limit=c.batch_size,
+        )

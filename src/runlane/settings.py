@@ -1,0 +1,79 @@
+"""Settings: a flag, else ``RUNLANE_<NAME>``, else ``runlane.toml``, else the default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from runlane.domain.retry import RetryPolicy
+from runlane.errors import RunlaneError
+
+CONFIG_FILE = "runlane.toml"
+
+
+class SettingsInvalid(RunlaneError):
+    exit_code = 2
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="RUNLANE_", toml_file=CONFIG_FILE, extra="forbid", case_sensitive=False
+    )
+
+    database_url: str = "sqlite:///runlane.db"
+    lease_ttl_seconds: float = Field(60.0, gt=0)
+    heartbeat_seconds: float = Field(10.0, gt=0)
+    retry_base_seconds: float = Field(30.0, ge=0)
+    retry_max_seconds: float = Field(1800.0, ge=0)
+    max_attempts: int = Field(3, ge=1, le=100)
+    reaper_interval_seconds: float = Field(5.0, gt=0)
+    # Extensions to the contract's table (documented in the README).
+    payload_cap_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    max_attempt_seconds: float = Field(7200.0, gt=0)
+    max_run_seconds: float | None = Field(None, gt=0)
+    max_run_cost_usd: float | None = Field(None, ge=0)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(
+            base_seconds=self.retry_base_seconds,
+            max_seconds=self.retry_max_seconds,
+            max_attempts=self.max_attempts,
+            max_total_run_seconds=self.max_run_seconds,
+            max_cost_usd=self.max_run_cost_usd,
+        )
+
+
+def load_settings(**flags: Any) -> Settings:
+    """Build settings from flags (None means "not given") over env, file and defaults."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = ".".join(str(p) for p in first["loc"]).upper()
+        source = f" (from {CONFIG_FILE} or RUNLANE_{name})" if name not in {
+            k.upper() for k in given} else ""
+        raise SettingsInvalid(f"setting {name}{source}: {first['msg']}") from None
+    except Exception as exc:  # a malformed runlane.toml
+        if Path(CONFIG_FILE).exists():
+            raise SettingsInvalid(f"{CONFIG_FILE}: {exc}") from None
+        raise

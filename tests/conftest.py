@@ -1,0 +1,97 @@
+"""Real-database fixtures: every lifecycle test runs on SQLite and on PostgreSQL.
+
+PostgreSQL: one database per xdist worker (``runlane_test_<worker>``), migrated
+once, truncated before each test. When no server answers, PostgreSQL tests skip
+with a loud reason, unless RUNLANE_REQUIRE_POSTGRES=1 (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from hypothesis import settings as hypothesis_settings
+from sqlalchemy.engine import make_url
+
+from runlane.clock import ManualClock
+from runlane.domain.retry import RetryPolicy
+from runlane.store.engine import build_engine
+from runlane.store.migrate import upgrade
+from runlane.store.store import Store
+
+hypothesis_settings.register_profile("ci", max_examples=300, deadline=None)
+hypothesis_settings.register_profile("dev", max_examples=60, deadline=None)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+ADMIN_URL = os.environ.get("RUNLANE_TEST_POSTGRES_URL",
+                           "postgresql://postgres@127.0.0.1:5432/test")
+REQUIRE_POSTGRES = os.environ.get("RUNLANE_REQUIRE_POSTGRES") == "1"
+TABLES = "run_events, attempts, runs, tasks, workers"
+T0 = 1_800_000_000.0  # a pinned "now" for tests on the manual clock
+
+
+def _libpq(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def create_pg_database(name: str) -> str:
+    """Create (or recreate) an empty database next to the admin one; return its URL."""
+    try:
+        with psycopg.connect(_libpq(ADMIN_URL), autocommit=True, connect_timeout=3) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            conn.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError as exc:
+        reason = (f"PostgreSQL not reachable at {ADMIN_URL}: {str(exc).strip().splitlines()[0]}")
+        if REQUIRE_POSTGRES:
+            pytest.fail(f"RUNLANE_REQUIRE_POSTGRES=1 but {reason}")
+        warnings.warn(f"SKIPPING PostgreSQL tests: {reason}", stacklevel=1)
+        pytest.skip(f"SKIPPING PostgreSQL tests: {reason}")
+    return make_url(ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def pg_url(worker_id: str) -> str:
+    url = create_pg_database(f"runlane_test_{worker_id}")
+    engine = build_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    return url
+
+
+def truncate_pg(url: str) -> None:
+    with psycopg.connect(_libpq(url), autocommit=True) as conn:
+        conn.execute(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A migrated, empty database of each kind."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'runlane.db'}"
+        engine = build_engine(url)
+        upgrade(engine)
+        engine.dispose()
+        return url
+    url = str(request.getfixturevalue("pg_url"))
+    truncate_pg(url)
+    return url
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(T0)
+
+
+POLICY = RetryPolicy(base_seconds=10.0, max_seconds=100.0, max_attempts=3)
+
+
+@pytest.fixture
+def store(db_url: str, clock: ManualClock) -> Iterator[Store]:
+    s = Store(db_url, clock=clock, retry_policy=POLICY, rng=random.Random(1))
+    yield s
+    s.close()

@@ -1,0 +1,43 @@
+"""Small builders shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import text
+
+from runlane.domain.tasks import TaskSpec, parse_task
+from runlane.store.store import Store, Submission
+
+
+def spec(**fields: Any) -> TaskSpec:
+    raw = {"tenant": "acme", "repo": "/srv/git/app.git", "prompt": "fix the flaky test"}
+    raw.update(fields)
+    return parse_task(raw)
+
+
+def submit(store: Store, n: int = 1, **fields: Any) -> list[Submission]:
+    return store.submit([spec(**fields) for _ in range(n)])
+
+
+def run_row(store: Store, run_id: str) -> Any:
+    with store.engine.connect() as conn:
+        return conn.execute(text("SELECT * FROM runs WHERE run_id = :r"), {"r": run_id}).one()
+
+
+def attempts_of(store: Store, run_id: str) -> list[Any]:
+    with store.engine.connect() as conn:
+        return list(conn.execute(
+            text("SELECT * FROM attempts WHERE run_id = :r ORDER BY attempt_no"), {"r": run_id}))
+
+
+def events_of(store: Store, run_id: str) -> list[tuple[str | None, str]]:
+    with store.engine.connect() as conn:
+        return [(r.from_status, r.to_status) for r in conn.execute(
+            text("SELECT from_status, to_status FROM run_events WHERE run_id = :r "
+                 "ORDER BY event_id"), {"r": run_id})]
+
+
+def execute(store: Store, sql: str, **params: Any) -> None:
+    with store.engine.begin() as conn:
+        conn.execute(text(sql), params)
