@@ -184,27 +184,28 @@ def enforce_payload_cap(spec: TaskSpec, cap_bytes: int = DEFAULT_PAYLOAD_CAP_BYT
     context = dict(spec.context)
     truncated: list[str] = []
     for section in CONTEXT_TRUNCATION_ORDER:
-        text = context.get(section)
-        if not text:
-            continue
-        over = size - cap_bytes
-        encoded = text.encode()
-        # Leave room for the marker; cut whole bytes, then drop a split character.
-        keep = max(len(encoded) - over - len(TRUNCATION_MARK) - 16, 0)
-        removed = len(encoded) - keep
-        if section == "history":
-            kept = encoded[removed:].decode(errors="ignore")  # drop the oldest lines first
-            context[section] = TRUNCATION_MARK.format(n=removed) + kept if keep else ""
-        else:
-            kept = encoded[:keep].decode(errors="ignore")
-            context[section] = kept + TRUNCATION_MARK.format(n=removed) if keep else ""
-        truncated.append(section)
-        spec = spec.model_copy(update={"context": context})
-        size = payload_size(spec)
+        # JSON escaping makes encoded size differ from text size: cut, measure, repeat.
+        while context.get(section) and size > cap_bytes:
+            encoded = context[section].encode()
+            keep = max(len(encoded) - (size - cap_bytes) - len(TRUNCATION_MARK) - 16, 0)
+            removed = len(encoded) - keep
+            if keep == 0:
+                context[section] = ""
+            elif section == "history":  # drop the oldest lines first
+                context[section] = (TRUNCATION_MARK.format(n=removed)
+                                    + encoded[removed:].decode(errors="ignore"))
+            else:
+                context[section] = (encoded[:keep].decode(errors="ignore")
+                                    + TRUNCATION_MARK.format(n=removed))
+            if section not in truncated:
+                truncated.append(section)
+            spec = spec.model_copy(update={"context": context})
+            size = payload_size(spec)
         if size <= cap_bytes:
             return spec, PayloadReport(size, tuple(truncated))
     raise TaskInvalid(
         "prompt",
-        f"task is {size} bytes after truncating every context section; the cap is {cap_bytes}",
+        f"PAYLOAD_TOO_LARGE: task is {size} bytes after truncating every context section; "
+        f"the cap is {cap_bytes}",
         reason=Reason.PAYLOAD_TOO_LARGE,
     )

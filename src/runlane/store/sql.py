@@ -38,7 +38,8 @@ FROM picked
 WHERE runs.run_id = picked.run_id
   AND runs.status = 'QUEUED'
 RETURNING runs.run_id, runs.task_id, runs.tenant, runs.repo, runs.queue, runs.priority,
-          runs.fencing_token, runs.attempt_count, runs.max_attempts, {now} AS now
+          runs.visible_at, runs.fencing_token, runs.attempt_count, runs.max_attempts,
+          {now} AS now
 """
 
 # Claim up to :limit runs of one queue, best first. The candidate scan walks the

@@ -386,6 +386,8 @@ class Store:
                 ).all()
             if not rows:
                 return []
+            # RETURNING has no order: hand the runs back in dispatch order.
+            rows.sort(key=lambda r: (r.priority, r.visible_at, r.run_id))
             leases = [
                 Lease(
                     run_id=r.run_id, task_id=r.task_id, attempt_no=r.attempt_count,
