@@ -49,7 +49,7 @@ def backoff_delay(
     exponent = min(max(attempt_no - 1, 0), 20)
     capped = min(base * (2**exponent), cap)
     jitter = (rng or random).uniform(0.0, capped / 4) if capped > 0 else 0.0
-    return capped + jitter
+    return float(capped + jitter)
 
 
 def decide(

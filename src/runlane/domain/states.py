@@ -8,6 +8,7 @@ status change possible.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from enum import StrEnum
 
@@ -112,7 +113,7 @@ def check_path(sources: Iterable[RunStatus], path: Sequence[RunStatus]) -> froze
     """
     if not path:
         raise IllegalTransition("empty transition path")
-    for a, b in zip(path, path[1:], strict=False):
+    for a, b in itertools.pairwise(path):
         if not is_allowed(a, b):
             raise IllegalTransition(f"{a} -> {b} is not an allowed transition")
     allowed = frozenset(s for s in sources if is_allowed(s, path[0]))

@@ -8,6 +8,7 @@ changes nothing the store says why (``LeaseLost`` or ``CancelRequested``).
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 import uuid
@@ -248,7 +249,7 @@ class Store:
                     "fencing_token": run_token,
                     "message": message,
                 }
-                for a, b in zip(hops, hops[1:], strict=False)
+                for a, b in itertools.pairwise(hops)
             ],
         )
         return True
@@ -262,8 +263,8 @@ class Store:
         The same (tenant, idempotency key) again returns the existing task and run.
         """
         fitted = [enforce_payload_cap(spec, self.payload_cap_bytes) for spec in specs]
-        insert_task = (pg_dialect.insert if self.is_postgres else sqlite_dialect.insert)(tasks)
-        insert_task = insert_task.on_conflict_do_nothing(
+        dialect_insert = pg_dialect.insert if self.is_postgres else sqlite_dialect.insert
+        insert_task = dialect_insert(tasks).on_conflict_do_nothing(
             index_elements=["tenant", "idempotency_key"]
         ).returning(tasks.c.task_id)
 
@@ -377,13 +378,13 @@ class Store:
 
         def work(conn: Connection) -> list[Lease]:
             if run_id is not None:
-                rows = conn.execute(self._q(sql.CLAIM_ONE),
-                                    {"run_id": run_id, "now": self.clock.now()}).all()
+                rows = list(conn.execute(self._q(sql.CLAIM_ONE),
+                                         {"run_id": run_id, "now": self.clock.now()}))
             else:
-                rows = conn.execute(
+                rows = list(conn.execute(
                     self._q(sql.CLAIM_BATCH),
                     {"queue": queue, "limit": limit, "now": self.clock.now()},
-                ).all()
+                ))
             if not rows:
                 return []
             # RETURNING has no order: hand the runs back in dispatch order.
@@ -445,7 +446,8 @@ class Store:
                 held[r.run_id].expires_at = r.lease_expires_at
                 if r.status in CANCELLING:
                     cancel.add(r.run_id)
-            return HeartbeatResult(extended, frozenset(cancel), frozenset(set(held) - set(extended)))
+            lost = frozenset(set(held) - set(extended))
+            return HeartbeatResult(extended, frozenset(cancel), lost)
 
         result = self._transaction(work)
         if result.lost:

@@ -1,0 +1,3 @@
+from runlane.cli import main
+
+main()

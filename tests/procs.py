@@ -1,0 +1,59 @@
+"""Entry points for the real processes the concurrency tests start (spawn context)."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from typing import Any
+
+from runlane.domain.states import RunStatus
+from runlane.store.store import Store
+
+
+def claim_until_empty(url: str, worker_id: str, batch: int, release_every: int,
+                      start: Any, results: Any) -> None:
+    """Claim in batches until the queue is empty; give back every Nth lease (a new
+    attempt follows) and complete the rest. Reports every (run, attempt, token) claimed."""
+    store = Store(url, rng=random.Random(worker_id))
+    claimed: list[tuple[str, int, int]] = []
+    start.wait()
+    empty = 0
+    n = 0
+    while empty < 3:
+        leases = store.claim(worker_id, limit=batch, lease_ttl=60)
+        if not leases:
+            empty += 1
+            time.sleep(0.02)
+            continue
+        empty = 0
+        for lease in leases:
+            claimed.append((lease.run_id, lease.attempt_no, lease.fencing_token))
+            n += 1
+            if release_every and n % release_every == 0 and lease.attempt_no < 3:
+                store.release(lease)
+            else:
+                store.complete(lease)
+    store.close()
+    results.put((worker_id, claimed))
+
+
+def hold_a_lease_forever(url: str, ttl: float) -> None:
+    """Claim one run, move it to RUNNING and heartbeat until killed."""
+    store = Store(url)
+    while True:
+        leases = store.claim(f"victim/{os.getpid()}", lease_ttl=ttl)
+        if leases:
+            break
+        time.sleep(0.05)
+    [lease] = leases
+    store.advance(lease, RunStatus.RUNNING)
+    print("running", flush=True)
+    while True:
+        store.heartbeat(lease.worker_id, [lease], lease_ttl=ttl)
+        time.sleep(ttl / 5)
+
+
+if __name__ == "__main__":
+    hold_a_lease_forever(sys.argv[1], float(sys.argv[2]))

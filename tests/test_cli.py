@@ -1,0 +1,138 @@
+"""The CLI as users script it: real subprocesses, JSON on stdout, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runlane.store.store import Store
+
+from .support import execute, spec
+
+
+class CLI:
+    def __init__(self, url: str, cwd: Path) -> None:
+        self.url = url
+        self.cwd = cwd
+
+    def __call__(self, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RUNLANE_")}
+        result = subprocess.run([sys.executable, "-m", "runlane", "--database-url", self.url,
+                                 *args], capture_output=True, text=True, cwd=self.cwd, env=env,
+                                timeout=60)
+        assert result.returncode == code, (result.stdout, result.stderr)
+        if code not in (0, 1):
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+            assert "Traceback" not in result.stderr
+        return result
+
+    def json(self, *args: str, code: int = 0) -> Any:
+        return json.loads(self(*args, "--json", code=code).stdout)
+
+
+@pytest.fixture
+def cli(db_url: str, tmp_path: Path) -> CLI:
+    return CLI(db_url, tmp_path)
+
+
+def test_db_upgrade_is_repeatable(cli: CLI) -> None:
+    assert cli.json("db", "upgrade") == {"from": "0002", "to": "0002", "changed": False}
+
+
+def test_submit_show_list_cancel(cli: CLI) -> None:
+    sub = cli.json("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p",
+                   "--priority", "high", "--idempotency-key", "k1")
+    assert sub["status"] == "QUEUED" and sub["created"]
+    again = cli.json("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p",
+                     "--idempotency-key", "k1")
+    assert (again["run_id"], again["created"]) == (sub["run_id"], False)
+    [run] = cli.json("runs", "list")
+    for field in ("run_id", "task_id", "tenant", "repo", "queue", "status", "priority",
+                  "attempt_count", "created_at", "updated_at", "reason_code", "outcome",
+                  "cost_usd"):
+        assert field in run
+    assert run["priority"] == 50
+    shown = cli.json("runs", "show", sub["run_id"])
+    assert shown["attempts"] == [] and shown["events"][0]["to_status"] == "QUEUED"
+    assert cli.json("runs", "list", "--status", "CANCELLED") == []
+    cancelled = cli.json("cancel", sub["task_id"])
+    assert cancelled["runs"] == [{"run_id": sub["run_id"], "status": "CANCELLED"}]
+    assert [r["status"] for r in cli.json("runs", "list", "--tenant", "acme")] == ["CANCELLED"]
+    assert cli.json("audit") == {"ok": True, "violations": []}
+
+
+def test_batch_submit_is_all_or_nothing(cli: CLI, tmp_path: Path) -> None:
+    good = {"tenant": "acme", "repo": "/srv/git/a.git", "prompt": "p"}
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(json.dumps({**good, "prompt": f"p{i}"}) for i in range(3))
+                    + "\n" + json.dumps({**good, "priority": "soon"}) + "\n")
+    result = cli("submit", "--batch", str(path), code=2)
+    assert "line 4: priority" in result.stderr
+    assert cli.json("runs", "list") == []
+    path.write_text("\n".join(json.dumps({**good, "prompt": f"p{i}"}) for i in range(3)))
+    assert len(cli.json("submit", "--batch", str(path))) == 3
+    assert len(cli.json("runs", "list")) == 3
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        (("runs", "show", "nope"), 3, "no run 'nope'"),
+        (("cancel", "nope"), 3, "no task 'nope'"),
+        (("runs", "list", "--bogus"), 2, "--bogus"),
+        (("runs", "list", "--status", "DONE"), 2, "--status"),
+        (("submit", "--tenant", "", "--repo", "/x", "--prompt", "p"), 2, "tenant"),
+        (("submit", "--tenant", "a", "--repo", "ftp://h/x", "--prompt", "p"), 2, "repo"),
+        (("submit", "--tenant", "a", "--repo", "/x", "--prompt", "p", "--priority", "x"), 2,
+         "priority"),
+        (("submit", "--tenant", "a", "--repo", "/x"), 2, "--prompt"),
+        (("submit", "--batch", "/no/such/file"), 2, "cannot read"),
+    ],
+)
+def test_errors_are_one_line_with_a_trustworthy_exit_code(cli: CLI, args: tuple[str, ...],
+                                                          code: int, says: str) -> None:
+    assert says in cli(*args, code=code).stderr
+
+
+def test_unreachable_database_and_missing_schema(tmp_path: Path) -> None:
+    down = CLI("postgresql://postgres@127.0.0.1:1/nothing", tmp_path)
+    assert "cannot reach the database" in down("runs", "list", code=4).stderr
+    empty = CLI(f"sqlite:///{tmp_path / 'new.db'}", tmp_path)
+    assert "runlane db upgrade" in empty("runs", "list", code=4).stderr
+    assert not (tmp_path / "new.db").exists()
+
+
+def test_audit_exits_1_and_lists_violations(cli: CLI, db_url: str) -> None:
+    store = Store(db_url)
+    [sub] = store.submit([spec()])
+    store.claim("w1")
+    execute(store, "UPDATE runs SET status = 'SUCCEEDED' WHERE run_id = :r", r=sub.run_id)
+    store.close()
+    report = cli.json("audit", code=1)
+    assert report["ok"] is False
+    assert {v["check"] for v in report["violations"]} == {"terminal_run_with_live_lease"}
+    assert cli.json("maintain", "--once")["terminal_leases_revoked"] == 1
+    assert cli.json("audit") == {"ok": True, "violations": []}
+
+
+def test_settings_come_from_env_and_file(tmp_path: Path) -> None:
+    (tmp_path / "runlane.toml").write_text(f'database_url = "sqlite:///{tmp_path}/f.db"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNLANE_")}
+    up = subprocess.run([sys.executable, "-m", "runlane", "db", "upgrade"], cwd=tmp_path,
+                        env=env, capture_output=True, text=True)
+    assert up.returncode == 0 and (tmp_path / "f.db").exists()
+    env["RUNLANE_DATABASE_URL"] = f"sqlite:///{tmp_path}/e.db"
+    subprocess.run([sys.executable, "-m", "runlane", "db", "upgrade"], cwd=tmp_path, env=env,
+                   check=True, capture_output=True)
+    assert (tmp_path / "e.db").exists()
+    env["RUNLANE_LEASE_TTL_SECONDS"] = "-1"
+    bad = subprocess.run([sys.executable, "-m", "runlane", "runs", "list"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "LEASE_TTL_SECONDS" in bad.stderr

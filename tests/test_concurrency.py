@@ -1,0 +1,85 @@
+"""Real concurrency: processes racing on one database file or server, and SIGKILL."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from runlane.domain.tasks import parse_task
+from runlane.store.store import Store
+
+from .procs import claim_until_empty
+from .support import attempts_of, run_row
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_8_processes_claim_2000_runs_exactly_once_per_attempt(db_url: str) -> None:
+    store = Store(db_url)
+    store.submit([parse_task({"tenant": f"t{i % 5}", "repo": "/srv/git/app.git",
+                              "prompt": f"run {i}"}) for i in range(2000)])
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Event()
+    results = ctx.Queue()
+    procs = [ctx.Process(target=claim_until_empty,
+                         args=(db_url, f"w{i}", 1 + i % 4 * 3, 7, start, results))
+             for i in range(8)]
+    for p in procs:
+        p.start()
+    start.set()
+    claims: list[tuple[str, int, int]] = []
+    for _ in procs:
+        claims.extend(results.get(timeout=240)[1])
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+
+    per_attempt = Counter((run_id, attempt) for run_id, attempt, _ in claims)
+    assert max(per_attempt.values()) == 1, "an attempt was claimed twice"
+    runs = store.list_runs(limit=5000)
+    assert len(runs) == 2000
+    assert Counter(r["status"] for r in runs) == {"SUCCEEDED": 2000}
+    assert sum(r["attempt_count"] for r in runs) == len(claims)
+    assert len(claims) > 2000  # some leases were given back and claimed again
+    for run_id, attempt, token in claims[:50]:
+        assert attempts_of(store, run_id)[attempt - 1].fencing_token == token
+    assert store.audit() == []
+    store.close()
+
+
+def test_sigkilled_worker_is_recovered_within_ttl_plus_reaper_pass(db_url: str) -> None:
+    """Drill 1 with a real process: SIGKILL while it holds a lease and heartbeats."""
+    store = Store(db_url)
+    [sub] = store.submit([parse_task({"tenant": "acme", "repo": "/srv/x", "prompt": "p"})])
+    ttl = 1.0
+    victim = subprocess.Popen([sys.executable, "-m", "tests.procs", db_url, str(ttl)],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert victim.stdout is not None
+    assert victim.stdout.readline().strip() == "running"
+    time.sleep(ttl * 1.5)  # heartbeats keep it alive past one TTL
+    assert store.reap_expired_leases() == 0
+    assert run_row(store, sub.run_id).status == "RUNNING"
+    os.kill(victim.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    victim.wait()
+    while run_row(store, sub.run_id).status == "RUNNING":
+        assert time.monotonic() - killed_at < ttl + 2.0, "run not recovered in time"
+        store.reap_expired_leases()
+        time.sleep(0.05)
+    recovered_after = time.monotonic() - killed_at
+    assert recovered_after <= ttl + 1.0
+    run = run_row(store, sub.run_id)
+    assert (run.status, run.reason_code) == ("QUEUED", "WORKER_LOST")
+    [attempt] = attempts_of(store, sub.run_id)
+    assert (attempt.lease_status, attempt.reason_code) == ("EXPIRED", "WORKER_LOST")
+    assert store.audit() == []
+    store.close()
