@@ -467,6 +467,9 @@ def test_reconciler_recovers_an_active_run_without_a_lease(store: Store,
     run = run_row(store, sub.run_id)
     assert (run.status, run.reason_code) == ("QUEUED", "WORKER_LOST")
     assert store.get_run(sub.run_id)["events"][-1]["message"] == "RECONCILED_ACTIVE_WITHOUT_LEASE"
+    [attempt] = attempts_of(store, sub.run_id)
+    assert (attempt.status, attempt.reason_code, attempt.lease_status) == (
+        "FAILED", "WORKER_LOST", "RELEASED")
 
 
 def test_reconciler_marks_silent_workers_dead(store: Store, clock: ManualClock) -> None:

@@ -143,18 +143,19 @@ WHERE r.run_id = :run_id
 {lock_r}
 """
 
+# Close an attempt once: its outcome, and its lease if that is still ACTIVE.
 END_ATTEMPT = """
 UPDATE attempts
 SET status = :status,
     reason_code = :reason_code,
     message = :message,
     retry_after_seconds = :retry_after_seconds,
-    lease_status = :lease_status,
-    lease_ended_at = :now,
+    lease_status = CASE WHEN lease_status = 'ACTIVE' THEN :lease_status ELSE lease_status END,
+    lease_ended_at = COALESCE(lease_ended_at, :now),
     ended_at = :now
 WHERE run_id = :run_id
   AND fencing_token = :token
-  AND lease_status = 'ACTIVE'
+  AND ended_at IS NULL
 """
 
 ADD_ATTEMPT_COST = """

@@ -35,6 +35,7 @@ from runlane.domain.states import (
 )
 from runlane.domain.tasks import DEFAULT_PAYLOAD_CAP_BYTES, TaskSpec, enforce_payload_cap
 from runlane.errors import CancelRequested, LeaseLost, NotFound, TransitionRefused
+from runlane.logs import configure_logging
 from runlane.store import sql
 from runlane.store.engine import build_engine, dialect_of
 from runlane.store.schema import run_events, runs, tasks, workers
@@ -105,6 +106,7 @@ class _Snapshot:
     """A run and one of its attempts, read under the run's row lock."""
 
     run_id: str
+    task_id: str
     status: RunStatus
     run_token: int
     attempt_count: int
@@ -137,6 +139,8 @@ class Store:
         engine: Engine | None = None,
         rng: random.Random | None = None,
     ) -> None:
+        if not structlog.is_configured():
+            configure_logging("WARNING")
         self.url = url
         self.dialect = dialect_of(url)
         self.engine = engine or build_engine(url)
@@ -420,7 +424,12 @@ class Store:
             )
             return leases
 
-        return self._transaction(work)
+        leases = self._transaction(work)
+        for lease in leases:
+            log.debug("claimed", task_id=lease.task_id, run_id=lease.run_id,
+                      attempt_id=lease.attempt_id, fencing_token=lease.fencing_token,
+                      worker_id=worker_id, lease_expires_at=lease.expires_at)
+        return leases
 
     # --- heartbeat ----------------------------------------------------------------
 
@@ -462,7 +471,8 @@ class Store:
         if row is None:
             return None
         return _Snapshot(
-            run_id=row.run_id, status=S(row.status), run_token=row.run_token,
+            run_id=row.run_id, task_id=row.task_id, status=S(row.status),
+            run_token=row.run_token,
             attempt_count=row.attempt_count, max_attempts=row.max_attempts,
             created_at=row.created_at, cost_usd=row.cost_usd, attempt_no=row.attempt_no,
             fencing_token=row.fencing_token, lease_status=row.lease_status,
@@ -623,8 +633,9 @@ class Store:
             )
             if not won:  # cannot happen under the row lock; refuse loudly rather than guess
                 raise TransitionRefused(f"run {snap.run_id} changed while locked")
-            log.info("attempt_ended", run_id=snap.run_id, attempt=snap.attempt_no,
-                     fencing_token=snap.fencing_token, reason_code=reason, actor=actor,
+            log.info("attempt_ended", task_id=snap.task_id, run_id=snap.run_id,
+                     attempt_id=f"{snap.run_id}/{snap.attempt_no}",
+                     fencing_token=snap.fencing_token, worker_id=actor, reason_code=reason,
                      status=path[-1].value)
             return path[-1]
         return status
