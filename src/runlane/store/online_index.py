@@ -106,8 +106,7 @@ def plan_index(conn: Connection, spec: IndexSpec) -> Plan:
 def ensure_index(op: Any, spec: IndexSpec) -> Plan:
     conn: Connection = op.get_bind()
     if conn.dialect.name != "postgresql":
-        op.execute(spec.create_sql().replace("INDEX ", "INDEX IF NOT EXISTS ", 1))
-        return Plan.CREATE_INLINE
+        return _ensure_sqlite_index(conn, spec)
     plan = plan_index(conn, spec)
     log.info("index_migration", index=spec.name, plan=plan.value)
     if plan is Plan.CREATE_INLINE:
@@ -118,3 +117,25 @@ def ensure_index(op: Any, spec: IndexSpec) -> Plan:
                 op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {spec.name}")
             op.execute(spec.create_sql(concurrently=True))
     return plan
+
+
+def _squash(sql: str) -> str:
+    return " ".join(sql.replace("(", " ( ").replace(")", " ) ").replace(",", " , ")
+                    .lower().split())
+
+
+def _ensure_sqlite_index(conn: Connection, spec: IndexSpec) -> Plan:
+    """SQLite: create the index, or keep one whose stored SQL is the expected one."""
+    found = conn.execute(text("SELECT sql FROM sqlite_master WHERE type = 'index' "
+                              "AND name = :name"), {"name": spec.name}).scalar()
+    if found is None:
+        conn.execute(text(spec.create_sql()))
+        return Plan.CREATE_INLINE
+    if _squash(str(found)) != _squash(spec.create_sql()):
+        raise IndexDefinitionMismatch(
+            f"index {spec.name} exists with a different definition:\n"
+            f"  found:    {found}\n  expected: {spec.create_sql()}\n"
+            f"Replace it, then run `runlane db upgrade` again:\n"
+            f"  DROP INDEX {spec.name};\n  {spec.create_sql()};"
+        )
+    return Plan.KEEP

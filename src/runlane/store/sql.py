@@ -45,6 +45,8 @@ RETURNING runs.run_id, runs.task_id, runs.tenant, runs.repo, runs.queue, runs.pr
 # Claim up to :limit runs of one queue, best first. The candidate scan walks the
 # dispatch index in order; the task is re-read in the same statement so a cancelled
 # task's run is never claimed even if its run row still says QUEUED (invariant 1).
+# The task check is a scalar primary-key lookup per candidate, not NOT EXISTS: an
+# anti-join let the planner hash the whole tasks table on every claim.
 CLAIM_BATCH = (
     """
 WITH picked AS (
@@ -53,8 +55,7 @@ WITH picked AS (
     WHERE r.queue = :queue
       AND r.status = 'QUEUED'
       AND r.visible_at <= {now}
-      AND NOT EXISTS (SELECT 1 FROM tasks t
-                      WHERE t.task_id = r.task_id AND t.cancel_requested_at IS NOT NULL)
+      AND (SELECT t.cancel_requested_at FROM tasks t WHERE t.task_id = r.task_id) IS NULL
     ORDER BY r.priority, r.visible_at, r.run_id
     LIMIT :limit
     {lock_r_skip}
@@ -72,8 +73,7 @@ WITH picked AS (
     WHERE r.run_id = :run_id
       AND r.status = 'QUEUED'
       AND r.visible_at <= {now}
-      AND NOT EXISTS (SELECT 1 FROM tasks t
-                      WHERE t.task_id = r.task_id AND t.cancel_requested_at IS NOT NULL)
+      AND (SELECT t.cancel_requested_at FROM tasks t WHERE t.task_id = r.task_id) IS NULL
     {lock_r_skip}
 )"""
     + _CLAIM_SET_AND_RETURN

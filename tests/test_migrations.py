@@ -1,0 +1,524 @@
+"""Migrations: repeatable, in step with ``schema.metadata``, and the online-index guard.
+
+The guard (``runlane.store.online_index``, seed 003) decides how migration 0002
+builds ``ix_runs_dispatch`` on PostgreSQL:
+
+* empty ``runs`` table: inline ``CREATE INDEX`` (cheap, nothing to block);
+* populated table: ``CREATE INDEX CONCURRENTLY`` outside the migration transaction,
+  so writers are never held behind a SHARE lock for the whole build;
+* an index already present under the name: kept only if its definition is exactly
+  the expected one (however it was spelled), refused with the commands that fix it
+  otherwise, and dropped and rebuilt concurrently if a build left it INVALID.
+
+Each PostgreSQL case runs on its own fresh database, so the cases are independent
+of each other and of the shared per-worker test database.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Connection, Engine, event, inspect, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
+from structlog.testing import capture_logs
+
+from runlane.store import migrate, schema
+from runlane.store.engine import build_engine
+from runlane.store.online_index import IndexDefinitionMismatch, Plan
+
+from .conftest import ADMIN_URL, create_pg_database
+
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "master")
+INDEX = schema.DISPATCH_INDEX_NAME
+HEAD = migrate.head_revision()
+
+# A plain (blocking) build of the dispatch index: CREATE [UNIQUE] INDEX [IF NOT EXISTS]
+# ix_runs_dispatch, without CONCURRENTLY. ``\b`` keeps the guard's own scratch index
+# (ix_runs_dispatch_probe, built on a temp table) out of the match.
+INLINE_BUILD = re.compile(
+    rf"^\s*CREATE\s+(UNIQUE\s+)?INDEX\s+(IF\s+NOT\s+EXISTS\s+)?{INDEX}\b", re.I)
+CONCURRENT_BUILD = re.compile(rf"^\s*CREATE\s+(UNIQUE\s+)?INDEX\s+CONCURRENTLY\s+{INDEX}\b", re.I)
+WRITES = re.compile(r"^\s*(CREATE|ALTER|DROP|INSERT|UPDATE|DELETE|TRUNCATE)\b", re.I)
+
+# The dispatch index as PostgreSQL prints it (pg_get_indexdef) when it is right.
+EXPECTED_DEF = (f"CREATE INDEX {INDEX} ON public.runs USING btree "
+                "(queue, priority, visible_at, run_id) WHERE ((status)::text = 'QUEUED'::text)")
+# What production had pre-created from the earlier revision of the index (seed 003).
+STALE_THREE_COLUMN = f"CREATE INDEX {INDEX} ON runs (queue, priority, visible_at)"
+
+
+# --- helpers -----------------------------------------------------------------------
+
+
+def _libpq(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def drop_pg_database(name: str) -> None:
+    with psycopg.connect(_libpq(ADMIN_URL), autocommit=True, connect_timeout=3) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class Recorder:
+    """Every SQL statement an engine sends, in order (``before_cursor_execute``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.statements: list[str] = []
+        event.listen(engine, "before_cursor_execute", self._record)
+
+    def _record(self, _conn: Connection, _cursor: Any, statement: str, _parameters: Any,
+                _context: Any, _executemany: bool) -> None:
+        self.statements.append(statement)
+
+    def clear(self) -> None:
+        self.statements.clear()
+
+    def matching(self, pattern: re.Pattern[str]) -> list[str]:
+        return [s for s in self.statements if pattern.search(s)]
+
+
+Migrated = tuple[tuple[str | None, str | None], list[str]]
+
+
+def upgrade_logging_plans(engine: Engine, revision: str = "head") -> Migrated:
+    """``migrate.upgrade`` plus the plans the guard logged (``index_migration`` events)."""
+    with capture_logs() as logs:
+        result = migrate.upgrade(engine, revision)
+    return result, [str(e["plan"]) for e in logs if e.get("event") == "index_migration"]
+
+
+def index_state(engine: Engine, name: str = INDEX) -> tuple[int, str, bool] | None:
+    """(oid, pg_get_indexdef, indisvalid) of a PostgreSQL index, or None."""
+    with engine.connect() as conn:
+        row = conn.execute(text(
+            "SELECT i.indexrelid::bigint AS oid, pg_get_indexdef(i.indexrelid) AS indexdef, "
+            "i.indisvalid AS valid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "WHERE c.relname = :name"), {"name": name}).first()
+    return None if row is None else (int(row.oid), str(row.indexdef), bool(row.valid))
+
+
+def populate_pg(engine: Engine, n: int = 2000) -> None:
+    """``n`` tasks and one QUEUED run each, set-based (two queues, three priorities)."""
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, max_attempts,"
+            " context, truncated_sections, payload_bytes, created_at) "
+            "SELECT 't' || g, 'acme', '/srv/git/app.git', 'p', "
+            " CASE WHEN g % 2 = 0 THEN 'default' ELSE 'batch' END, g % 3, 3,"
+            " '{}', '[]', 2, 1700000000 + g FROM generate_series(1, :n) g"), {"n": n})
+        conn.execute(text(
+            "INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority, status,"
+            " max_attempts, visible_at, created_at, updated_at) "
+            "SELECT 'r' || g, 't' || g, 'acme', '/srv/git/app.git',"
+            " CASE WHEN g % 2 = 0 THEN 'default' ELSE 'batch' END, g % 3, 'QUEUED', 3,"
+            " 1700000000 + g, 1700000000 + g, 1700000000 + g FROM generate_series(1, :n) g"),
+            {"n": n})
+
+
+def run_autocommit(url: str, *statements: str) -> None:
+    """Run statements the way an operator would in psql: one by one, autocommit."""
+    with psycopg.connect(_libpq(url), autocommit=True) as conn:
+        for statement in statements:
+            conn.execute(statement)
+
+
+def reflect_schema(engine: Engine) -> dict[str, Any]:
+    """Everything the inspector sees, normalized for comparing two databases."""
+    insp = inspect(engine)
+    result: dict[str, Any] = {}
+    for table in sorted(insp.get_table_names()):
+        if table == "alembic_version":
+            continue
+        result[table] = {
+            "columns": [
+                (c["name"], str(c["type"]), c["nullable"], str(c.get("default")))
+                for c in insp.get_columns(table)
+            ],
+            "pk": insp.get_pk_constraint(table)["constrained_columns"],
+            "fks": sorted(
+                (tuple(fk["constrained_columns"]), fk["referred_table"],
+                 tuple(fk["referred_columns"]))
+                for fk in insp.get_foreign_keys(table)
+            ),
+            "uniques": sorted(
+                (u["name"], tuple(u["column_names"])) for u in insp.get_unique_constraints(table)
+            ),
+            "indexes": sorted(
+                (ix["name"], bool(ix["unique"]), tuple(ix["column_names"]),
+                 " ".join(str(ix.get("dialect_options", {}).get(
+                     f"{engine.dialect.name}_where", "")).split()))
+                for ix in insp.get_indexes(table)
+            ),
+        }
+    return result
+
+
+# --- fixtures ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Callable[[str], Engine]]:
+    made: list[Engine] = []
+
+    def make(url: str) -> Engine:
+        engine = build_engine(url)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.dispose()
+
+
+@pytest.fixture
+def fresh_pg(make_engine: Callable[[str], Engine]) -> Iterator[Callable[[str], str]]:
+    """A factory of empty PostgreSQL databases, runlane_mig_<case>_<worker>, dropped after."""
+    names: list[str] = []
+
+    def make(case: str) -> str:
+        name = f"runlane_mig_{case}_{WORKER}"
+        names.append(name)
+        return create_pg_database(name)
+
+    yield make
+    for name in names:
+        drop_pg_database(name)  # FORCE: also closes the test's pooled connections
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def fresh_url(request: pytest.FixtureRequest, tmp_path: Path,
+              fresh_pg: Callable[[str], str]) -> str:
+    """An empty, never-migrated database of each kind."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'fresh.db'}"
+    return fresh_pg(request.node.originalname.removeprefix("test_")[:30])
+
+
+# --- both engines ------------------------------------------------------------------
+
+
+def test_upgrade_is_repeatable(fresh_url: str, make_engine: Callable[[str], Engine]) -> None:
+    engine = make_engine(fresh_url)
+    assert migrate.current_revision(engine) is None
+    assert migrate.upgrade(engine) == (None, HEAD)
+    before = reflect_schema(engine)
+
+    recorder = Recorder(engine)
+    assert migrate.upgrade(engine) == (HEAD, HEAD)
+    assert recorder.statements, "the recorder saw nothing: the check below would be vacuous"
+    assert recorder.matching(WRITES) == []
+    assert migrate.current_revision(engine) == HEAD
+    assert reflect_schema(engine) == before
+
+
+def test_metadata_matches_migrations(fresh_url: str,
+                                     make_engine: Callable[[str], Engine]) -> None:
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine)
+
+    def include_name(name: str | None, type_: str, _parent: Any) -> bool:
+        # Alembic's own bookkeeping table is not part of runlane's schema.
+        return not (type_ == "table" and name == "alembic_version")
+
+    with engine.connect() as conn:
+        context = MigrationContext.configure(conn, opts={
+            "compare_type": True,
+            "compare_server_default": True,
+            "include_name": include_name,
+        })
+        diff = compare_metadata(context, schema.metadata)
+    # No false positives needed filtering on either engine (JSON, Float/double
+    # precision, the BigInteger/Integer variant and the server defaults all compare
+    # equal), so the expectation is simply "no difference at all".
+    assert diff == []
+
+
+def test_migrated_schema_equals_create_all(fresh_url: str, tmp_path: Path,
+                                           fresh_pg: Callable[[str], str],
+                                           make_engine: Callable[[str], Engine]) -> None:
+    """compare_metadata is blind to partial-index predicates (alembic does not compare
+    ``postgresql_where`` / ``sqlite_where``: changing ix_runs_dispatch's WHERE in the
+    metadata, or dropping it, still yields no diff). The partial indexes carry invariant 2
+    and the dispatch scan, so compare the reflected catalog of a migrated database with
+    that of a database made by ``metadata.create_all``: predicates included, as each
+    engine itself prints them."""
+    migrated = make_engine(fresh_url)
+    migrate.upgrade(migrated)
+    if migrated.dialect.name == "sqlite":
+        reference = make_engine(f"sqlite:///{tmp_path / 'create_all.db'}")
+    else:
+        reference = make_engine(fresh_pg("create_all"))
+    schema.metadata.create_all(reference)
+
+    expected = reflect_schema(reference)
+    assert reflect_schema(migrated) == expected
+    # The comparison really covers the predicates (guards against a reflection that
+    # silently stops reporting them, which would make the equality above vacuous).
+    where = {ix[0]: ix[3] for ix in expected["runs"]["indexes"] + expected["attempts"]["indexes"]}
+    assert "QUEUED" in where[INDEX]
+    assert "ACTIVE" in where["uq_attempts_one_active_lease"]
+
+
+def _insert_task_and_run(conn: Connection, n: int) -> None:
+    conn.execute(text(
+        "INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, max_attempts,"
+        " context, truncated_sections, payload_bytes, created_at) "
+        "VALUES (:t, 'acme', '/srv/git/app.git', 'p', 'default', 2, 9, '{}', '[]', 2, 1)"),
+        {"t": f"task-{n}"})
+    conn.execute(text(
+        "INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority, status,"
+        " max_attempts, visible_at, created_at, updated_at) "
+        "VALUES (:r, :t, 'acme', '/srv/git/app.git', 'default', 2, 'RUNNING', 9, 1, 1, 1)"),
+        {"r": f"run-{n}", "t": f"task-{n}"})
+
+
+def _insert_attempt(conn: Connection, run: int, attempt_no: int, lease_status: str) -> None:
+    conn.execute(text(
+        "INSERT INTO attempts (run_id, attempt_no, fencing_token, worker_id, status,"
+        " lease_status, lease_expires_at, heartbeat_at, started_at) "
+        "VALUES (:r, :a, :a, 'w1', 'RUNNING', :ls, 100, 1, 1)"),
+        {"r": f"run-{run}", "a": attempt_no, "ls": lease_status})
+
+
+def test_one_active_lease_per_run_is_enforced_by_the_database(db_url: str) -> None:
+    engine = build_engine(db_url)
+    try:
+        index = {ix["name"]: ix for ix in inspect(engine).get_indexes("attempts")}[
+            "uq_attempts_one_active_lease"]
+        assert index["unique"] and index["column_names"] == ["run_id"]
+        where = index["dialect_options"][f"{engine.dialect.name}_where"]
+        assert "lease_status" in str(where) and "ACTIVE" in str(where)
+
+        with engine.begin() as conn:
+            _insert_task_and_run(conn, 1)
+            _insert_task_and_run(conn, 2)
+            # Many ended leases for one run are history, not a conflict.
+            for attempt_no, status in enumerate(
+                    ["EXPIRED", "RELEASED", "REVOKED", "EXPIRED", "RELEASED"], start=1):
+                _insert_attempt(conn, 1, attempt_no, status)
+            _insert_attempt(conn, 1, 6, "ACTIVE")
+            _insert_attempt(conn, 2, 1, "ACTIVE")  # another run's active lease is fine
+        with pytest.raises(IntegrityError, match=r"uq_attempts_one_active_lease|UNIQUE"), \
+                engine.begin() as conn:
+            _insert_attempt(conn, 1, 7, "ACTIVE")
+        with engine.connect() as conn:
+            active = conn.execute(text(
+                "SELECT COUNT(*) FROM attempts WHERE run_id = 'run-1' AND lease_status = 'ACTIVE'"
+            )).scalar_one()
+            total = conn.execute(text(
+                "SELECT COUNT(*) FROM attempts WHERE run_id = 'run-1'")).scalar_one()
+        assert (active, total) == (1, 6)
+    finally:
+        engine.dispose()
+
+
+# --- SQLite ------------------------------------------------------------------------
+
+
+def test_sqlite_upgrade_creates_the_dispatch_index(
+        tmp_path: Path, make_engine: Callable[[str], Engine]) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'runlane.db'}")
+    _result, plans = upgrade_logging_plans(engine)
+    assert plans == []  # the PostgreSQL guard is not involved on SQLite
+    with engine.connect() as conn:
+        row = conn.execute(text(
+            "SELECT tbl_name, sql FROM sqlite_master WHERE type = 'index' AND name = :n"),
+            {"n": INDEX}).one()
+        columns = [r.name for r in conn.execute(text(f"PRAGMA index_info({INDEX})"))]
+        partial = {r.name: r.partial for r in conn.execute(text("PRAGMA index_list(runs)"))}
+    assert row.tbl_name == "runs"
+    assert columns == list(schema.DISPATCH_INDEX_COLUMNS)
+    assert partial[INDEX] == 1
+    assert " ".join(row.sql.split()).endswith(f"WHERE {schema.DISPATCH_INDEX_WHERE}")
+
+
+def test_sqlite_stale_precreated_index_is_refused(
+        tmp_path: Path, make_engine: Callable[[str], Engine]) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'runlane.db'}")
+    migrate.upgrade(engine, "0001")
+    with engine.begin() as conn:
+        conn.execute(text(f"CREATE INDEX {INDEX} ON runs (queue, priority, visible_at)"))
+    with pytest.raises(IndexDefinitionMismatch, match=f"DROP INDEX {INDEX}"):
+        migrate.upgrade(engine)
+    assert migrate.current_revision(engine) == "0001"
+    with engine.begin() as conn:
+        conn.execute(text(f"DROP INDEX {INDEX}"))
+        conn.execute(text(f"create index {INDEX} on runs(queue,priority, visible_at, run_id)"
+                          f" where {schema.DISPATCH_INDEX_WHERE}"))
+    assert migrate.upgrade(engine)[1] == migrate.head_revision()  # same index, other spelling
+
+
+# --- PostgreSQL: the online index guard ----------------------------------------------
+
+
+def test_pg_empty_database_builds_the_index_inline(
+        fresh_pg: Callable[[str], str], make_engine: Callable[[str], Engine]) -> None:
+    engine = make_engine(fresh_pg("empty"))
+    recorder = Recorder(engine)
+    result, plans = upgrade_logging_plans(engine)
+
+    assert result == (None, HEAD)
+    assert plans == [Plan.CREATE_INLINE.value]
+    assert len(recorder.matching(INLINE_BUILD)) == 1
+    assert recorder.matching(re.compile("CONCURRENTLY", re.I)) == []
+    state = index_state(engine)
+    assert state is not None and state[2], f"{INDEX} missing or invalid: {state}"
+    assert state[1] == EXPECTED_DEF
+
+
+def test_pg_populated_database_builds_the_index_concurrently(
+        fresh_pg: Callable[[str], str], make_engine: Callable[[str], Engine]) -> None:
+    engine = make_engine(fresh_pg("populated"))
+    assert migrate.upgrade(engine, "0001") == (None, "0001")
+    populate_pg(engine)
+
+    recorder = Recorder(engine)
+    result, plans = upgrade_logging_plans(engine)
+
+    assert result == ("0001", HEAD)
+    assert plans == [Plan.CREATE_CONCURRENTLY.value]
+    # Built concurrently (which PostgreSQL refuses inside a transaction block, so it
+    # also ran outside the migration's transaction), and never inline.
+    assert len(recorder.matching(CONCURRENT_BUILD)) == 1, recorder.statements
+    assert recorder.matching(INLINE_BUILD) == [], recorder.statements
+    state = index_state(engine)
+    assert state is not None
+    assert state[2], f"{INDEX} is INVALID after the concurrent build"
+    assert state[1] == EXPECTED_DEF
+
+    # Repeatable: the second run finds the index in place and writes nothing.
+    recorder.clear()
+    result, plans = upgrade_logging_plans(engine)
+    assert result == (HEAD, HEAD) and plans == []
+    assert recorder.matching(WRITES) == []
+
+
+def test_pg_stale_precreated_index_is_refused_with_the_commands_that_fix_it(
+        fresh_pg: Callable[[str], str], make_engine: Callable[[str], Engine]) -> None:
+    url = fresh_pg("stale")
+    engine = make_engine(url)
+    migrate.upgrade(engine, "0001")
+    populate_pg(engine)
+    with engine.begin() as conn:
+        conn.execute(text(STALE_THREE_COLUMN))
+    stale = index_state(engine)
+    assert stale is not None
+
+    with pytest.raises(IndexDefinitionMismatch) as refused:
+        migrate.upgrade(engine)
+    message = str(refused.value)
+    assert f"DROP INDEX CONCURRENTLY {INDEX}" in message
+    assert f"CREATE INDEX CONCURRENTLY {INDEX}" in message
+    assert migrate.current_revision(engine) == "0001"
+    assert index_state(engine) == stale, "the refused index must be left untouched"
+
+    # Run exactly what the message says, as an operator would, then upgrade again.
+    commands = [line.strip() for line in message.splitlines()
+                if line.strip().startswith(("DROP INDEX CONCURRENTLY",
+                                            "CREATE INDEX CONCURRENTLY"))]
+    assert len(commands) == 2 and commands[0].startswith("DROP"), message
+    run_autocommit(url, *commands)
+    fixed = index_state(engine)
+    assert fixed is not None and fixed[2] and fixed[1] == EXPECTED_DEF
+
+    recorder = Recorder(engine)
+    result, plans = upgrade_logging_plans(engine)
+    assert result == ("0001", HEAD)
+    assert plans == [Plan.KEEP.value]
+    assert recorder.matching(re.compile(rf"INDEX\s+(CONCURRENTLY\s+)?{INDEX}\b", re.I)) == []
+    assert index_state(engine) == fixed
+
+
+MISMATCHED = {
+    "no_where": f"CREATE INDEX {INDEX} ON runs (queue, priority, visible_at, run_id)",
+    "other_where": (f"CREATE INDEX {INDEX} ON runs (queue, priority, visible_at, run_id) "
+                    "WHERE status = 'CLAIMED'"),
+    "unique": (f"CREATE UNIQUE INDEX {INDEX} ON runs (queue, priority, visible_at, run_id) "
+               "WHERE status = 'QUEUED'"),
+    "column_order": (f"CREATE INDEX {INDEX} ON runs (queue, visible_at, priority, run_id) "
+                     "WHERE status = 'QUEUED'"),
+    "descending": (f"CREATE INDEX {INDEX} ON runs (queue, priority DESC, visible_at, run_id) "
+                   "WHERE status = 'QUEUED'"),
+    "other_table": f"CREATE INDEX {INDEX} ON tasks (queue, priority, created_at, task_id)",
+    "hash": f"CREATE INDEX {INDEX} ON runs USING hash (queue) WHERE status = 'QUEUED'",
+}
+
+
+def test_pg_every_other_mismatched_definition_is_refused(
+        fresh_pg: Callable[[str], str], make_engine: Callable[[str], Engine]) -> None:
+    engine = make_engine(fresh_pg("mismatch"))
+    migrate.upgrade(engine, "0001")
+    for case, ddl in MISMATCHED.items():
+        with engine.begin() as conn:
+            conn.execute(text(ddl))
+        found = index_state(engine)
+        with pytest.raises(IndexDefinitionMismatch, match=f"DROP INDEX CONCURRENTLY {INDEX}"):
+            migrate.upgrade(engine)
+        assert migrate.current_revision(engine) == "0001", case
+        assert index_state(engine) == found, case
+        with engine.begin() as conn:
+            conn.execute(text(f"DROP INDEX {INDEX}"))
+
+
+def test_pg_matching_precreated_index_is_kept(
+        fresh_pg: Callable[[str], str], make_engine: Callable[[str], Engine]) -> None:
+    """Pre-created by hand (concurrently, on a populated table), spelled differently:
+    upper case, schema-qualified, explicit btree, quoted column, no spaces, parentheses."""
+    url = fresh_pg("keep")
+    engine = make_engine(url)
+    migrate.upgrade(engine, "0001")
+    populate_pg(engine)
+    run_autocommit(url, 'create index concurrently IX_RUNS_DISPATCH on public.runs using btree'
+                        '  ("queue",priority,   visible_at,run_id)  where (status=\'QUEUED\')')
+    kept = index_state(engine)
+    assert kept is not None and kept[2] and kept[1] == EXPECTED_DEF
+
+    recorder = Recorder(engine)
+    result, plans = upgrade_logging_plans(engine)
+    assert result == ("0001", HEAD)
+    assert plans == [Plan.KEEP.value]
+    assert recorder.matching(re.compile(rf"INDEX\s+(CONCURRENTLY\s+)?{INDEX}\b", re.I)) == []
+    assert index_state(engine) == kept  # same oid: neither dropped nor rebuilt
+
+
+def test_pg_invalid_index_from_an_interrupted_build_is_rebuilt(
+        fresh_pg: Callable[[str], str], make_engine: Callable[[str], Engine]) -> None:
+    """A concurrent build that fails half-way leaves an INVALID index behind. Make a real
+    one: a writer's open transaction makes CREATE INDEX CONCURRENTLY wait for it, and
+    lock_timeout cancels that wait after the catalog entry was committed."""
+    url = fresh_pg("invalid")
+    engine = make_engine(url)
+    migrate.upgrade(engine, "0001")
+    populate_pg(engine)
+    with engine.connect() as writer:
+        writer.execute(text("UPDATE runs SET updated_at = updated_at + 1 WHERE run_id = 'r1'"))
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            run_autocommit(url, "SET lock_timeout = '300ms'",
+                           f"CREATE INDEX CONCURRENTLY {INDEX} ON runs "
+                           "(queue, priority, visible_at, run_id) WHERE status = 'QUEUED'")
+        writer.rollback()
+    invalid = index_state(engine)
+    assert invalid is not None and not invalid[2], "setup: expected an INVALID index"
+
+    recorder = Recorder(engine)
+    result, plans = upgrade_logging_plans(engine)
+    assert result == ("0001", HEAD)
+    assert plans == [Plan.REBUILD_INVALID.value]
+    rebuilt = index_state(engine)
+    assert rebuilt is not None
+    assert rebuilt[2], "still INVALID after the rebuild"
+    assert rebuilt[0] != invalid[0], "the invalid index was kept instead of rebuilt"
+    assert rebuilt[1] == invalid[1] == EXPECTED_DEF
+    ddl = recorder.matching(re.compile(rf"INDEX\s+(CONCURRENTLY\s+)?(IF\s+EXISTS\s+)?{INDEX}\b",
+                                       re.I))
+    assert [" ".join(s.split()[:3]) for s in ddl] == [
+        "DROP INDEX CONCURRENTLY", "CREATE INDEX CONCURRENTLY"], ddl
