@@ -16,13 +16,13 @@ demo: $(STAMP)
 	$(BIN)/runlane demo
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest -n 2 --dist loadgroup
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench || true
+	$(BIN)/ruff check .
+
 	$(BIN)/mypy
 
 bench: $(STAMP)
