@@ -35,7 +35,6 @@ from runlane.domain.states import (
 )
 from runlane.domain.tasks import DEFAULT_PAYLOAD_CAP_BYTES, TaskSpec, enforce_payload_cap
 from runlane.errors import CancelRequested, LeaseLost, NotFound, TransitionRefused
-from runlane.logs import configure_logging
 from runlane.store import sql
 from runlane.store.engine import build_engine, dialect_of
 from runlane.store.schema import run_events, runs, tasks, workers
@@ -139,8 +138,6 @@ class Store:
         engine: Engine | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        if not structlog.is_configured():
-            configure_logging("WARNING")
         self.url = url
         self.dialect = dialect_of(url)
         self.engine = engine or build_engine(url)
