@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from runlane.domain.states import RunStatus
+from runlane.logs import configure_logging
 from runlane.store.store import Store
 
 
@@ -16,6 +17,7 @@ def claim_until_empty(url: str, worker_id: str, batch: int, release_every: int,
                       start: Any, results: Any) -> None:
     """Claim in batches until the queue is empty; give back every Nth lease (a new
     attempt follows) and complete the rest. Reports every (run, attempt, token) claimed."""
+    configure_logging("WARNING")
     store = Store(url, rng=random.Random(worker_id))
     claimed: list[tuple[str, int, int]] = []
     start.wait()
@@ -41,6 +43,7 @@ def claim_until_empty(url: str, worker_id: str, batch: int, release_every: int,
 
 def hold_a_lease_forever(url: str, ttl: float) -> None:
     """Claim one run, move it to RUNNING and heartbeat until killed."""
+    configure_logging("WARNING")  # stdout carries only the "running" line
     store = Store(url)
     while True:
         leases = store.claim(f"victim/{os.getpid()}", lease_ttl=ttl)
