@@ -31,7 +31,7 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 ADMIN_URL = os.environ.get("RUNLANE_TEST_POSTGRES_URL",
                            "postgresql://postgres@127.0.0.1:5432/test")
 REQUIRE_POSTGRES = os.environ.get("RUNLANE_REQUIRE_POSTGRES") == "1"
-TABLES = "run_events, attempts, runs, tasks, workers"
+TABLES = "side_effects, run_events, attempts, runs, tasks, workers"
 T0 = 1_800_000_000.0  # a pinned "now" for tests on the manual clock
 
 
@@ -54,13 +54,25 @@ def create_pg_database(name: str) -> str:
     return make_url(ADMIN_URL).set(database=name).render_as_string(hide_password=False)
 
 
+# One name per test process (each xdist worker is a process): two test sessions on
+# one server, e.g. a developer's and a helper's, never drop each other's databases.
+RUN_TAG = f"{os.getpid()}"
+
+
+def drop_pg_database(name: str) -> None:
+    with psycopg.connect(_libpq(ADMIN_URL), autocommit=True, connect_timeout=3) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture(scope="session")
-def pg_url(worker_id: str) -> str:
-    url = create_pg_database(f"runlane_test_{worker_id}")
+def pg_url() -> Iterator[str]:
+    name = f"runlane_test_{RUN_TAG}"
+    url = create_pg_database(name)
     engine = build_engine(url)
     upgrade(engine)
     engine.dispose()
-    return url
+    yield url
+    drop_pg_database(name)
 
 
 def truncate_pg(url: str) -> None:

@@ -18,7 +18,6 @@ The data set (one dedicated database, built once for the module):
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,11 +33,11 @@ from runlane.store.engine import normalize_url
 from runlane.store.schema import DISPATCH_INDEX_NAME
 from runlane.store.sql import CLAIM_BATCH, Statements
 
-from .conftest import ADMIN_URL, create_pg_database
+from .conftest import ADMIN_URL, RUN_TAG, create_pg_database
 
 pytestmark = [pytest.mark.xdist_group("explain"), pytest.mark.slow]
 
-WORKER = os.environ.get("PYTEST_XDIST_WORKER", "master")
+WORKER = RUN_TAG
 N_RUNS = 1_000_000
 CANCELLED_AHEAD = 10  # g = 1..10
 VISIBLE_P0 = 30  # g = 11..40

@@ -46,6 +46,7 @@ def test_duplicate_submit_returns_the_same_ids_and_creates_nothing(store: Store)
 def test_duplicates_inside_one_batch_collapse(store: Store) -> None:
     subs = store.submit([spec(idempotency_key="k"), spec(idempotency_key="k"), spec()])
     assert subs[0].run_id == subs[1].run_id
+    assert [s.created for s in subs] == [True, False, True]
     assert len({s.run_id for s in subs}) == 2
     assert len(store.list_runs()) == 2
 

@@ -16,7 +16,6 @@ of each other and of the shared per-worker test database.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,7 +26,6 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, Engine, event, inspect, text
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 from structlog.testing import capture_logs
 
@@ -35,9 +33,9 @@ from runlane.store import migrate, schema
 from runlane.store.engine import build_engine
 from runlane.store.online_index import IndexDefinitionMismatch, Plan
 
-from .conftest import ADMIN_URL, create_pg_database
+from .conftest import RUN_TAG, _libpq, create_pg_database, drop_pg_database
 
-WORKER = os.environ.get("PYTEST_XDIST_WORKER", "master")
+WORKER = RUN_TAG
 INDEX = schema.DISPATCH_INDEX_NAME
 HEAD = migrate.head_revision()
 
@@ -58,14 +56,6 @@ STALE_THREE_COLUMN = f"CREATE INDEX {INDEX} ON runs (queue, priority, visible_at
 
 # --- helpers -----------------------------------------------------------------------
 
-
-def _libpq(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
-def drop_pg_database(name: str) -> None:
-    with psycopg.connect(_libpq(ADMIN_URL), autocommit=True, connect_timeout=3) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 class Recorder:
