@@ -6,8 +6,8 @@ from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
 from runlane.errors import CancelRequested, LeaseLost, RunlaneError
 from runlane.store.store import Lease, Store
+from runlane.version import __version__
 
-__version__ = "0.1.0"
 __all__ = [
     "CancelRequested",
     "DatabaseClock",

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
+from runlane.agents.base import AttemptLimits
 from runlane.clock import Clock
+from runlane.codehost.base import CodeHost
 from runlane.domain.tasks import TaskInvalid, TaskSpec, parse_task
-from runlane.errors import DatabaseUnavailable, SchemaOutdated
+from runlane.errors import DatabaseUnavailable, RunlaneError, SchemaOutdated
 from runlane.services.maintenance import Reaper, ReaperConfig, Reconciler, ReconcilerConfig
 from runlane.settings import Settings, load_settings
 from runlane.store import migrate
 from runlane.store.store import CancelResult, Store, Submission, Violation
+from runlane.worker.attempt import AgentRunner, AttemptDriver, AttemptSettings, Judge
+from runlane.worker.worker import Worker, WorkerConfig
 
 
 class Runlane:
@@ -109,6 +113,40 @@ class Runlane:
         return Reconciler(self.store, ReconcilerConfig(
             interval_seconds=max(self.settings.reaper_interval_seconds, 10.0),
             max_attempt_seconds=self.settings.max_attempt_seconds))
+
+    def pull_requests(self) -> list[dict[str, Any]]:
+        return self.store.pull_requests()
+
+    def worker(self, *, agent: AgentRunner | None = None, agent_command: str | None = None,
+               verify_command: str | None = None, judge: Judge | None = None,
+               queues: list[str] | None = None, concurrency: int = 1,
+               capabilities: dict[str, Any] | None = None, exit_when_idle: bool = False,
+               limits: AttemptLimits | None = None, keep_failed_workspaces: bool = False,
+               code_host_for: Callable[[str], CodeHost] | None = None) -> Worker:
+        """A worker over this database; ``agent`` (an in-process runner) or
+        ``agent_command`` (the CONTRACT.md protocol) does the work."""
+        from runlane.agents.command import CommandRunner
+        from runlane.codehost.factory import code_host_for as default_code_host_for
+
+        s = self.settings
+        if agent is None:
+            if not agent_command:
+                raise RunlaneError("a worker needs an agent command (--agent-command)")
+            agent = CommandRunner(agent_command, term_grace_seconds=s.agent_term_grace_seconds)
+        verifier = (CommandRunner(verify_command, term_grace_seconds=s.agent_term_grace_seconds)
+                    if verify_command else None)
+        driver = AttemptDriver(
+            self.store, agent,
+            AttemptSettings(workspace_root=s.workspace_dir, artifacts_root=s.artifacts_dir,
+                            limits=limits or AttemptLimits(),
+                            keep_failed_workspaces=keep_failed_workspaces),
+            code_host_for=code_host_for or default_code_host_for, verifier=verifier,
+            judge=judge)
+        return Worker(self.store, driver, WorkerConfig(
+            queues=queues or ["default"], concurrency=concurrency,
+            capabilities=capabilities or {}, lease_ttl_seconds=s.lease_ttl_seconds,
+            heartbeat_seconds=s.heartbeat_seconds, drain_grace_seconds=s.drain_grace_seconds,
+            exit_when_idle=exit_when_idle))
 
     def maintain_once(self) -> dict[str, int]:
         return {**self.reaper().run_once(), **self.reconciler().run_once()}

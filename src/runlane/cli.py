@@ -278,6 +278,112 @@ def runs_show(run_id: str, as_json: bool) -> None:
     out.print(events)
 
 
+# --- worker / up / prs ----------------------------------------------------------------
+
+
+def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
+    parsed: dict[str, str] = {}
+    for value in values:
+        key, sep, val = value.partition("=")
+        if not sep or not key.strip():
+            raise TaskInvalid(flag, f"{value!r} is not KEY=VALUE")
+        parsed[key.strip()] = val.strip()
+    return parsed
+
+
+@app.command()
+@click.option("--agent-command", required=True, help="Run by /bin/sh -c in the workspace.")
+@click.option("--verify-command", help="Run in the workspace after the agent succeeds.")
+@click.option("--queue", "queues", multiple=True, help="Queue to claim from (repeatable).")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--capability", "capabilities", multiple=True, help="KEY=VALUE (repeatable).")
+@click.option("--exit-when-idle", is_flag=True, help="Exit when nothing is claimable.")
+@click.option("--timeout-seconds", type=click.FloatRange(min=0, min_open=True),
+              help="Wall-clock limit of one attempt's agent (TIMEOUT).")
+@click.option("--max-changed-files", type=click.IntRange(min=0),
+              help="More changed files fail the attempt (LIMIT_EXCEEDED).")
+@click.option("--max-diff-lines", type=click.IntRange(min=0),
+              help="More diff lines fail the attempt (LIMIT_EXCEEDED).")
+@click.option("--keep-failed-workspaces", is_flag=True)
+def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ...],
+           concurrency: int, capabilities: tuple[str, ...], exit_when_idle: bool,
+           timeout_seconds: float | None, max_changed_files: int | None,
+           max_diff_lines: int | None, keep_failed_workspaces: bool) -> None:
+    """A long-running worker; SIGTERM drains it."""
+    from runlane.agents.base import AttemptLimits
+
+    with _lane() as lane:
+        runner = lane.worker(
+            agent_command=agent_command, verify_command=verify_command,
+            queues=list(queues) or ["default"], concurrency=concurrency,
+            capabilities=_pairs(capabilities, "--capability"), exit_when_idle=exit_when_idle,
+            limits=AttemptLimits(timeout_seconds, max_changed_files, max_diff_lines),
+            keep_failed_workspaces=keep_failed_workspaces)
+        sys.exit(runner.run())
+
+
+@app.command()
+@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Worker processes to run.")
+@click.option("--agent-command", required=True, help="Passed to every worker.")
+@click.option("--verify-command")
+@click.option("--queue", "queues", multiple=True)
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Per worker process.")
+def up(workers: int, agent_command: str, verify_command: str | None, queues: tuple[str, ...],
+       concurrency: int) -> None:
+    """Everything on one machine: maintenance and N worker processes (restarted if they
+    die); SIGTERM or Ctrl-C drains the workers and stops."""
+    import signal as signals
+
+    from runlane.services.supervisor import WorkerPool
+
+    with _lane() as lane:
+        args = ["--agent-command", agent_command, "--concurrency", str(concurrency)]
+        if verify_command:
+            args += ["--verify-command", verify_command]
+        for queue in queues:
+            args += ["--queue", queue]
+        pool = WorkerPool(args, workers, database_url=lane.settings.database_url)
+        stop = threading.Event()
+        signals.signal(signals.SIGTERM, lambda *_: stop.set())
+        services = [lane.reaper(), lane.reconciler()]
+        threads = [threading.Thread(target=svc.run_forever, args=(stop,), daemon=True)
+                   for svc in services]
+        for t in threads:
+            t.start()
+        pool.start()
+        out.print(f"runlane up: {workers} worker(s) {pool.pids()}, maintenance running; "
+                  "Ctrl-C to stop", soft_wrap=True)
+        try:
+            while not stop.wait(1.0):
+                pool.supervise()
+        except KeyboardInterrupt:
+            stop.set()
+        pool.stop(lane.settings.drain_grace_seconds + lane.settings.agent_term_grace_seconds)
+
+
+@app.group("prs")
+def prs_app() -> None:
+    """Pull requests opened by runs."""
+
+
+@prs_app.command("list")
+@json_flag
+def prs_list(as_json: bool) -> None:
+    """Pull requests opened (or adopted after a crash) by runs."""
+    with _lane() as lane:
+        rows = lane.pull_requests()
+    if as_json:
+        _print_json(rows)
+        return
+    table = Table("run", "repo", "branch", "number", "url")
+    for r in rows:
+        table.add_row(r["run_id"], str(r["repo"]), str(r["branch"]), str(r["number"]),
+                      str(r["url"]))
+    out.print(table)
+
+
 # --- audit / maintain / demo ---------------------------------------------------------
 
 

@@ -1,16 +1,23 @@
-"""``runlane demo``: the run lifecycle on SQLite, start to finish, in a few seconds.
+"""``runlane demo``: the main job on the embedded default (SQLite), start to finish.
 
-Three worker threads claim runs, heartbeat, walk the stages and finish them. The
-scripted prompts make one run hit a provider rate limit (retried after its
-retry-after), one worker die mid-run (its lease expires, the reaper recovers the
-run, another worker finishes it) and one run get cancelled while it runs (the
-cancel reaches its worker through the heartbeat). The agent-command workers,
-git workspaces and pull requests of issue 3 replace the scripted agent later.
+It makes a small fleet of local git repositories (bare repositories are real
+remotes), submits tasks for two tenants, and runs three real ``runlane worker``
+processes with the bundled scripted agent (``runlane.demo_agent``), which edits
+files, sometimes reports PROVIDER_RATE_LIMIT and is sometimes slow. Midway it
+SIGKILLs the worker process running one run (the reaper recovers the run and
+another worker finishes it) and cancels one task while its agent runs. A live
+table shows runs by state; the summary counts runs, attempts by reason, branches
+and pull requests, and says how to look further. The database stays.
 """
 
 from __future__ import annotations
 
-import random
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -22,84 +29,66 @@ from rich.live import Live
 from rich.table import Table
 
 from runlane.api import Runlane
-from runlane.domain.reasons import Reason
 from runlane.domain.states import TERMINAL, RunStatus
-from runlane.errors import CancelRequested, LeaseLost
-from runlane.services.maintenance import Reaper, ReaperConfig
+from runlane.services.maintenance import Reaper, ReaperConfig, Reconciler, ReconcilerConfig
+from runlane.services.supervisor import WorkerPool
 from runlane.settings import Settings
-from runlane.store.store import Lease, Store
 
 S = RunStatus
-LEASE_TTL = 1.5
-HEARTBEAT = 0.3
-
-TASKS: list[tuple[str, str]] = [
-    ("acme", "rename the deprecated config flag"),
-    ("acme", "fix the flaky login test"),
-    ("acme", "rate-limit: bump the HTTP client and update call sites"),
-    ("acme", "crash: migrate the build to the new toolchain"),
-    ("acme", "add type hints to the billing module"),
-    ("acme", "slow: rewrite the search indexer"),
-    ("globex", "update the README install section"),
-    ("globex", "remove dead feature flags"),
-    ("globex", "rate-limit: regenerate the API client"),
-    ("globex", "fix the timezone bug in reports"),
+REPOS = ("acme-api", "acme-web", "globex-shop")
+KILL_PROMPT = "slow: migrate the build to the new toolchain"
+CANCEL_PROMPT = "slow: rewrite the search indexer"
+TASKS: list[tuple[str, str, str]] = [
+    ("acme", "acme-api", "rename the deprecated config flag"),
+    ("acme", "acme-api", "fix the flaky login test"),
+    ("acme", "acme-web", "rate-limit: bump the HTTP client and update call sites"),
+    ("acme", "acme-web", KILL_PROMPT),
+    ("acme", "acme-api", "add type hints to the billing module"),
+    ("acme", "acme-web", CANCEL_PROMPT),
+    ("acme", "acme-api", "noop: check the changelog is up to date"),
+    ("globex", "globex-shop", "update the README install section"),
+    ("globex", "globex-shop", "remove dead feature flags"),
+    ("globex", "globex-shop", "rate-limit: regenerate the API client"),
+    ("globex", "globex-shop", "fix the timezone bug in reports"),
+    ("globex", "globex-shop", "add a health check endpoint"),
 ]
+WORKER_ENV = {
+    "RUNLANE_LEASE_TTL_SECONDS": "2",
+    "RUNLANE_HEARTBEAT_SECONDS": "0.4",
+    "RUNLANE_RETRY_BASE_SECONDS": "0.5",
+    "RUNLANE_RETRY_MAX_SECONDS": "2",
+    "RUNLANE_DRAIN_GRACE_SECONDS": "5",
+    "RUNLANE_AGENT_TERM_GRACE_SECONDS": "1",
+    "DEMO_AGENT_SLOW_SECONDS": "4",
+}
 
 
-class _WorkerDied(Exception):
-    """The scripted agent's way of killing its worker mid-run."""
+def _git(*args: str, cwd: Path | None = None) -> None:
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "demo", "GIT_AUTHOR_EMAIL": "demo@local",
+                        "GIT_COMMITTER_NAME": "demo", "GIT_COMMITTER_EMAIL": "demo@local"})
 
 
-def _work(store: Store, worker_id: str, stop: threading.Event, crashed: set[str]) -> None:
-    rng = random.Random(worker_id)
-    while not stop.is_set():
-        leases = store.claim(worker_id, limit=1, lease_ttl=LEASE_TTL)
-        if not leases:
-            stop.wait(0.1)
-            continue
-        lease = leases[0]
-        prompt = store.get_run(lease.run_id)["task"]["prompt"]
-        try:
-            _attempt(store, lease, prompt, rng, crashed)
-        except _WorkerDied:
-            return  # no release, no more heartbeats: the reaper must find the run
-        except (LeaseLost, CancelRequested):
-            continue
+def make_fleet(root: Path) -> dict[str, Path]:
+    """Bare repositories with one commit each: the remotes the workers push to."""
+    root.mkdir(parents=True, exist_ok=True)
+    fleet: dict[str, Path] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in REPOS:
+            seed = Path(scratch) / name
+            _git("init", "-q", "-b", "main", str(seed))
+            (seed / "README.md").write_text(f"# {name}\n")
+            _git("add", "README.md", cwd=seed)
+            _git("commit", "-q", "-m", "initial commit", cwd=seed)
+            bare = root / f"{name}.git"
+            _git("clone", "-q", "--bare", str(seed), str(bare))
+            fleet[name] = bare
+    return fleet
 
 
-def _attempt(store: Store, lease: Lease, prompt: str, rng: random.Random,
-             crashed: set[str]) -> None:
-    store.advance(lease, S.PREPARING_SANDBOX)
-    store.advance(lease, S.RUNNING)
-    duration = 3.0 if prompt.startswith("slow") else rng.uniform(0.3, 0.8)
-    deadline = time.monotonic() + duration
-    while time.monotonic() < deadline:
-        if prompt.startswith("crash") and lease.run_id not in crashed:
-            crashed.add(lease.run_id)
-            raise _WorkerDied
-        beat = store.heartbeat(lease.worker_id, [lease], lease_ttl=LEASE_TTL)
-        if lease.run_id in beat.lost:
-            raise LeaseLost(lease.run_id)
-        if lease.run_id in beat.cancel_requested:
-            store.acknowledge_cancel(lease)
-            store.finish_cancel(lease)
-            return
-        time.sleep(min(HEARTBEAT, max(deadline - time.monotonic(), 0)))
-    store.report_cost(lease, round(rng.uniform(0.01, 0.2), 3), input_tokens=1200,
-                      output_tokens=300)
-    if prompt.startswith("rate-limit") and lease.attempt_no == 1:
-        store.fail(lease, Reason.PROVIDER_RATE_LIMIT, message="429 from the model provider",
-                   retry_after_seconds=1.0)
-        return
-    store.advance(lease, S.VERIFYING)
-    store.advance(lease, S.FINALIZING)
-    store.complete(lease, outcome="changes_ready")
-
-
-def _table(store: Store, elapsed: float) -> Table:
-    counts = Counter(r["status"] for r in store.list_runs())
-    table = Table(title=f"runlane demo - {elapsed:4.1f}s")
+def _table(runs: list[dict[str, Any]], elapsed: float, note: str) -> Table:
+    counts = Counter(r["status"] for r in runs)
+    table = Table(title=f"runlane demo - {elapsed:4.1f}s", caption=note)
     table.add_column("state")
     table.add_column("runs", justify="right")
     for status in S:
@@ -108,101 +97,137 @@ def _table(store: Store, elapsed: float) -> Table:
     return table
 
 
-def run_demo(directory: Path, console: Console | None = None,
-             workers: int = 3, timeout: float = 60.0) -> dict[str, Any]:
-    directory.mkdir(parents=True, exist_ok=True)
-    db = directory / "runlane.db"
-    for suffix in ("", "-wal", "-shm"):
-        Path(f"{db}{suffix}").unlink(missing_ok=True)
-    url = f"sqlite:///{db}"
-    settings = Settings(database_url=url, lease_ttl_seconds=LEASE_TTL,
-                        heartbeat_seconds=HEARTBEAT, retry_base_seconds=0.5,
-                        retry_max_seconds=2.0, max_attempts=3)
+def run_demo(directory: Path, console: Console | None = None, *, workers: int = 3,
+             timeout: float = 90.0) -> dict[str, Any]:
     started = time.monotonic()
-    lane = Runlane(settings=settings, rng=random.Random(7))
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    directory = directory.resolve()
+    url = f"sqlite:///{directory / 'runlane.db'}"
+    fleet = make_fleet(directory / "repos")
+    env = {**WORKER_ENV, "RUNLANE_FORGE_DIR": str(directory / "forge"),
+           "RUNLANE_ARTIFACTS_DIR": str(directory / "artifacts"),
+           "RUNLANE_WORKSPACE_DIR": str(directory / "workspaces"),
+           "RUNLANE_LOG_LEVEL": "WARNING"}
+    lane = Runlane(settings=Settings(database_url=url, lease_ttl_seconds=2,
+                                     retry_base_seconds=0.5, retry_max_seconds=2))
     lane.upgrade_schema()
-    rows = [{"tenant": t, "repo": f"/srv/git/{t}/service.git", "prompt": p,
-             "idempotency_key": f"demo-{i}", "priority": "high" if "fix" in p else "normal"}
-            for i, (t, p) in enumerate(TASKS)]
+    rows = [{"tenant": tenant, "repo": str(fleet[repo]), "prompt": prompt,
+             "idempotency_key": f"demo-{i}",
+             "priority": "high" if prompt.startswith("fix") else "normal"}
+            for i, (tenant, repo, prompt) in enumerate(TASKS)]
     submissions = lane.submit_batch(rows)
     again = lane.submit_batch(rows[:2])  # a duplicate submit creates nothing
-    store = lane.store
+    by_prompt = {prompt: sub for (_, _, prompt), sub in zip(TASKS, submissions, strict=True)}
+
     stop = threading.Event()
-    crashed: set[str] = set()
-    reaper = Reaper(store, ReaperConfig(interval_seconds=0.2))
-    threads = [threading.Thread(target=reaper.run_forever, args=(stop,), daemon=True)]
-    threads += [threading.Thread(target=_work, args=(store, f"demo-worker-{n}", stop, crashed),
-                                 daemon=True) for n in range(1, workers + 1)]
+    services = [Reaper(lane.store, ReaperConfig(interval_seconds=0.25)),
+                Reconciler(lane.store, ReconcilerConfig(interval_seconds=1.0))]
+    threads = [threading.Thread(target=s.run_forever, args=(stop,), daemon=True)
+               for s in services]
     for t in threads:
         t.start()
-    slow_task = next(s.task_id for s, (_, p) in zip(submissions, TASKS, strict=True)
-                     if p.startswith("slow"))
+    pool = WorkerPool(["--agent-command", f"{sys.executable} -m runlane.demo_agent",
+                       "--concurrency", "2"], workers, database_url=url, env=env,
+                      stderr=subprocess.DEVNULL)
+    pool.start()
+    killed: int | None = None
     cancelled = False
-    replacement = workers
-    live = Live(_table(store, 0), console=console, refresh_per_second=8) if console else None
+    note = "starting workers"
+    live = Live(_table([], 0, note), console=console, refresh_per_second=8,
+                transient=False) if console else None
     if live:
         live.start()
     try:
         while time.monotonic() - started < timeout:
-            runs = store.list_runs()
-            if not cancelled and any(r["task_id"] == slow_task and r["status"] == S.RUNNING
-                                     for r in runs):
-                lane.cancel(slow_task)
+            runs = lane.runs()
+            status = {r["run_id"]: r["status"] for r in runs}
+            victim = by_prompt[KILL_PROMPT].run_id
+            if killed is None and status[victim] == S.RUNNING:
+                worker_id = lane.run(victim)["attempts"][-1]["worker_id"]
+                killed = int(worker_id.split("/")[1])
+                os.kill(killed, signal.SIGKILL)
+                note = f"SIGKILLed worker process {killed} in the middle of a run"
+            target = by_prompt[CANCEL_PROMPT]
+            if not cancelled and status[target.run_id] == S.RUNNING:
+                lane.cancel(target.task_id)
                 cancelled = True
-            alive = sum(1 for t in threads[1:] if t.is_alive())
-            if alive < workers:  # a worker died: start a replacement, as a supervisor would
-                replacement += 1
-                t = threading.Thread(target=_work, args=(
-                    store, f"demo-worker-{replacement}", stop, crashed), daemon=True)
-                t.start()
-                threads.append(t)
+                note = "cancelled a task while its agent runs"
+            pool.supervise()
             if live:
-                live.update(_table(store, time.monotonic() - started))
-            if all(S(r["status"]) in TERMINAL for r in runs):
+                live.update(_table(runs, time.monotonic() - started, note))
+            if all(S(s) in TERMINAL for s in status.values()):
                 break
             time.sleep(0.1)
     finally:
+        pool.stop(grace_seconds=10)
         stop.set()
         for t in threads:
             t.join(timeout=5)
         if live:
-            live.update(_table(store, time.monotonic() - started))
+            live.update(_table(lane.runs(), time.monotonic() - started, "done"))
             live.stop()
-    return _summary(lane, submissions, again, time.monotonic() - started, console, url)
+    summary = _summary(lane, submissions, again, fleet, time.monotonic() - started,
+                       killed, pool.restarts, url)
+    lane.close()
+    if console:
+        _print_summary(console, summary, url)
+    return summary
 
 
-def _summary(lane: Runlane, submissions: list[Any], again: list[Any], wall: float,
-             console: Console | None, url: str) -> dict[str, Any]:
+def _summary(lane: Runlane, submissions: list[Any], again: list[Any], fleet: dict[str, Path],
+             wall: float, killed: int | None, restarts: int, url: str) -> dict[str, Any]:
     runs = lane.runs()
-    details = [lane.run(r["run_id"]) for r in runs]
-    attempts = [a for d in details for a in d["attempts"]]
-    retried = Counter(a["reason_code"] for a in attempts if a["reason_code"])
-    violations = [v.__dict__ for v in lane.audit()]
-    summary = {
+    attempts = [a for r in runs for a in lane.run(r["run_id"])["attempts"]]
+    pull_requests = lane.pull_requests()
+    branches = 0
+    for bare in fleet.values():
+        listed = subprocess.run(["git", "--git-dir", str(bare), "branch", "--list", "agent/*"],
+                                capture_output=True, text=True, check=True).stdout
+        branches += len(listed.split())
+    recovered = next((a["run_id"] for a in attempts if a["reason_code"] == "WORKER_LOST"), None)
+    return {
         "database": url,
         "tasks": len(submissions),
         "duplicate_submits_ignored": sum(1 for s in again if not s.created),
         "runs_by_state": dict(Counter(r["status"] for r in runs)),
+        "outcomes": dict(Counter(r["outcome"] for r in runs if r["outcome"])),
         "attempts": len(attempts),
-        "attempts_by_reason": dict(retried),
+        "attempts_by_reason": dict(Counter(a["reason_code"] for a in attempts
+                                           if a["reason_code"])),
+        "retries": len(attempts) - len(runs),
+        "pull_requests": len(pull_requests),
+        "agent_branches": branches,
+        "worker_killed": killed,
+        "worker_restarts": restarts,
+        "recovered_run": recovered,
         "cost_usd": round(sum(r["cost_usd"] for r in runs), 3),
         "wall_seconds": round(wall, 2),
-        "violations": violations,
+        "violations": [v.__dict__ for v in lane.audit()],
     }
-    lane.close()
-    if console:
-        console.print(f"\n[bold]{summary['tasks']} tasks[/bold], "
-                      f"{summary['duplicate_submits_ignored']} duplicate submits ignored, "
-                      f"{summary['attempts']} attempts in {summary['wall_seconds']}s")
-        console.print("runs by state:    " + ", ".join(
-            f"{k} {v}" for k, v in sorted(summary["runs_by_state"].items())))
-        console.print("attempts ended by: " + ", ".join(
-            f"{k} {v}" for k, v in sorted(retried.items())))
-        console.print("audit: " + ("all invariants hold" if not violations
-                                   else f"[red]{len(violations)} violation(s)[/red]"))
-        recovered = next((d["run_id"] for d in details if any(
-            a["reason_code"] == Reason.WORKER_LOST for a in d["attempts"])), runs[0]["run_id"])
-        console.print(f"\nlook further:\n  runlane --database-url {url} runs list\n"
-                      f"  runlane --database-url {url} runs show {recovered}\n"
-                      f"  runlane --database-url {url} audit", soft_wrap=True)
-    return summary
+
+
+def _print_summary(console: Console, summary: dict[str, Any], url: str) -> None:
+    def line(label: str, counts: dict[str, int]) -> None:
+        text = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+        console.print(f"{label:<20}{text}", soft_wrap=True)
+
+    console.print(f"\n[bold]{summary['tasks']} tasks, {summary['attempts']} attempts, "
+                  f"{summary['retries']} retries in {summary['wall_seconds']}s[/bold] "
+                  f"({summary['duplicate_submits_ignored']} duplicate submits ignored)")
+    line("runs by state:", summary["runs_by_state"])
+    line("outcomes:", summary["outcomes"])
+    line("attempts ended by:", summary["attempts_by_reason"])
+    console.print(f"{'pull requests:':<20}{summary['pull_requests']} opened, "
+                  f"{summary['agent_branches']} agent branches pushed")
+    console.print(f"{'recovery:':<20}worker {summary['worker_killed']} SIGKILLed, "
+                  f"{summary['worker_restarts']} worker restart(s), cost "
+                  f"${summary['cost_usd']}")
+    violations = summary["violations"]
+    console.print("audit:              " + ("all invariants hold" if not violations
+                                           else f"[red]{len(violations)} violation(s)[/red]"))
+    show = summary["recovered_run"] or ""
+    console.print(f"\nlook further:\n  .venv/bin/runlane --database-url {url} runs list\n"
+                  f"  .venv/bin/runlane --database-url {url} runs show {show}\n"
+                  f"  .venv/bin/runlane --database-url {url} prs list\n"
+                  f"  .venv/bin/runlane --database-url {url} audit", soft_wrap=True)

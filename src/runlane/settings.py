@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,10 @@ class Settings(BaseSettings):
     max_attempt_seconds: float = Field(7200.0, gt=0)
     max_run_seconds: float | None = Field(None, gt=0)
     max_run_cost_usd: float | None = Field(None, ge=0)
+    workspace_dir: Path = Path(tempfile.gettempdir()) / "runlane-workspaces"
+    artifacts_dir: Path = Path("runlane-artifacts")
+    drain_grace_seconds: float = Field(30.0, ge=0)
+    agent_term_grace_seconds: float = Field(10.0, ge=0)
 
     @classmethod
     def settings_customise_sources(

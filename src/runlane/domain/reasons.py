@@ -22,6 +22,10 @@ class Reason(StrEnum):
     TIMEOUT = "TIMEOUT"
     LIMIT_EXCEEDED = "LIMIT_EXCEEDED"
     LEASE_LOST = "LEASE_LOST"
+    # A push or a code-host call failed in a way a retry may fix (network, 5xx, 429).
+    CODE_HOST_FAILED_TRANSIENT = "CODE_HOST_FAILED_TRANSIENT"
+    # The worker itself failed (a bug, not the agent): not retried blindly.
+    WORKER_ERROR = "WORKER_ERROR"
     PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
     # Budgets of a run (seed 000 §15): recorded when a retryable failure is not retried.
     RETRY_BUDGET_EXHAUSTED = "RETRY_BUDGET_EXHAUSTED"
@@ -43,5 +47,6 @@ DEFAULT_RETRYABLE: frozenset[Reason] = frozenset(
         Reason.GIT_CLONE_FAILED_TRANSIENT,
         Reason.TIMEOUT,
         Reason.LEASE_RELEASED,
+        Reason.CODE_HOST_FAILED_TRANSIENT,
     }
 )

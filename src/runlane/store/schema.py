@@ -159,6 +159,23 @@ run_events = Table(
     Index("ix_run_events_run", "run_id", "event_id"),
 )
 
+# The side-effect ledger (invariant 8): one row per external effect of a run, keyed
+# by the effect's deterministic identity. INTENT is written, with the fencing token,
+# before the external call; DONE with its result after. A retried finalizer finds
+# the row (or the effect's marker outside) and never acts twice.
+side_effects = Table(
+    "side_effects",
+    metadata,
+    Column("run_id", ID, ForeignKey("runs.run_id"), primary_key=True),
+    Column("effect_key", String(255), primary_key=True),
+    Column("status", String(16), nullable=False),  # INTENT, DONE
+    Column("attempt_no", Integer, nullable=False),
+    Column("fencing_token", BigInteger, nullable=False),
+    Column("result", JSON),
+    Column("created_at", Timestamp, nullable=False),
+    Column("completed_at", Timestamp),
+)
+
 workers = Table(
     "workers",
     metadata,

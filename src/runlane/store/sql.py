@@ -173,6 +173,28 @@ UPDATE runs SET cost_usd = cost_usd + :usd, updated_at = {now}
 WHERE run_id = :run_id AND fencing_token = :token
 """
 
+# --- side-effect ledger -------------------------------------------------------------
+
+# Record (or take over) the intent to perform an effect. A DONE row is never touched;
+# an INTENT left by an older lease is taken over by the newer one.
+EFFECT_INTENT_INSERT = """
+INSERT INTO side_effects (run_id, effect_key, status, attempt_no, fencing_token, result,
+                          created_at, completed_at)
+VALUES (:run_id, :effect_key, 'INTENT', :attempt_no, :token, NULL, :now, NULL)
+ON CONFLICT (run_id, effect_key) DO UPDATE
+SET fencing_token = excluded.fencing_token, attempt_no = excluded.attempt_no
+WHERE side_effects.status = 'INTENT' AND side_effects.fencing_token < excluded.fencing_token
+"""
+EFFECT_GET = """
+SELECT run_id, effect_key, status, attempt_no, fencing_token, result, created_at, completed_at
+FROM side_effects WHERE run_id = :run_id AND effect_key = :effect_key
+"""
+EFFECT_DONE = """
+UPDATE side_effects SET status = 'DONE', result = :result, completed_at = :now
+WHERE run_id = :run_id AND effect_key = :effect_key AND status = 'INTENT'
+  AND fencing_token = :token
+"""
+
 # --- cancellation ------------------------------------------------------------------
 
 MARK_TASK_CANCELLED = """
@@ -297,6 +319,17 @@ AUDIT_CHECKS: dict[str, str] = {
         SELECT run_id, CAST(attempt_count AS TEXT) || ' attempts, max '
                || CAST(max_attempts AS TEXT) AS detail
         FROM runs WHERE attempt_count > max_attempts""",
+    "side_effect_with_stale_token": """
+        SELECT e.run_id, 'effect ' || e.effect_key || ' completed with token '
+               || CAST(e.fencing_token AS TEXT) || ' outside that lease' AS detail
+        FROM side_effects e
+        WHERE e.status = 'DONE' AND NOT EXISTS (
+            SELECT 1 FROM attempts a
+            WHERE a.run_id = e.run_id AND a.fencing_token = e.fencing_token
+              AND a.started_at <= e.completed_at
+              AND e.completed_at <= CASE
+                  WHEN a.lease_ended_at IS NOT NULL AND a.lease_ended_at < a.lease_expires_at
+                  THEN a.lease_ended_at ELSE a.lease_expires_at END)""",
     "failed_attempt_without_reason": """
         SELECT run_id, 'attempt ' || CAST(attempt_no AS TEXT) || ' ' || status
                || ' without a reason code' AS detail

@@ -9,11 +9,12 @@ changes nothing the store says why (``LeaseLost`` or ``CancelRequested``).
 from __future__ import annotations
 
 import itertools
+import json
 import random
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import structlog
@@ -91,6 +92,16 @@ class HeartbeatResult:
 class CancelResult:
     task_id: str
     runs: dict[str, str]  # run_id -> status after the request
+
+
+@dataclass(frozen=True)
+class SideEffect:
+    run_id: str
+    effect_key: str
+    status: str  # INTENT or DONE
+    attempt_no: int
+    fencing_token: int
+    result: dict[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -360,8 +371,10 @@ class Store:
                 )
                 for queue in sorted({r["queue"] for r in run_rows}):
                     self._notify(conn, WAKEUP_CHANNEL, queue)
-            for i, first in aliases.items():
-                results[i] = results[first]
+            for i, first in aliases.items():  # a repeat inside the batch creates nothing
+                original = results[first]
+                assert original is not None
+                results[i] = replace(original, created=False)
             return [r for r in results if r is not None]
 
         submissions = self._transaction(work)
@@ -637,6 +650,81 @@ class Store:
             return path[-1]
         return status
 
+    # --- side-effect ledger -----------------------------------------------------------
+
+    def _live_snapshot(self, conn: Connection, lease: Lease) -> _Snapshot:
+        snap = self._snapshot(conn, lease.run_id, lease.fencing_token)
+        if snap is None or not snap.lease_live:
+            raise LeaseLost(f"run {lease.run_id}: lease with token {lease.fencing_token} "
+                            "is no longer live")
+        if snap.status in CANCELLING:
+            raise CancelRequested(f"run {lease.run_id} is {snap.status}")
+        return snap
+
+    def check_lease(self, lease: Lease) -> None:
+        """Raise LeaseLost or CancelRequested unless the lease is live and the run is not
+        being cancelled: the check before every irreversible step."""
+        self._transaction(lambda conn: self._live_snapshot(conn, lease))
+
+    def effect_intent(self, lease: Lease, key: str) -> SideEffect:
+        """Record the intent to perform effect ``key`` under this lease, or return the
+        effect as already recorded (DONE by any lease). Refused when the lease is not
+        live or the run is being cancelled: no new side effect after a cancel."""
+        def work(conn: Connection) -> SideEffect:
+            snap = self._live_snapshot(conn, lease)
+            params = {"run_id": lease.run_id, "effect_key": key, "token": lease.fencing_token,
+                      "attempt_no": lease.attempt_no, "now": snap.now}
+            conn.execute(self._q(sql.EFFECT_INTENT_INSERT), params)
+            return self._effect(conn, lease.run_id, key)
+
+        return self._transaction(work)
+
+    def effect_done(self, lease: Lease, key: str, result: dict[str, Any]) -> None:
+        """Record an effect's result; only the lease that holds the intent may."""
+        def work(conn: Connection) -> None:
+            snap = self._snapshot(conn, lease.run_id, lease.fencing_token)
+            if snap is None or not snap.lease_live:
+                raise LeaseLost(f"run {lease.run_id}: effect {key} done after losing the lease")
+            done = conn.execute(self._q(sql.EFFECT_DONE), {
+                "run_id": lease.run_id, "effect_key": key, "token": lease.fencing_token,
+                "result": json.dumps(result), "now": snap.now}).rowcount
+            if done != 1:
+                raise LeaseLost(f"run {lease.run_id}: effect {key} is not this lease's intent")
+            log.info("side_effect_done", run_id=lease.run_id, attempt_id=lease.attempt_id,
+                     fencing_token=lease.fencing_token, worker_id=lease.worker_id,
+                     effect=key, result=result)
+
+        self._transaction(work)
+
+    def _effect(self, conn: Connection, run_id: str, key: str) -> SideEffect:
+        row = conn.execute(self._q(sql.EFFECT_GET), {"run_id": run_id, "effect_key": key}).one()
+        result = row.result
+        if isinstance(result, str):
+            result = json.loads(result)
+        return SideEffect(row.run_id, row.effect_key, row.status, row.attempt_no,
+                          row.fencing_token, result)
+
+    def pull_requests(self) -> list[dict[str, Any]]:
+        """Pull requests opened (or adopted) by runs, as recorded in the ledger."""
+        return [
+            {"run_id": e.run_id, "repo": (e.result or {}).get("repo"),
+             "branch": (e.result or {}).get("head_branch"),
+             "number": (e.result or {}).get("number"), "url": (e.result or {}).get("url"),
+             "adopted": bool((e.result or {}).get("adopted"))}
+            for e in self.side_effects() if e.effect_key == "pull_request" and e.status == "DONE"
+        ]
+
+    def side_effects(self, run_id: str | None = None) -> list[SideEffect]:
+        query = "SELECT run_id, effect_key FROM side_effects"
+        params: dict[str, Any] = {}
+        if run_id is not None:
+            query += " WHERE run_id = :run_id"
+            params["run_id"] = run_id
+        with self.engine.connect() as conn:
+            keys = conn.execute(text(query + " ORDER BY created_at, run_id, effect_key"),
+                                params).all()
+            return [self._effect(conn, r.run_id, r.effect_key) for r in keys]
+
     # --- cancellation -------------------------------------------------------------
 
     def cancel(self, task_id: str, *, actor: str = "user") -> CancelResult:
@@ -816,6 +904,20 @@ class Store:
                     .order_by(run_events.c.event_id))
             ]
             return run
+
+    def waiting_count(self, queues: Sequence[str]) -> int:
+        """Runs queued in these queues, visible now or later (backoff)."""
+        with self.engine.connect() as conn:
+            return int(conn.execute(
+                self._q("SELECT COUNT(*) FROM runs WHERE status = 'QUEUED' AND queue IN :q",
+                        "q"), {"q": list(queues)}).scalar_one())
+
+    def get_task(self, task_id: str) -> dict[str, Any]:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(tasks).where(tasks.c.task_id == task_id)).first()
+            if row is None:
+                raise NotFound(f"no task {task_id!r}")
+            return dict(row._mapping)
 
     def runs_of_task(self, task_id: str) -> list[str]:
         with self.engine.connect() as conn:

@@ -63,6 +63,10 @@ class Listener:
     def wait_connected(self, timeout: float = 5.0) -> bool:
         return not self.enabled or self._connected.wait(timeout)
 
+    def poke(self, channel: str = "local", payload: str = "") -> None:
+        """Wake the waiter from inside the process (a slot freed, a drain began)."""
+        self._inbox.put(Wakeup(channel, payload))
+
     def wait(self, timeout: float) -> list[Wakeup]:
         """Everything that arrived, or [] after ``timeout`` seconds (the poll)."""
         try:

@@ -1,0 +1,1 @@
+"""Agent runners: the agent-command protocol (CONTRACT.md) and in-process agents."""

@@ -1,0 +1,64 @@
+"""What every agent runner shares: how it asks whether to stop, and what it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Protocol
+
+
+class StopReason(StrEnum):
+    """Why a runner stopped the agent before it finished on its own."""
+
+    CANCELLED = "cancelled"  # the run got CANCEL_REQUESTED
+    LEASE_LOST = "lease_lost"  # the heartbeat could not extend the lease
+    TIMEOUT = "timeout"  # the run's wall-clock limit passed
+    LIMIT_EXCEEDED = "limit_exceeded"  # e.g. reported cost over the run's maximum
+    DRAINING = "draining"  # the worker's drain grace period is over
+
+
+class AttemptControl(Protocol):
+    """The worker's side of a running attempt, as a runner sees it."""
+
+    def stop_reason(self) -> StopReason | None:
+        """Non-None as soon as the agent must stop (polled often; must be cheap)."""
+        ...
+
+    def report_cost(self, usd: float, input_tokens: int, output_tokens: int) -> None: ...
+
+    def progress(self, message: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failure the agent classified itself with a control line."""
+
+    reason_code: str
+    message: str | None = None
+    retry_after_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class AttemptLimits:
+    wall_clock_seconds: float | None = None
+    max_changed_files: int | None = None
+    max_diff_lines: int | None = None
+
+
+@dataclass
+class AgentResult:
+    """How the agent's part of an attempt ended."""
+
+    exit_code: int | None  # None when it was killed or never started
+    failure: Failure | None = None  # the last {"runlane": "fail"} control line, if any
+    stopped: StopReason | None = None
+    log_path: Path | None = None
+    progress: list[str] = field(default_factory=list)
+    signal: int | None = None  # the signal that ended the agent's shell, if one did
+    killed: bool = False  # True when the process group had to be SIGKILLed after the grace
+    duration_seconds: float | None = None  # wall-clock time from start to the group gone
+
+    @property
+    def succeeded(self) -> bool:
+        return self.stopped is None and self.exit_code == 0 and self.failure is None

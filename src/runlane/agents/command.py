@@ -1,0 +1,460 @@
+"""The agent command (CONTRACT.md, "The agent command").
+
+``/bin/sh -c CMD`` runs in the workspace, in its own process group (its own
+session), with stdin from /dev/null. One reader thread pumps stdout and stderr:
+control lines (``{"runlane": ...}``) go to the attempt's control, every other line
+to ``artifacts_dir/log_name``, written and flushed line by line so a killed
+agent's partial log survives. The calling thread polls the control's stop reason
+and the wall-clock limit; on either, the whole process group gets SIGTERM, then
+SIGKILL after the grace. Whatever happens, :meth:`CommandRunner.run` returns only
+once no process of the group is left (leftover background children of an agent
+that exited on its own are terminated the same way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+
+from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, Failure, StopReason
+from runlane.domain.reasons import Reason
+
+log = structlog.get_logger("runlane.agents")
+
+MARKER = "[runlane]"  # prefix of the lines the runner itself writes into the log
+MAX_LINE_BYTES = 1 << 20  # a longer line without a newline is logged in pieces
+MAX_MESSAGE_CHARS = 4096  # messages of control lines are cut to this length
+_READ_CHUNK = 65536
+_SELECT_SECONDS = 0.05
+_KNOWN_REASONS = frozenset(r.value for r in Reason)
+
+
+# --- control lines -------------------------------------------------------------
+
+
+class MalformedControlLine(ValueError):
+    """A line that is meant as a control line (a JSON object with a "runlane" key,
+    or something that tries to be) but cannot be honoured."""
+
+
+@dataclass(frozen=True)
+class CostReport:
+    usd: float
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ProgressReport:
+    message: str
+
+
+ControlMessage = Failure | CostReport | ProgressReport
+
+
+def parse_control_line(line: str) -> ControlMessage | None:
+    """The control message a stdout line carries; None for an ordinary log line.
+
+    Raises MalformedControlLine for a JSON object with a "runlane" key whose kind
+    or fields are wrong (and for a line that looks like one but is not valid JSON).
+    """
+    text = line.strip()
+    if not (text.startswith("{") and text.endswith("}")):
+        return None
+    try:
+        obj: Any = json.loads(text)
+    except ValueError as exc:
+        if '"runlane"' in text:
+            raise MalformedControlLine(f"not valid JSON: {exc}") from None
+        return None
+    if not isinstance(obj, dict) or "runlane" not in obj:
+        return None
+    kind = obj["runlane"]
+    if kind == "fail":
+        return _parse_fail(obj)
+    if kind == "cost":
+        return _parse_cost(obj)
+    if kind == "progress":
+        message = obj.get("message")
+        if not isinstance(message, str):
+            raise MalformedControlLine('"progress" needs a string "message"')
+        return ProgressReport(message[:MAX_MESSAGE_CHARS])
+    raise MalformedControlLine(f"unknown kind {kind!r} (expected fail, cost or progress)")
+
+
+def _parse_fail(obj: dict[str, Any]) -> Failure:
+    code = obj.get("reason_code")
+    if not isinstance(code, str) or code not in _KNOWN_REASONS:
+        raise MalformedControlLine(f'"fail" needs a known "reason_code", got {code!r}')
+    message = obj.get("message")
+    if message is not None and not isinstance(message, str):
+        raise MalformedControlLine('"message" must be a string')
+    retry_after = obj.get("retry_after_seconds")
+    if retry_after is not None:
+        retry_after = _number(retry_after, "retry_after_seconds")
+    return Failure(reason_code=code,
+                   message=message[:MAX_MESSAGE_CHARS] if message is not None else None,
+                   retry_after_seconds=retry_after)
+
+
+def _parse_cost(obj: dict[str, Any]) -> CostReport:
+    if "usd" not in obj:
+        raise MalformedControlLine('"cost" needs "usd"')
+    return CostReport(usd=_number(obj["usd"], "usd"),
+                      input_tokens=_count(obj.get("input_tokens", 0), "input_tokens"),
+                      output_tokens=_count(obj.get("output_tokens", 0), "output_tokens"))
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value) or value < 0:
+        raise MalformedControlLine(f'"{name}" must be a non-negative number, got {value!r}')
+    return float(value)
+
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedControlLine(f'"{name}" must be a non-negative integer, got {value!r}')
+    return value
+
+
+# --- the log -------------------------------------------------------------------
+
+
+class _Log:
+    """The attempt's log: appended to (a retry never erases evidence), one flush a line.
+    Written by the reader thread and by the runner; a lock keeps lines whole."""
+
+    def __init__(self, path: Path) -> None:
+        self._file: IO[bytes] | None = open(path, "ab")  # noqa: SIM115 - closed in close()
+        self._lock = threading.Lock()
+
+    def line(self, data: bytes) -> None:
+        with self._lock:
+            if self._file is None:
+                return
+            self._file.write(data if data.endswith(b"\n") else data + b"\n")
+            self._file.flush()
+
+    def note(self, text: str) -> None:
+        self.line(f"{MARKER} {text}\n".encode())
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+# --- the reader thread ---------------------------------------------------------
+
+
+class _Pump:
+    """Reads the agent's stdout and stderr until both reach EOF (or until told to stop,
+    when a process outside the group still holds a pipe open) and splits them into lines."""
+
+    def __init__(self, stdout: IO[bytes], stderr: IO[bytes], on_stdout: Callable[[bytes], None],
+                 on_stderr: Callable[[bytes], None], log_: _Log) -> None:
+        self._streams = {stdout.fileno(): on_stdout, stderr.fileno(): on_stderr}
+        self._log = log_
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="runlane-agent-output",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def finish(self, drain_seconds: float) -> bool:
+        """Wait for EOF on both pipes; True when it came, False when we gave up."""
+        self._thread.join(drain_seconds)
+        if not self._thread.is_alive():
+            return True
+        self._stop.set()
+        self._thread.join()
+        return False
+
+    def _run(self) -> None:
+        buffers = {fd: bytearray() for fd in self._streams}
+        with selectors.DefaultSelector() as sel:
+            for fd in self._streams:
+                sel.register(fd, selectors.EVENT_READ)
+            while sel.get_map() and not self._stop.is_set():
+                for key, _ in sel.select(_SELECT_SECONDS):
+                    fd = key.fd
+                    try:
+                        chunk = os.read(fd, _READ_CHUNK)
+                    except OSError:
+                        chunk = b""
+                    if not chunk:
+                        sel.unregister(fd)
+                        continue
+                    buf = buffers[fd]
+                    buf += chunk
+                    self._emit_lines(fd, buf)
+        for fd, buf in buffers.items():  # a last line without a newline
+            if buf:
+                self._deliver(fd, bytes(buf))
+
+    def _emit_lines(self, fd: int, buf: bytearray) -> None:
+        while True:
+            end = buf.find(b"\n")
+            if end < 0:
+                if len(buf) >= MAX_LINE_BYTES:
+                    self._deliver(fd, bytes(buf[:MAX_LINE_BYTES]))
+                    del buf[:MAX_LINE_BYTES]
+                    continue
+                return
+            self._deliver(fd, bytes(buf[:end + 1]))
+            del buf[:end + 1]
+
+    def _deliver(self, fd: int, line: bytes) -> None:
+        try:
+            self._streams[fd](line)
+        except Exception as exc:  # never let one line stop the pump (the agent would block)
+            log.warning("agent_output_handler_failed", error=repr(exc))
+            self._log.note(f"WARNING could not handle an output line: {exc!r}")
+
+
+# --- the process group ---------------------------------------------------------
+
+
+class _Group(Enum):
+    ALIVE = "alive"
+    ZOMBIES = "zombies"  # only exited processes not yet reaped by their parent (init)
+    GONE = "gone"
+
+
+def _group_state(pgid: int) -> _Group:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return _Group.GONE
+    except PermissionError:
+        return _Group.ALIVE
+    members = _members(pgid)
+    if members is None or any(state not in (b"Z", b"X") for _, state, _ in members):
+        return _Group.ALIVE
+    return _Group.ZOMBIES
+
+
+def _members(pgid: int) -> list[tuple[int, bytes, int]] | None:
+    """(pid, state, ppid) of every process of the group, from /proc (Linux); None
+    when /proc cannot tell."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    found = []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat[stat.rfind(b")") + 2:].split()  # state, ppid, pgrp, ...
+        if len(fields) >= 3 and int(fields[2]) == pgid:
+            found.append((int(entry), fields[0], int(fields[1])))
+    return found
+
+
+def _reap_adopted(pgid: int, leader: int) -> None:
+    """Reap the group's zombies that were re-parented to us: this happens when the
+    worker is PID 1 of a container or a child subreaper, and nobody else would."""
+    me = os.getpid()
+    for pid, state, ppid in _members(pgid) or []:
+        if ppid == me and pid != leader and state == b"Z":  # the leader is Popen's to reap
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+# --- the runner ----------------------------------------------------------------
+
+
+class CommandRunner:
+    """Runs the agent command of CONTRACT.md for one attempt.
+
+    ``term_grace_seconds``: how long the process group has between SIGTERM and SIGKILL.
+    ``poll_seconds``: how often the stop reason and the wall clock are checked.
+    ``drain_seconds``: how long to wait for the output pipes to close once the group
+    is gone (only a process that left the group can hold them open longer).
+    ``reap_timeout_seconds``: how long to wait, after the last process of the group
+    exited, until its zombies are reaped (by init) and the group no longer exists.
+    """
+
+    def __init__(self, command: str, *, term_grace_seconds: float = 5.0,
+                 poll_seconds: float = 0.05, drain_seconds: float = 2.0,
+                 reap_timeout_seconds: float = 10.0) -> None:
+        self.command = command
+        self.term_grace_seconds = term_grace_seconds
+        self.poll_seconds = poll_seconds
+        self.drain_seconds = drain_seconds
+        self.reap_timeout_seconds = reap_timeout_seconds
+
+    def run(self, *, workspace: Path, artifacts_dir: Path, env: dict[str, str],
+            control: AttemptControl, limits: AttemptLimits,
+            log_name: str = "agent.log") -> AgentResult:
+        artifacts_dir.mkdir(parents=True, exist_ok=True)
+        log_path = artifacts_dir / log_name
+        out = _Log(log_path)
+        started = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                ["/bin/sh", "-c", self.command], cwd=workspace, env={**os.environ, **env},
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, close_fds=True)
+        except OSError as exc:
+            out.note(f"ERROR could not start the agent command: {exc}")
+            out.close()
+            log.error("agent_start_failed", error=str(exc), workspace=str(workspace))
+            return AgentResult(exit_code=None, log_path=log_path, duration_seconds=0.0)
+        assert proc.stdout is not None and proc.stderr is not None
+        pgid = proc.pid  # start_new_session: the shell leads its own session and group
+        lines = _ControlLines(control, out)
+        pump = _Pump(proc.stdout, proc.stderr, lines.stdout_line, out.line, out)
+        pump.start()
+        deadline = (started + limits.wall_clock_seconds
+                    if limits.wall_clock_seconds is not None else None)
+        stopped: StopReason | None = None
+        killed = False
+        try:
+            stopped = self._watch(proc, control, deadline)
+            if stopped is not None:
+                out.note(f"stopping the agent ({stopped.value}): SIGTERM to its process group")
+                log.info("agent_stopping", reason=stopped.value, pgid=pgid)
+        finally:
+            # Also on an exception (or KeyboardInterrupt) here: nothing of the group survives.
+            killed = self._end_group(proc, pgid, out, requested=stopped is not None)
+            if not pump.finish(self.drain_seconds):
+                out.note("WARNING a process outside the agent's process group still holds its "
+                         "output open; stopped reading")
+            proc.stdout.close()
+            proc.stderr.close()
+            out.close()
+        code = proc.returncode
+        return AgentResult(
+            exit_code=code if code is not None and code >= 0 else None,
+            failure=lines.failure, stopped=stopped, log_path=log_path,
+            progress=lines.progress,
+            signal=-code if code is not None and code < 0 else None, killed=killed,
+            duration_seconds=time.monotonic() - started)
+
+    def _watch(self, proc: subprocess.Popen[bytes], control: AttemptControl,
+               deadline: float | None) -> StopReason | None:
+        """Wait for the shell to exit; the stop reason when it must be stopped first."""
+        while True:
+            reason = control.stop_reason()
+            if reason is None and deadline is not None and time.monotonic() >= deadline:
+                reason = StopReason.TIMEOUT
+            if reason is not None:
+                return reason
+            try:
+                proc.wait(timeout=self.poll_seconds)
+                return None
+            except subprocess.TimeoutExpired:
+                continue
+
+    def _end_group(self, proc: subprocess.Popen[bytes], pgid: int, out: _Log, *,
+                   requested: bool) -> bool:
+        """SIGTERM, grace, SIGKILL to whatever of the group still runs; then wait until
+        the group no longer exists. True when SIGKILL was needed."""
+        killed = False
+        proc.poll()  # reap the shell if it exited, so it is not counted as alive
+        if _group_state(pgid) is _Group.ALIVE:
+            if not requested:
+                out.note("the agent's shell exited but processes of its group remain: "
+                         "SIGTERM to its process group")
+            _signal_group(pgid, signal.SIGTERM)
+            grace_end = time.monotonic() + self.term_grace_seconds
+            while True:
+                proc.poll()
+                if _group_state(pgid) is not _Group.ALIVE:
+                    break
+                if time.monotonic() >= grace_end:
+                    out.note(f"the process group outlived the {self.term_grace_seconds:g} s "
+                             "grace: SIGKILL")
+                    log.warning("agent_sigkill", pgid=pgid)
+                    _signal_group(pgid, signal.SIGKILL)
+                    killed = True
+                    break
+                time.sleep(min(self.poll_seconds, 0.05))
+        reap_end = time.monotonic() + self.reap_timeout_seconds
+        while True:
+            proc.poll()
+            state = _group_state(pgid)
+            if state is _Group.GONE:
+                break
+            if time.monotonic() >= reap_end:
+                out.note(f"WARNING process group {pgid} still exists ({state.value}) "
+                         f"{self.reap_timeout_seconds:g} s after it was ended")
+                log.warning("agent_group_not_reaped", pgid=pgid, state=state.value)
+                break
+            if state is _Group.ZOMBIES:
+                _reap_adopted(pgid, proc.pid)
+            else:  # past the grace, something runs again (a late fork): no more grace
+                _signal_group(pgid, signal.SIGKILL)
+                killed = True
+            time.sleep(0.01)
+        if proc.returncode is None:
+            try:
+                proc.wait(timeout=self.reap_timeout_seconds)
+            except subprocess.TimeoutExpired:
+                log.warning("agent_shell_not_reaped", pid=proc.pid)
+        return killed
+
+
+class _ControlLines:
+    """What the stdout lines say: handled on the reader thread."""
+
+    def __init__(self, control: AttemptControl, out: _Log) -> None:
+        self._control = control
+        self._out = out
+        self.failure: Failure | None = None
+        self.progress: list[str] = []
+
+    def stdout_line(self, raw: bytes) -> None:
+        text = raw.decode("utf-8", errors="replace")
+        try:
+            message = parse_control_line(text)
+        except MalformedControlLine as exc:
+            self._out.note(f"WARNING malformed control line ignored ({exc}): {text.rstrip()}")
+            return
+        if message is None:
+            self._out.line(raw)
+        elif isinstance(message, Failure):
+            self.failure = message  # the last one wins
+        elif isinstance(message, CostReport):
+            self._call("report_cost", lambda: self._control.report_cost(
+                message.usd, message.input_tokens, message.output_tokens))
+        else:
+            self.progress.append(message.message)
+            self._call("progress", lambda: self._control.progress(message.message))
+
+    def _call(self, what: str, call: Callable[[], None]) -> None:
+        try:
+            call()
+        except Exception as exc:
+            log.warning("agent_control_callback_failed", callback=what, error=repr(exc))
+            self._out.note(f"WARNING control.{what} failed: {exc!r}")

@@ -1,0 +1,44 @@
+"""Pick the code host for a task's repository."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from runlane.codehost.base import CodeHost, CodeHostError
+from runlane.codehost.github import DEFAULT_API_URL, GitHubClient, github_host, parse_github_repo
+from runlane.codehost.local_forge import FORGE_DIR_ENV, LocalForge, default_forge_dir, is_local_repo
+
+GITHUB_HOSTS = frozenset({"github.com", "www.github.com"})
+
+
+def code_host_for(repo: str, *, env: Mapping[str, str] | None = None) -> CodeHost:
+    """``LocalForge`` for local paths and ``file://`` URLs; ``GitHubClient`` for
+    ``https://github.com/OWNER/NAME(.git)``, ``git@github.com:OWNER/NAME.git`` and
+    ``OWNER/NAME`` (and for URLs on the host of ``RUNLANE_GITHUB_API_URL``, i.e.
+    GitHub Enterprise).
+
+    Environment: ``RUNLANE_FORGE_DIR`` (LocalForge storage), ``RUNLANE_GITHUB_TOKEN``
+    else ``GITHUB_TOKEN``, ``RUNLANE_GITHUB_API_URL`` (default https://api.github.com).
+    A ``GitHubClient`` holds a connection pool: call ``close()`` when done.
+    Anything else: ``CodeHostError(transient=False)``.
+    """
+    env = os.environ if env is None else env
+    if is_local_repo(repo):
+        forge_dir = env.get(FORGE_DIR_ENV)
+        return LocalForge(Path(forge_dir).expanduser() if forge_dir else default_forge_dir())
+    api_url = env.get("RUNLANE_GITHUB_API_URL") or DEFAULT_API_URL
+    hosts = set(GITHUB_HOSTS)
+    if api_url.rstrip("/") != DEFAULT_API_URL:
+        api_host = urlsplit(api_url).hostname
+        if api_host:
+            hosts.add(api_host.lower())
+    host = github_host(repo)
+    if host is None or host in hosts:
+        parse_github_repo(repo)  # refuse a malformed repository now, not at the first call
+        token = env.get("RUNLANE_GITHUB_TOKEN") or env.get("GITHUB_TOKEN") or None
+        return GitHubClient(api_url, token=token)
+    raise CodeHostError(f"no code host knows repository {repo!r} (want a local path, a "
+                        "file:// URL or a GitHub repository)", transient=False)

@@ -1,0 +1,262 @@
+"""GitHub (and GitHub-compatible) pull requests over the REST API, with httpx.
+
+Errors are classified for the retry policy, never retried here:
+- 5xx, 408, 429, rate-limit 403s and network failures: ``CodeHostError(transient=True)``,
+  with ``retry_after`` (seconds) when the server said how long to wait;
+- 422 "A pull request already exists": ``PullRequestExists``;
+- 401, 403 (not rate limiting), 404, other 4xx: ``CodeHostError(transient=False)``.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import importlib.metadata
+import re
+import time
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import httpx
+
+from runlane.codehost.base import CodeHostError, PullRequest, PullRequestExists
+
+DEFAULT_API_URL = "https://api.github.com"
+API_VERSION = "2022-11-28"
+PAGE_SIZE = 100
+MAX_PAGES = 100  # 10,000 pull requests for one head is far beyond any real case
+
+_OWNER = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})"
+_NAME = r"[A-Za-z0-9._-]+"
+_SHORT = re.compile(rf"^({_OWNER})/({_NAME})$")
+_SCP = re.compile(rf"^[\w.-]+@([\w.-]+):/?({_OWNER})/({_NAME})/?$")
+
+
+def _user_agent() -> str:
+    try:
+        return f"runlane/{importlib.metadata.version('runlane')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "runlane"
+
+
+def _strip_git(name: str) -> str:
+    return name[:-4] if name.endswith(".git") else name
+
+
+def parse_github_repo(repo: str) -> tuple[str, str]:
+    """``(owner, name)`` from ``OWNER/NAME``, ``https://HOST/OWNER/NAME(.git)``,
+    ``ssh://git@HOST/OWNER/NAME.git`` or ``git@HOST:OWNER/NAME.git``."""
+    text = repo.strip()
+    short = _SHORT.match(text)
+    scp = _SCP.match(text)
+    if short:
+        owner, name = short.group(1), short.group(2)
+    elif scp:
+        owner, name = scp.group(2), scp.group(3)
+    else:
+        parts = urlsplit(text)
+        if parts.scheme not in ("https", "http", "ssh", "git") or not parts.netloc:
+            raise CodeHostError(f"not a GitHub repository: {repo}", transient=False)
+        segments = [s for s in parts.path.split("/") if s]
+        if len(segments) != 2:
+            raise CodeHostError(f"not a GitHub repository URL (want OWNER/NAME): {repo}",
+                                transient=False)
+        owner, name = segments
+    name = _strip_git(name)
+    if not re.fullmatch(_OWNER, owner) or not re.fullmatch(_NAME, name) or name in (".", ".."):
+        raise CodeHostError(f"not a GitHub repository: {repo}", transient=False)
+    return owner, name
+
+
+def github_host(repo: str) -> str | None:
+    """The host named in a repository URL (``github.com`` ...), None for ``OWNER/NAME``."""
+    text = repo.strip()
+    if _SHORT.match(text):
+        return None
+    if scp := _SCP.match(text):
+        return scp.group(1).lower()
+    host = urlsplit(text).hostname
+    return host.lower() if host else None
+
+
+def _retry_after(headers: httpx.Headers, now: float) -> float | None:
+    """Seconds to wait from ``Retry-After`` (seconds or an HTTP date), else from
+    ``X-RateLimit-Reset`` when the limit is spent; None when neither says."""
+    value = headers.get("retry-after")
+    if value:
+        value = value.strip()
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            try:
+                when = email.utils.parsedate_to_datetime(value)
+            except (TypeError, ValueError):
+                when = None
+            if when is not None:
+                return max(0.0, when.timestamp() - now)
+    if headers.get("x-ratelimit-remaining") == "0":
+        reset = headers.get("x-ratelimit-reset")
+        try:
+            return max(0.0, float(reset) - now) if reset else None
+        except ValueError:
+            return None
+    return None
+
+
+def _message(resp: httpx.Response) -> str:
+    """GitHub's ``message`` plus every ``errors[].message``, or the raw text."""
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text[:300]
+    if not isinstance(data, dict):
+        return str(data)[:300]
+    parts = [str(data.get("message", ""))]
+    for err in data.get("errors") or []:
+        if isinstance(err, dict):
+            parts.append(str(err.get("message") or err.get("code") or ""))
+        else:
+            parts.append(str(err))
+    return "; ".join(p for p in parts if p)
+
+
+class GitHubClient:
+    """A ``CodeHost`` for GitHub's REST API (or anything that speaks it)."""
+
+    def __init__(self, base_url: str = DEFAULT_API_URL, token: str | None = None,
+                 timeout: float = 10.0, *, transport: httpx.BaseTransport | None = None,
+                 user_agent: str | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        base = urlsplit(self.base_url)
+        self._origin = (base.scheme, base.netloc)
+        headers = {"Accept": "application/vnd.github+json",
+                   "X-GitHub-Api-Version": API_VERSION,
+                   "User-Agent": user_agent or _user_agent()}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._http = httpx.Client(base_url=self.base_url, headers=headers,
+                                  timeout=httpx.Timeout(timeout), follow_redirects=True,
+                                  transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> GitHubClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- the CodeHost interface -------------------------------------------------
+
+    def find_pull_request(self, repo: str, head_branch: str, marker: str) -> PullRequest | None:
+        """The pull request (open or closed) from ``head_branch`` whose body carries
+        ``marker``: the open one if any, else the newest; None when none."""
+        owner, name = parse_github_repo(repo)
+        matches = [pr for pr in self._pulls(owner, name, head=f"{owner}:{head_branch}")
+                   if pr.head_branch == head_branch and marker in pr.body]
+        if not matches:
+            return None
+        return max(matches, key=lambda pr: (pr.state == "open", pr.number))
+
+    def open_pull_request(self, repo: str, *, head_branch: str, base_branch: str, title: str,
+                          body: str) -> PullRequest:
+        owner, name = parse_github_repo(repo)
+        resp = self._request("POST", f"{self._repo_path(owner, name)}/pulls",
+                             json={"title": title, "head": head_branch, "base": base_branch,
+                                   "body": body})
+        return self._to_pr(owner, name, self._json(resp))
+
+    def list_pull_requests(self, repo: str) -> list[PullRequest]:
+        """Every pull request of the repository, open and closed, by number."""
+        owner, name = parse_github_repo(repo)
+        return sorted(self._pulls(owner, name, head=None), key=lambda pr: pr.number)
+
+    # -- beyond the interface ------------------------------------------------------
+
+    def close_pull_request(self, repo: str, number: int) -> PullRequest:
+        owner, name = parse_github_repo(repo)
+        resp = self._request("PATCH", f"{self._repo_path(owner, name)}/pulls/{int(number)}",
+                             json={"state": "closed"})
+        return self._to_pr(owner, name, self._json(resp))
+
+    # -- plumbing ----------------------------------------------------------------------
+
+    @staticmethod
+    def _repo_path(owner: str, name: str) -> str:
+        return f"/repos/{quote(owner, safe='')}/{quote(name, safe='')}"
+
+    def _pulls(self, owner: str, name: str, *, head: str | None) -> Iterator[PullRequest]:
+        params: dict[str, str | int] = {"state": "all", "per_page": PAGE_SIZE}
+        if head is not None:
+            params["head"] = head
+        resp = self._request("GET", f"{self._repo_path(owner, name)}/pulls", params=params)
+        seen: set[str] = set()
+        for _ in range(MAX_PAGES):
+            page = self._json(resp)
+            if not isinstance(page, list):
+                raise CodeHostError(f"unexpected pull request list from {resp.url}",
+                                    transient=True, status=resp.status_code)
+            for item in page:
+                yield self._to_pr(owner, name, item)
+            next_url = resp.links.get("next", {}).get("url")
+            if not next_url or next_url in seen:
+                return
+            seen.add(next_url)
+            target = urlsplit(next_url)
+            if target.netloc and (target.scheme, target.netloc) != self._origin:
+                # never send the token to a host other than the API's
+                raise CodeHostError(f"pagination link leaves {self.base_url}: {next_url}",
+                                    transient=False)
+            resp = self._request("GET", next_url)
+        raise CodeHostError(f"more than {MAX_PAGES} pages of pull requests", transient=False)
+
+    def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        try:
+            resp = self._http.request(method, url, **kwargs)
+        except httpx.UnsupportedProtocol as exc:
+            raise CodeHostError(f"GitHub API URL unusable: {exc}", transient=False) from exc
+        except httpx.RequestError as exc:  # connect/read/write/timeouts/protocol errors
+            raise CodeHostError(f"GitHub unreachable ({type(exc).__name__}): {exc}",
+                                transient=True) from exc
+        if resp.is_success:
+            return resp
+        raise self._classify(method, resp)
+
+    @staticmethod
+    def _classify(method: str, resp: httpx.Response) -> Exception:
+        status = resp.status_code
+        msg = _message(resp)
+        what = f"GitHub {method} {resp.url.path} -> {status}: {msg}"
+        wait = _retry_after(resp.headers, time.time())
+        if status == 422 and "pull request already exists" in msg.lower():
+            return PullRequestExists(what)
+        if status == 429 or status == 408 or status >= 500:
+            return CodeHostError(what, transient=True, retry_after=wait, status=status)
+        if status == 403 and (wait is not None or "rate limit" in msg.lower()):
+            return CodeHostError(what, transient=True, retry_after=wait, status=status)
+        return CodeHostError(what, transient=False, status=status)
+
+    @staticmethod
+    def _json(resp: httpx.Response) -> Any:
+        try:
+            return resp.json()
+        except ValueError as exc:
+            raise CodeHostError(f"GitHub answered {resp.status_code} without JSON: "
+                                f"{resp.text[:200]!r}", transient=True,
+                                status=resp.status_code) from exc
+
+    @staticmethod
+    def _to_pr(owner: str, name: str, item: Any) -> PullRequest:
+        try:
+            return PullRequest(
+                repo=f"{owner}/{name}", number=int(item["number"]),
+                url=str(item.get("html_url") or item.get("url") or ""),
+                head_branch=str(item["head"]["ref"]), base_branch=str(item["base"]["ref"]),
+                title=str(item.get("title") or ""), body=str(item.get("body") or ""),
+                state=str(item.get("state") or "open"))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CodeHostError(f"unexpected pull request object: {exc!r}",
+                                transient=True) from exc

@@ -1,0 +1,1 @@
+"""The worker: claim, heartbeat, drive attempts, finalize exactly once, drain."""

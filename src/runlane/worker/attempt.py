@@ -1,0 +1,245 @@
+"""One attempt, driven end to end on its own thread: workspace, agent, verify, judge,
+finalize. A lost lease stops everything at once and nothing more is written; a
+cancel stops the agent and ends the run CANCELLED; nothing irreversible happens
+after either."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+from sqlalchemy.exc import DBAPIError
+
+from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, StopReason
+from runlane.codehost.base import CodeHost, CodeHostError
+from runlane.domain.reasons import Reason
+from runlane.domain.states import RunStatus
+from runlane.errors import CancelRequested, LeaseLost
+from runlane.store.store import Lease, Store
+from runlane.worker.finalizer import Finalizer
+from runlane.workspace import CloneFailed, PushFailed, Workspace
+
+log = structlog.get_logger("runlane.worker")
+S = RunStatus
+
+# A judge looks at the task, the workspace and the agent's result; it returns None to
+# accept, or the reason it rejects (the attempt fails with JUDGE_REJECTED).
+Judge = Callable[[dict[str, Any], Path, AgentResult], str | None]
+
+
+class AgentRunner(Protocol):
+    def run(self, *, workspace: Path, artifacts_dir: Path, env: dict[str, str],
+            control: AttemptControl, limits: AttemptLimits,
+            log_name: str = "agent.log") -> AgentResult: ...
+
+
+class Stop(Exception):
+    """Raised inside the driver when the attempt must stop before its next step."""
+
+    def __init__(self, reason: StopReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+@dataclass
+class AttemptState:
+    """The shared flags between the heartbeat loop and the attempt's thread."""
+
+    lease: Lease
+    store: Store
+    cancel: threading.Event = field(default_factory=threading.Event)
+    lost: threading.Event = field(default_factory=threading.Event)
+    drain: threading.Event = field(default_factory=threading.Event)
+
+    def stop_reason(self) -> StopReason | None:
+        if self.lost.is_set():
+            return StopReason.LEASE_LOST
+        if self.cancel.is_set():
+            return StopReason.CANCELLED
+        if self.drain.is_set():
+            return StopReason.DRAINING
+        return None
+
+    def report_cost(self, usd: float, input_tokens: int, output_tokens: int) -> None:
+        try:
+            self.store.report_cost(self.lease, usd, input_tokens=input_tokens,
+                                   output_tokens=output_tokens)
+        except LeaseLost:
+            self.lost.set()
+
+    def progress(self, message: str) -> None:
+        log.info("agent_progress", run_id=self.lease.run_id, attempt_id=self.lease.attempt_id,
+                 message=message)
+
+    def check(self) -> None:
+        reason = self.stop_reason()
+        if reason is not None:
+            raise Stop(reason)
+
+
+@dataclass
+class AttemptSettings:
+    workspace_root: Path
+    artifacts_root: Path
+    limits: AttemptLimits = field(default_factory=AttemptLimits)
+    keep_failed_workspaces: bool = False
+    clone_timeout_seconds: float = 300.0
+
+
+class AttemptDriver:
+    def __init__(self, store: Store, agent: AgentRunner, settings: AttemptSettings, *,
+                 code_host_for: Callable[[str], CodeHost],
+                 verifier: AgentRunner | None = None, judge: Judge | None = None) -> None:
+        self.store = store
+        self.agent = agent
+        self.verifier = verifier
+        self.judge = judge
+        self.settings = settings
+        self.finalizer = Finalizer(store, code_host_for)
+
+    def run(self, state: AttemptState) -> str:
+        """Drive one attempt; returns how it ended (for logs and tests)."""
+        lease = state.lease
+        bound = log.bind(task_id=lease.task_id, run_id=lease.run_id,
+                         attempt_id=lease.attempt_id, fencing_token=lease.fencing_token,
+                         worker_id=lease.worker_id)
+        workspace: Workspace | None = None
+        ended = "failed"
+        try:
+            task = self.store.get_task(lease.task_id)
+            artifacts = self.settings.artifacts_root / lease.run_id / str(lease.attempt_no)
+            artifacts.mkdir(parents=True, exist_ok=True)
+            self.store.advance(lease, S.PREPARING_SANDBOX)
+            try:
+                workspace = Workspace.clone(task["repo"], self.settings.workspace_root,
+                                            f"{lease.run_id}-{lease.attempt_no}",
+                                            timeout=self.settings.clone_timeout_seconds)
+            except CloneFailed as exc:
+                reason = (Reason.GIT_CLONE_FAILED_TRANSIENT if exc.transient
+                          else Reason.TASK_CONTRACT_INVALID)
+                self.store.fail(lease, reason, message=str(exc))
+                return reason.value
+            state.check()
+            self.store.advance(lease, S.RUNNING)
+            env = self._env(lease, task, workspace.path, artifacts)
+            result = self.agent.run(workspace=workspace.path, artifacts_dir=artifacts, env=env,
+                                    control=state, limits=self.settings.limits)
+            ended = self._after_agent(state, workspace, artifacts, env, task, result)
+            return ended
+        except Stop as stop:
+            ended = self._stopped(state, stop.reason)
+            return ended
+        except CancelRequested:
+            ended = self._finish_cancel(state)
+            return ended
+        except LeaseLost:
+            bound.warning("lease_lost_stopping")
+            ended = "lease_lost"
+            return ended
+        except (CodeHostError, PushFailed) as exc:
+            ended = self._fail(state, Reason.CODE_HOST_FAILED_TRANSIENT if exc.transient
+                               else Reason.WORKER_ERROR, str(exc))
+            return ended
+        except DBAPIError as exc:
+            # The database is unreachable: write nothing; the lease expires and the
+            # reaper recovers the run (WORKER_LOST).
+            bound.error("database_error_abandoning_attempt",
+                        error=str(exc.orig).strip().splitlines()[0])
+            ended = "abandoned"
+            return ended
+        except Exception as exc:
+            bound.exception("attempt_crashed")
+            ended = self._fail(state, Reason.WORKER_ERROR, f"{type(exc).__name__}: {exc}")
+            return ended
+        finally:
+            succeeded = ended in ("no_changes", "pull_request")
+            if workspace is not None and (succeeded or not self.settings.keep_failed_workspaces):
+                workspace.remove()
+            bound.info("attempt_finished", ended=ended)
+
+    def _after_agent(self, state: AttemptState, workspace: Workspace, artifacts: Path,
+                     env: dict[str, str], task: dict[str, Any], result: AgentResult) -> str:
+        lease = state.lease
+        if result.stopped is not None:
+            return self._stopped(state, result.stopped)
+        if result.failure is not None:
+            return self._fail(state, result.failure.reason_code, result.failure.message,
+                              result.failure.retry_after_seconds)
+        if result.exit_code != 0:
+            return self._fail(state, Reason.AGENT_FAILED,
+                              f"agent exited with status {result.exit_code}")
+        over = workspace.check_limits(self.settings.limits)
+        if over:
+            return self._fail(state, Reason.LIMIT_EXCEEDED, over)
+        if self.verifier is not None:
+            state.check()
+            self.store.advance(lease, S.VERIFYING)
+            verdict = self.verifier.run(workspace=workspace.path, artifacts_dir=artifacts,
+                                        env=env, control=state, limits=self.settings.limits,
+                                        log_name="verify.log")
+            if verdict.stopped is not None:
+                return self._stopped(state, verdict.stopped)
+            if verdict.exit_code != 0:
+                return self._fail(state, Reason.VERIFIER_FAILED,
+                                  f"verify command exited with status {verdict.exit_code}")
+        if self.judge is not None:
+            state.check()
+            self.store.advance(lease, S.JUDGING)
+            rejection = self.judge(task, workspace.path, result)
+            if rejection:
+                return self._fail(state, Reason.JUDGE_REJECTED, rejection)
+        state.check()
+        return self.finalizer.finalize(lease, workspace, task)
+
+    def _stopped(self, state: AttemptState, reason: StopReason) -> str:
+        if reason is StopReason.LEASE_LOST:
+            return "lease_lost"  # someone else owns the run now: write nothing
+        if reason is StopReason.CANCELLED:
+            return self._finish_cancel(state)
+        if reason is StopReason.DRAINING:
+            try:
+                self.store.release(state.lease)
+            except (LeaseLost, CancelRequested):
+                return "lease_lost"
+            return "released"
+        if reason is StopReason.TIMEOUT:
+            return self._fail(state, Reason.TIMEOUT, "the run's wall-clock limit passed")
+        return self._fail(state, Reason.LIMIT_EXCEEDED, reason.value)
+
+    def _finish_cancel(self, state: AttemptState) -> str:
+        lease = state.lease
+        try:
+            if lease.stage is not S.CANCELLING:
+                self.store.acknowledge_cancel(lease)
+            self.store.finish_cancel(lease)
+        except LeaseLost:
+            return "lease_lost"
+        return "cancelled"
+
+    def _fail(self, state: AttemptState, reason: str, message: str | None,
+              retry_after: float | None = None) -> str:
+        try:
+            self.store.fail(state.lease, reason, message=message,
+                            retry_after_seconds=retry_after)
+        except LeaseLost:
+            return "lease_lost"
+        return str(reason)
+
+    @staticmethod
+    def _env(lease: Lease, task: dict[str, Any], workspace: Path, artifacts: Path
+             ) -> dict[str, str]:
+        return {
+            "RUNLANE_TASK_ID": lease.task_id,
+            "RUNLANE_RUN_ID": lease.run_id,
+            "RUNLANE_ATTEMPT": str(lease.attempt_no),
+            "RUNLANE_TENANT": lease.tenant,
+            "RUNLANE_REPO": task["repo"],
+            "RUNLANE_PROMPT": task["prompt"],
+            "RUNLANE_WORKSPACE": str(workspace),
+            "RUNLANE_ARTIFACTS_DIR": str(artifacts),
+        }
+

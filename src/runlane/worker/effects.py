@@ -1,0 +1,34 @@
+"""Idempotent external side effects through the ledger (invariant 8).
+
+Every effect has a deterministic identity (``key``). Before acting, the intent is
+recorded with the lease's fencing token (refused if the lease is gone or the run is
+being cancelled); then the effect's marker is looked up outside (``find``) and
+adopted if present; only then is it performed (``do``); the result is recorded
+last. A finalizer that dies anywhere in between is retried by a new attempt that
+finds either the DONE row or the marker, and never acts twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from runlane.faults import crash_point
+from runlane.store.store import Lease, Store
+
+EffectResult = dict[str, Any]
+
+
+def perform_effect(store: Store, lease: Lease, key: str, *,
+                   find: Callable[[], EffectResult | None],
+                   do: Callable[[], EffectResult]) -> EffectResult:
+    recorded = store.effect_intent(lease, key)
+    if recorded.status == "DONE" and recorded.result is not None:
+        return recorded.result
+    found = find()
+    result = found if found is not None else do()
+    if found is not None:
+        result = {**found, "adopted": True}
+    crash_point(f"after_effect:{key}")  # done outside, not yet recorded (drill 4)
+    store.effect_done(lease, key, result)
+    return result

@@ -1,0 +1,88 @@
+"""The finalizer: the one door to SUCCEEDED.
+
+It re-checks the lease and cancellation, commits every change on the run's own
+branch with the run's trailer, and performs the two external effects (push,
+pull request) through the side-effect ledger, each looked up by its marker first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from runlane.codehost.base import CodeHost, PullRequest, PullRequestExists, branch_name, pr_marker
+from runlane.domain.states import RunStatus
+from runlane.store.store import Lease, Store
+from runlane.worker.effects import perform_effect
+from runlane.workspace import Workspace
+
+PUSH_EFFECT = "push_branch"
+PULL_REQUEST_EFFECT = "pull_request"
+
+
+def trailer(run_id: str) -> str:
+    return f"Agent-Run-ID: {run_id}"
+
+
+def pr_body(task: dict[str, Any], run_id: str, attempt_no: int) -> str:
+    return (f"{task['prompt']}\n\nOpened by runlane for task `{task['task_id']}`, "
+            f"run `{run_id}` (attempt {attempt_no}).\n\n{pr_marker(run_id)}\n")
+
+
+def pr_title(task: dict[str, Any]) -> str:
+    first = task["prompt"].strip().splitlines()[0] if task["prompt"].strip() else "agent run"
+    return first if len(first) <= 72 else first[:69] + "..."
+
+
+class Finalizer:
+    def __init__(self, store: Store, code_host_for: Callable[[str], CodeHost]) -> None:
+        self.store = store
+        self.code_host_for = code_host_for
+
+    def finalize(self, lease: Lease, workspace: Workspace, task: dict[str, Any]) -> str:
+        """Returns the run's outcome: ``no_changes`` or ``pull_request``."""
+        if lease.stage is not RunStatus.FINALIZING:
+            self.store.advance(lease, RunStatus.FINALIZING)
+        if not workspace.has_changes():
+            self.store.complete(lease, outcome="no_changes")
+            return "no_changes"
+        self.store.check_lease(lease)  # cancellation and lease, before the first effect
+        branch = branch_name(lease.task_id, lease.run_id)
+        sha = workspace.commit_all(branch, pr_title(task), trailer(lease.run_id))
+
+        def remote_branch() -> dict[str, Any] | None:
+            found = workspace.remote_branch_sha(branch)
+            return {"branch": branch, "sha": found} if found else None
+
+        def push() -> dict[str, Any]:
+            workspace.push(branch)
+            return {"branch": branch, "sha": sha}
+
+        perform_effect(self.store, lease, PUSH_EFFECT, find=remote_branch, do=push)
+
+        host = self.code_host_for(task["repo"])
+        marker = pr_marker(lease.run_id)
+
+        def existing_pr() -> dict[str, Any] | None:
+            found = host.find_pull_request(task["repo"], branch, marker)
+            return _pr(found) if found else None
+
+        def open_pr() -> dict[str, Any]:
+            try:
+                return _pr(host.open_pull_request(
+                    task["repo"], head_branch=branch, base_branch=workspace.base_branch(),
+                    title=pr_title(task), body=pr_body(task, lease.run_id, lease.attempt_no)))
+            except PullRequestExists:
+                found = host.find_pull_request(task["repo"], branch, marker)
+                if found is None:
+                    raise
+                return _pr(found)
+
+        perform_effect(self.store, lease, PULL_REQUEST_EFFECT, find=existing_pr, do=open_pr)
+        self.store.complete(lease, outcome="pull_request")
+        return "pull_request"
+
+
+def _pr(pr: PullRequest) -> dict[str, Any]:
+    return asdict(pr)

@@ -1,0 +1,194 @@
+"""``runlane worker``: register, claim up to ``concurrency`` runs, drive each attempt
+on its own thread, extend every lease from one heartbeat loop, and drain on SIGTERM.
+
+Threads, not asyncio: an attempt spends its life waiting on a subprocess, and the
+store is synchronous; one thread per active attempt is cheap at agent concurrency.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import structlog
+from sqlalchemy.exc import DBAPIError
+
+from runlane.store.store import CANCEL_CHANNEL, Store
+from runlane.store.wakeup import Listener
+from runlane.version import __version__
+from runlane.worker.attempt import AttemptDriver, AttemptState
+
+log = structlog.get_logger("runlane.worker")
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4()}"
+
+
+@dataclass
+class WorkerConfig:
+    queues: list[str] = field(default_factory=lambda: ["default"])
+    concurrency: int = 1
+    capabilities: dict[str, Any] = field(default_factory=dict)
+    lease_ttl_seconds: float = 60.0
+    heartbeat_seconds: float = 10.0
+    poll_seconds: float = 1.0
+    drain_grace_seconds: float = 30.0
+    exit_when_idle: bool = False
+
+
+class Worker:
+    def __init__(self, store: Store, driver: AttemptDriver, config: WorkerConfig,
+                 *, worker_id: str | None = None) -> None:
+        self.store = store
+        self.driver = driver
+        self.config = config
+        self.worker_id = worker_id or new_worker_id()
+        self.listener = Listener(store.url)
+        self.draining = threading.Event()
+        self._stopped = threading.Event()
+        self._beat_now = threading.Event()
+        self._active: dict[str, tuple[threading.Thread, AttemptState]] = {}
+        self._lock = threading.Lock()
+        self.outcomes: list[str] = []
+        self.log = log.bind(worker_id=self.worker_id)
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run until drained (SIGTERM) or, with ``exit_when_idle``, until no work is left."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        self.store.register_worker(self.worker_id, version=__version__,
+                                   queues=self.config.queues,
+                                   capabilities=self.config.capabilities)
+        self.listener.start()
+        heartbeat = threading.Thread(target=self._heartbeat_loop, name="runlane-heartbeat",
+                                     daemon=True)
+        heartbeat.start()
+        self.log.info("worker_started", queues=self.config.queues,
+                      concurrency=self.config.concurrency)
+        try:
+            self._claim_loop()
+            self._drain()
+        finally:
+            self._stopped.set()
+            self._beat_now.set()
+            heartbeat.join(timeout=5)
+            self.listener.close()
+            self._set_status("STOPPED")
+            self.log.info("worker_stopped", outcomes=len(self.outcomes))
+        return 0
+
+    def request_drain(self) -> None:
+        if not self.draining.is_set():
+            self.draining.set()
+            self.listener.poke()
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.log.info("drain_requested", signal=signal.Signals(signum).name)
+        self.request_drain()
+
+    # --- claiming ----------------------------------------------------------------------
+
+    def _claim_loop(self) -> None:
+        while not self.draining.is_set():
+            claimed = 0
+            for queue in self.config.queues:
+                free = self.config.concurrency - self._active_count()
+                if free <= 0 or self.draining.is_set():
+                    break
+                try:
+                    leases = self.store.claim(self.worker_id, queue, limit=free,
+                                              lease_ttl=self.config.lease_ttl_seconds)
+                except DBAPIError as exc:
+                    self.log.error("claim_failed", error=str(exc.orig).splitlines()[0])
+                    leases = []
+                for lease in leases:
+                    self._start(AttemptState(lease, self.store))
+                claimed += len(leases)
+            if (self.config.exit_when_idle and claimed == 0 and self._active_count() == 0
+                    and self.store.waiting_count(self.config.queues) == 0):
+                return
+            for wake in self.listener.wait(self.config.poll_seconds if claimed == 0 else 0):
+                if wake.channel == CANCEL_CHANNEL:
+                    with self._lock:
+                        if wake.payload in self._active:
+                            self._beat_now.set()  # deliver the cancel without waiting
+
+    def _start(self, state: AttemptState) -> None:
+        thread = threading.Thread(target=self._drive, args=(state,), daemon=True,
+                                  name=f"attempt-{state.lease.attempt_id}")
+        with self._lock:
+            self._active[state.lease.run_id] = (thread, state)
+        thread.start()
+
+    def _drive(self, state: AttemptState) -> None:
+        try:
+            self.outcomes.append(self.driver.run(state))
+        finally:
+            with self._lock:
+                self._active.pop(state.lease.run_id, None)
+            self.listener.poke()  # a slot is free
+
+    def _active_count(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    # --- heartbeat ---------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        last_ok = time.monotonic()
+        while not self._stopped.is_set():
+            self._beat_now.wait(self.config.heartbeat_seconds)
+            self._beat_now.clear()
+            with self._lock:
+                states = {run_id: s for run_id, (_, s) in self._active.items()}
+            try:
+                result = self.store.heartbeat(self.worker_id, [s.lease for s in states.values()],
+                                              lease_ttl=self.config.lease_ttl_seconds)
+                self._set_status("DRAINING" if self.draining.is_set() else "READY")
+                last_ok = time.monotonic()
+            except DBAPIError as exc:
+                self.log.error("heartbeat_failed", error=str(exc.orig).splitlines()[0])
+                if time.monotonic() - last_ok > self.config.lease_ttl_seconds:
+                    for s in states.values():  # the leases have expired by now
+                        s.lost.set()
+                continue
+            for run_id in result.lost:
+                states[run_id].lost.set()
+            for run_id in result.cancel_requested:
+                states[run_id].cancel.set()
+
+    def _set_status(self, status: str) -> None:
+        with contextlib.suppress(DBAPIError):
+            self.store.set_worker_status(self.worker_id, status)
+
+    # --- drain -------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """No new claims; active runs get the grace period, then give their leases back."""
+        if not self.draining.is_set():
+            return
+        self._set_status("DRAINING")
+        deadline = time.monotonic() + self.config.drain_grace_seconds
+        self.log.info("draining", active=self._active_count(),
+                      grace_seconds=self.config.drain_grace_seconds)
+        while self._active_count() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._lock:
+            remaining = list(self._active.values())
+        for _, state in remaining:
+            state.drain.set()
+        for thread, _ in remaining:
+            thread.join()
+
