@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy import text
 
 from runlane.agents.base import AttemptLimits
+from runlane.agents.python import AgentContext, AgentFailed, PythonAgentRunner
 from runlane.api import Runlane
 from runlane.codehost.local_forge import LocalForge
 from runlane.domain.retry import RetryPolicy
@@ -414,3 +415,88 @@ def test_an_unreachable_repository_is_a_transient_clone_failure(lane: Runlane,
     run_id = lane.submit("acme", "http://127.0.0.1:9/nothing.git", "p", max_attempts=1).run_id
     run_worker(lane, forge_dir, "true")
     assert lane.run(run_id)["reason_code"] == "GIT_CLONE_FAILED_TRANSIENT"
+
+
+# --- in-process Python agents ---------------------------------------------------------------
+
+
+def test_python_agent_checkpoints_costs_and_effects(lane: Runlane, remote: Path,
+                                                   forge_dir: Path) -> None:
+    run_id = submit_one(lane, remote)
+    calls: list[str] = []
+
+    def agent(ctx: AgentContext) -> None:
+        ctx.checkpoint()
+        (ctx.workspace / "notes.md").write_text(ctx.prompt)
+        ctx.report_cost(0.25, input_tokens=100, output_tokens=10)
+        ctx.effect("notify", find=lambda: None, do=lambda: calls.append("do") or {"id": 1})
+        ctx.effect("notify", find=lambda: None, do=lambda: calls.append("again") or {"id": 2})
+
+    worker = lane.worker(agent=PythonAgentRunner(agent), exit_when_idle=True,
+                         code_host_for=lambda repo: LocalForge(forge_dir))
+    worker.run()
+    run = lane.run(run_id)
+    assert (run["status"], run["outcome"], run["cost_usd"]) == ("SUCCEEDED", "pull_request", 0.25)
+    assert calls == ["do"]
+    effects = {e.effect_key: e for e in lane.store.side_effects(run_id)}
+    assert effects["agent:notify"].result == {"id": 1}
+    assert set(effects) == {"agent:notify", "push_branch", "pull_request"}
+
+
+def test_python_agent_is_cancelled_at_its_next_checkpoint(lane: Runlane, remote: Path,
+                                                         forge_dir: Path) -> None:
+    sub = lane.submit("acme", str(remote), "long job")
+    started = threading.Event()
+
+    def agent(ctx: AgentContext) -> None:
+        started.set()
+        while True:
+            ctx.checkpoint()
+            time.sleep(0.02)
+
+    worker = lane.worker(agent=PythonAgentRunner(agent), exit_when_idle=True,
+                         code_host_for=lambda repo: LocalForge(forge_dir))
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    assert started.wait(20)
+    lane.cancel(sub.task_id)
+    thread.join(timeout=20)
+    assert not thread.is_alive()
+    assert lane.run(sub.run_id)["status"] == "CANCELLED"
+
+
+def test_python_agent_failure_is_classified(lane: Runlane, remote: Path, forge_dir: Path) -> None:
+    run_id = submit_one(lane, remote, max_attempts=1)
+
+    def agent(ctx: AgentContext) -> None:
+        raise AgentFailed("PROVIDER_RATE_LIMIT", "429", retry_after_seconds=5)
+
+    lane.worker(agent=PythonAgentRunner(agent), exit_when_idle=True,
+                code_host_for=lambda repo: LocalForge(forge_dir)).run()
+    [attempt] = lane.run(run_id)["attempts"]
+    assert (attempt["reason_code"], attempt["retry_after_seconds"]) == ("PROVIDER_RATE_LIMIT", 5)
+
+
+def test_up_runs_workers_and_drains_them_on_sigterm(db_url: str, pstore: Store, remote: Path,
+                                                   forge_dir: Path, tmp_path: Path) -> None:
+    subs = pstore.submit([spec(repo=str(remote)) for _ in range(4)])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNLANE_")}
+    env.update({"RUNLANE_FORGE_DIR": str(forge_dir),
+                "RUNLANE_ARTIFACTS_DIR": str(tmp_path / "artifacts"),
+                "RUNLANE_WORKSPACE_DIR": str(tmp_path / "workspaces"),
+                "RUNLANE_HEARTBEAT_SECONDS": "0.3"})
+    up = subprocess.Popen([sys.executable, "-m", "runlane", "--database-url", db_url, "up",
+                           "--workers", "2", "--agent-command", AGENT_WRITES],
+                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: all(status_of(pstore, s.run_id) == "SUCCEEDED" for s in subs), 60,
+                   "every run to succeed")
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert len(pull_requests(forge_dir, remote)) == 4
+    statuses = [w["status"] for w in _workers(pstore)]
+    assert statuses == ["STOPPED", "STOPPED"]

@@ -319,7 +319,7 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
             capabilities=_pairs(capabilities, "--capability"), exit_when_idle=exit_when_idle,
             limits=AttemptLimits(timeout_seconds, max_changed_files, max_diff_lines),
             keep_failed_workspaces=keep_failed_workspaces)
-        sys.exit(runner.run())
+        sys.exit(runner.run(handle_signals=True))
 
 
 @app.command()

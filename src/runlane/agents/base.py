@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class StopReason(StrEnum):
@@ -28,6 +29,11 @@ class AttemptControl(Protocol):
     def report_cost(self, usd: float, input_tokens: int, output_tokens: int) -> None: ...
 
     def progress(self, message: str) -> None: ...
+
+    def effect(self, key: str, *, find: Callable[[], dict[str, Any] | None],
+               do: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """Perform an external side effect at most once per run (the ledger)."""
+        ...
 
 
 @dataclass(frozen=True)

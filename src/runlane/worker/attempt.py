@@ -20,6 +20,7 @@ from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
 from runlane.errors import CancelRequested, LeaseLost
 from runlane.store.store import Lease, Store
+from runlane.worker.effects import perform_effect
 from runlane.worker.finalizer import Finalizer
 from runlane.workspace import CloneFailed, PushFailed, Workspace
 
@@ -74,6 +75,10 @@ class AttemptState:
     def progress(self, message: str) -> None:
         log.info("agent_progress", run_id=self.lease.run_id, attempt_id=self.lease.attempt_id,
                  message=message)
+
+    def effect(self, key: str, *, find: Callable[[], dict[str, Any] | None],
+               do: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        return perform_effect(self.store, self.lease, f"agent:{key}", find=find, do=do)
 
     def check(self) -> None:
         reason = self.stop_reason()

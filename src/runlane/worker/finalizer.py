@@ -79,7 +79,12 @@ class Finalizer:
                     raise
                 return _pr(found)
 
-        perform_effect(self.store, lease, PULL_REQUEST_EFFECT, find=existing_pr, do=open_pr)
+        try:
+            perform_effect(self.store, lease, PULL_REQUEST_EFFECT, find=existing_pr, do=open_pr)
+        finally:
+            close = getattr(host, "close", None)
+            if callable(close):
+                close()  # an HTTP client holds a connection pool
         self.store.complete(lease, outcome="pull_request")
         return "pull_request"
 

@@ -63,9 +63,11 @@ class Worker:
 
     # --- lifecycle ------------------------------------------------------------------
 
-    def run(self) -> int:
-        """Run until drained (SIGTERM) or, with ``exit_when_idle``, until no work is left."""
-        if threading.current_thread() is threading.main_thread():
+    def run(self, *, handle_signals: bool = False) -> int:
+        """Run until drained (SIGTERM, or ``request_drain()``) or, with
+        ``exit_when_idle``, until no work is left. ``handle_signals`` makes SIGTERM and
+        SIGINT start the drain (the CLI's worker; only from the main thread)."""
+        if handle_signals and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
         self.store.register_worker(self.worker_id, version=__version__,

@@ -1,0 +1,123 @@
+"""In-process agents: a Python callable instead of a command.
+
+The agent receives an ``AgentContext``. It calls ``checkpoint()`` between steps
+(it raises as soon as the run is cancelled, the lease is lost, the wall clock is
+over, or the worker drains), reports cost, and performs any external side effect
+through ``effect(key, find=…, do=…)`` so a retried attempt never repeats it. To
+fail with a reason code it raises ``AgentFailed``.
+
+    def my_agent(ctx: AgentContext) -> None:
+        for step in plan(ctx.prompt):
+            ctx.checkpoint()
+            apply(step, ctx.workspace)
+            ctx.report_cost(0.01, input_tokens=900, output_tokens=120)
+
+    Runlane(...).worker(agent=PythonAgentRunner(my_agent)).run()
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runlane.agents.base import (
+    AgentResult,
+    AttemptControl,
+    AttemptLimits,
+    Failure,
+    StopReason,
+)
+
+
+class AgentStopped(Exception):
+    """Raised by ``checkpoint()``: the agent must return now."""
+
+    def __init__(self, reason: StopReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+class AgentFailed(Exception):
+    """Raise to end the attempt with a reason code (e.g. PROVIDER_RATE_LIMIT)."""
+
+    def __init__(self, reason_code: str, message: str | None = None,
+                 retry_after_seconds: float | None = None) -> None:
+        super().__init__(message or reason_code)
+        self.failure = Failure(reason_code, message, retry_after_seconds)
+
+
+@dataclass
+class AgentContext:
+    workspace: Path
+    artifacts_dir: Path
+    env: dict[str, str]
+    control: AttemptControl
+    deadline: float | None
+
+    @property
+    def prompt(self) -> str:
+        return self.env["RUNLANE_PROMPT"]
+
+    @property
+    def run_id(self) -> str:
+        return self.env["RUNLANE_RUN_ID"]
+
+    @property
+    def attempt(self) -> int:
+        return int(self.env["RUNLANE_ATTEMPT"])
+
+    def checkpoint(self) -> None:
+        reason = self.control.stop_reason()
+        if reason is None and self.deadline is not None and time.monotonic() >= self.deadline:
+            reason = StopReason.TIMEOUT
+        if reason is not None:
+            raise AgentStopped(reason)
+
+    def report_cost(self, usd: float, *, input_tokens: int = 0, output_tokens: int = 0) -> None:
+        self.control.report_cost(usd, input_tokens, output_tokens)
+
+    def progress(self, message: str) -> None:
+        self.control.progress(message)
+
+    def effect(self, key: str, *, find: Callable[[], dict[str, Any] | None],
+               do: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        self.checkpoint()
+        return self.control.effect(key, find=find, do=do)
+
+
+PythonAgent = Callable[[AgentContext], None]
+
+
+class PythonAgentRunner:
+    """Runs a Python agent on the attempt's thread; same results as the command runner."""
+
+    def __init__(self, agent: PythonAgent) -> None:
+        self.agent = agent
+
+    def run(self, *, workspace: Path, artifacts_dir: Path, env: dict[str, str],
+            control: AttemptControl, limits: AttemptLimits,
+            log_name: str = "agent.log") -> AgentResult:
+        artifacts_dir.mkdir(parents=True, exist_ok=True)
+        log_path = artifacts_dir / log_name
+        started = time.monotonic()
+        deadline = (started + limits.wall_clock_seconds
+                    if limits.wall_clock_seconds is not None else None)
+        ctx = AgentContext(workspace, artifacts_dir, env, control, deadline)
+        try:
+            self.agent(ctx)
+        except AgentStopped as stop:
+            return AgentResult(exit_code=None, stopped=stop.reason, log_path=log_path)
+        except AgentFailed as failed:
+            return AgentResult(exit_code=1, failure=failed.failure, log_path=log_path)
+        except Exception:
+            with log_path.open("a") as fh:
+                fh.write(traceback.format_exc())
+            return AgentResult(exit_code=1, log_path=log_path)
+        finally:
+            with log_path.open("a") as fh:
+                fh.write(f"[runlane] python agent ran {time.monotonic() - started:.3f}s\n")
+        return AgentResult(exit_code=0, log_path=log_path)
