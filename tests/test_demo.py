@@ -31,7 +31,7 @@ def test_demo_summary_agrees_with_its_database(tmp_path: Path) -> None:
     assert dict(reasons) == summary["attempts_by_reason"]
     # What the demo promises to show: rate limits retried, a killed worker's run
     # recovered by another worker, a cancel delivered to a running agent.
-    assert reasons["PROVIDER_RATE_LIMIT"] == 2
+    assert reasons["PROVIDER_RATE_LIMIT"] >= 1  # 2 unless the killed worker held one
     assert reasons["WORKER_LOST"] >= 1
     assert reasons["CANCELLED_BY_USER"] == 1
     assert summary["worker_restarts"] >= 1
