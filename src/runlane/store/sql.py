@@ -210,15 +210,18 @@ FROM runs r WHERE r.task_id = :task_id
 
 # --- reaper ------------------------------------------------------------------------
 
-# Expired leases, oldest first; several reapers split the batch (SKIP LOCKED).
+# Expired leases, oldest first; several reapers split the batch (SKIP LOCKED). The run
+# row is what gets locked, as every other writer locks the run before its attempt:
+# one lock order, no deadlock with a worker ending the same attempt.
 EXPIRED_LEASES = """
 SELECT a.run_id, a.fencing_token, a.worker_id
 FROM attempts a
+JOIN runs r ON r.run_id = a.run_id
 WHERE a.lease_status = 'ACTIVE'
   AND a.lease_expires_at <= {now}
 ORDER BY a.lease_expires_at
 LIMIT :limit
-{lock_a_skip}
+{lock_r_skip}
 """
 
 # --- reconciler (seed 000 §25) -----------------------------------------------------
@@ -263,10 +266,10 @@ WHERE status IN ('STARTING', 'READY', 'DRAINING') AND heartbeat_at <= {now} - :g
 RETURNING worker_id
 """
 OVERLONG_ATTEMPTS = """
-SELECT a.run_id, a.fencing_token FROM attempts a
+SELECT a.run_id, a.fencing_token FROM attempts a JOIN runs r ON r.run_id = a.run_id
 WHERE a.lease_status = 'ACTIVE' AND a.started_at <= {now} - :max_seconds
 LIMIT :limit
-{lock_a_skip}
+{lock_r_skip}
 """
 
 # --- audit (DESIGN.md invariants, checked on a live database) ----------------------
