@@ -103,6 +103,13 @@ def test_errors_are_one_line_with_a_trustworthy_exit_code(cli: CLI, args: tuple[
     assert says in cli(*args, code=code).stderr
 
 
+def test_bad_database_urls_are_bad_input(tmp_path: Path) -> None:
+    for url in ("foo", "mysql://u@h/db"):
+        assert "DATABASE_URL" in CLI(url, tmp_path)("runs", "list", code=2).stderr
+    assert "cannot upgrade" in CLI(f"sqlite:///{tmp_path}/no/such/dir/x.db", tmp_path)(
+        "db", "upgrade", code=4).stderr
+
+
 def test_unreachable_database_and_missing_schema(tmp_path: Path) -> None:
     down = CLI("postgresql://postgres@127.0.0.1:1/nothing", tmp_path)
     assert "cannot reach the database" in down("runs", "list", code=4).stderr
@@ -138,3 +145,8 @@ def test_settings_come_from_env_and_file(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "runlane", "runs", "list"], cwd=tmp_path,
                          env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "LEASE_TTL_SECONDS" in bad.stderr
+    env["RUNLANE_LEASE_TTL_SECONDS"] = "10"
+    env["RUNLANE_HEARTBEAT_SECONDS"] = "8"
+    bad = subprocess.run([sys.executable, "-m", "runlane", "runs", "list"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "at most half of LEASE_TTL_SECONDS" in bad.stderr

@@ -338,6 +338,26 @@ def test_release_requeues_at_once(store: Store) -> None:
     assert [x.attempt_no for x in store.claim("w2")] == [2]
 
 
+def test_a_drained_lease_does_not_use_up_the_last_attempt(store: Store) -> None:
+    [sub] = submit(store, max_attempts=1)
+    [lease] = store.claim("w1", lease_ttl=TTL)
+    assert store.release(lease) == S.QUEUED
+    [again] = store.claim("w2", lease_ttl=TTL)
+    assert store.fail(again, Reason.WORKER_LOST) == S.FAILED  # the one real attempt
+    assert run_row(store, sub.run_id).attempt_count == 2
+    assert store.audit() == []
+
+
+def test_ended_at_on_the_database_clock(db_url: str) -> None:
+    store = Store(db_url)
+    [sub] = store.submit([spec()])
+    [lease] = store.claim("w1")
+    store.complete(lease)
+    run = run_row(store, sub.run_id)
+    assert run.ended_at is not None and run.ended_at >= run.created_at
+    store.close()
+
+
 def test_several_reapers_recover_each_lease_once(db_url: str, clock: ManualClock) -> None:
     reapers = [Store(db_url, clock=clock) for _ in range(4)]
     subs = reapers[0].submit([spec() for _ in range(30)])

@@ -84,6 +84,7 @@ class ModelRun:
     status: RunStatus = S.QUEUED
     fencing_token: int = 0
     attempt_count: int = 0
+    charged: int = 0  # attempts that count against max_attempts (drained ones do not)
     cost_usd: float = 0.0
     token_at_cancel: int | None = None  # set once its task is cancelled
 
@@ -245,12 +246,14 @@ class StoreMachine(RuleBasedStateMachine):
         if run.status in CANCELLING:
             run.status = S.CANCELLED
         elif run.status in LEASED:
-            if reason in POLICY.retryable and run.attempt_count < run.max_attempts:
+            released = reason == Reason.LEASE_RELEASED
+            if reason in POLICY.retryable and (released or run.charged < run.max_attempts):
                 run.status = S.QUEUED
-                if reason == Reason.LEASE_RELEASED:
+                if released:
                     low = high = 0.0
+                    run.charged -= 1
                 else:
-                    capped = min(POLICY.base_seconds * 2 ** (run.attempt_count - 1),
+                    capped = min(POLICY.base_seconds * 2 ** (run.charged - 1),
                                  POLICY.max_seconds)
                     low, high = capped, capped * 1.25
                 if retry_after is not None:
@@ -329,6 +332,7 @@ class StoreMachine(RuleBasedStateMachine):
             run.status = S.CLAIMED
             run.fencing_token += 1
             run.attempt_count += 1
+            run.charged += 1
             assert (lease.fencing_token, lease.attempt_no) == (run.fencing_token,
                                                                 run.attempt_count)
             assert lease.expires_at == now + LEASE_TTL and lease.worker_id == worker
@@ -576,7 +580,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert status is seen.statuses[-1], (
                     f"run {run_id} left terminal {seen.statuses[-1]} for {status}")
             assert row.fencing_token >= seen.max_token, f"run {run_id}: fencing token went back"
-            assert row.attempt_count <= row.max_attempts
+            assert model.charged <= row.max_attempts
             if model.token_at_cancel is not None:
                 assert row.fencing_token == model.token_at_cancel, (
                     f"run {run_id} was claimed after its task was cancelled")

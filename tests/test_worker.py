@@ -186,25 +186,28 @@ def test_drill_3_cancel_while_the_agent_runs(pstore: Store, remote: Path, forge_
     assert worker.wait() == 0
 
 
-def test_drill_4_crash_after_the_pull_request_opened(pstore: Store, remote: Path,
-                                                    forge_dir: Path,
-                                                    workers: Callable[..., WorkerProcess]
-                                                    ) -> None:
+@pytest.mark.parametrize("crash_at", ["after_effect:pull_request", "after_effect:push_branch"])
+def test_drill_4_crash_after_the_effect_before_its_record(
+        pstore: Store, remote: Path, forge_dir: Path, workers: Callable[..., WorkerProcess],
+        crash_at: str) -> None:
+    """The worker dies after pushing (or opening the pull request) but before the
+    database recorded it. The retry finds the marker and finishes the run without
+    running the agent again: exactly one branch and one pull request."""
     [sub] = pstore.submit([spec(repo=str(remote))])
-    crashing = workers(AGENT_WRITES, env={
-        "RUNLANE_FAULT_CRASH_AT": "after_effect:pull_request"})
-    assert crashing.wait(30) == -signal.SIGKILL  # died between the PR and its record
-    assert len(pull_requests(forge_dir, remote)) == 1
-    assert [e.status for e in pstore.side_effects(sub.run_id)] == ["DONE", "INTENT"]
+    crashing = workers(AGENT_WRITES, env={"RUNLANE_FAULT_CRASH_AT": crash_at})
+    assert crashing.wait(30) == -signal.SIGKILL
+    assert len(agent_branches(remote)) == 1
     reap_until(pstore, sub.run_id, "QUEUED", 10)
-    retry = workers(AGENT_WRITES, "--exit-when-idle")
+    # The retry's agent would fail: the retry must not need it.
+    retry = workers("exit 1", "--exit-when-idle")
     assert retry.wait(60) == 0
     run = run_row(pstore, sub.run_id)
     assert (run.status, run.outcome, run.attempt_count) == ("SUCCEEDED", "pull_request", 2)
     assert len(agent_branches(remote)) == 1
     [pr] = pull_requests(forge_dir, remote)
     [recorded] = pstore.pull_requests()
-    assert recorded["number"] == pr.number and recorded["adopted"] is True
+    assert recorded["number"] == pr.number
+    assert recorded["adopted"] is (crash_at == "after_effect:pull_request")
     assert pstore.audit() == []
 
 

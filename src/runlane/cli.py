@@ -22,7 +22,7 @@ from sqlalchemy.exc import DBAPIError
 from runlane.api import Runlane
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskInvalid
-from runlane.errors import RunlaneError
+from runlane.errors import DatabaseUnavailable, RunlaneError
 from runlane.logs import configure_logging
 from runlane.settings import load_settings
 
@@ -109,7 +109,7 @@ def db_upgrade(as_json: bool) -> None:
         try:
             before, after = lane.upgrade_schema()
         except DBAPIError as exc:
-            raise RunlaneError(
+            raise DatabaseUnavailable(
                 f"cannot upgrade {lane.store.engine.url!r}: "
                 f"{str(exc.orig).strip().splitlines()[0]}") from None
     if as_json:

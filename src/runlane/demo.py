@@ -110,7 +110,8 @@ def run_demo(directory: Path, console: Console | None = None, *, workers: int = 
            "RUNLANE_WORKSPACE_DIR": str(directory / "workspaces"),
            "RUNLANE_LOG_LEVEL": "WARNING"}
     lane = Runlane(settings=Settings(database_url=url, lease_ttl_seconds=2,
-                                     retry_base_seconds=0.5, retry_max_seconds=2))
+                                     heartbeat_seconds=0.4, retry_base_seconds=0.5,
+                                     retry_max_seconds=2))
     lane.upgrade_schema()
     rows = [{"tenant": tenant, "repo": str(fleet[repo]), "prompt": prompt,
              "idempotency_key": f"demo-{i}",

@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -46,6 +46,15 @@ class Settings(BaseSettings):
     drain_grace_seconds: float = Field(30.0, ge=0)
     agent_term_grace_seconds: float = Field(10.0, ge=0)
 
+    @model_validator(mode="after")
+    def _heartbeat_well_inside_the_lease(self) -> Settings:
+        if self.heartbeat_seconds * 2 > self.lease_ttl_seconds:
+            raise ValueError(
+                f"HEARTBEAT_SECONDS ({self.heartbeat_seconds:g}) must be at most half of "
+                f"LEASE_TTL_SECONDS ({self.lease_ttl_seconds:g}), or leases expire between "
+                "heartbeats")
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -75,6 +84,8 @@ def load_settings(**flags: Any) -> Settings:
     except ValidationError as exc:
         first = exc.errors()[0]
         name = ".".join(str(p) for p in first["loc"]).upper()
+        if not name:  # a rule across settings
+            raise SettingsInvalid(first["msg"].removeprefix("Value error, ")) from None
         source = f" (from {CONFIG_FILE} or RUNLANE_{name})" if name not in {
             k.upper() for k in given} else ""
         raise SettingsInvalid(f"setting {name}{source}: {first['msg']}") from None

@@ -24,7 +24,7 @@ class RetryPolicy:
 class RunBudget:
     """What a run has spent so far, read inside the transaction that decides."""
 
-    attempt_count: int
+    attempt_count: int  # attempts charged against max_attempts, the current one included
     max_attempts: int
     elapsed_seconds: float
     cost_usd: float
@@ -62,7 +62,9 @@ def decide(
     """Whether a failed attempt is retried, and after how long."""
     if reason not in policy.retryable:
         return RetryDecision(retry=False, final_reason=reason)
-    if budget.attempt_count >= budget.max_attempts:
+    # A lease given back by a draining worker is not the run's fault: it does not use
+    # up an attempt (the attempt is kept as evidence, but not charged).
+    if reason != Reason.LEASE_RELEASED and budget.attempt_count >= budget.max_attempts:
         return RetryDecision(retry=False, final_reason=reason)
     if (
         policy.max_total_run_seconds is not None

@@ -14,11 +14,13 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
+from runlane.errors import RunlaneError
+
 SQLITE_BUSY_TIMEOUT_SECONDS = 60.0
 
 
-class DatabaseUrlInvalid(ValueError):
-    pass
+class DatabaseUrlInvalid(RunlaneError):
+    exit_code = 2
 
 
 def normalize_url(url: str) -> str:
@@ -52,7 +54,12 @@ def build_engine(url: str, pool_size: int | None = None) -> Engine:
         max_overflow=size,
         pool_pre_ping=True,
         # psycopg 3 prepares statements after this many executions of the same text.
-        connect_args={"prepare_threshold": 2, "application_name": "runlane"},
+        # TCP keepalives and a user timeout: a silent network partition surfaces as an
+        # error within seconds instead of a call that never returns.
+        connect_args={"prepare_threshold": 2, "application_name": "runlane",
+                      "connect_timeout": 10, "keepalives": 1, "keepalives_idle": 5,
+                      "keepalives_interval": 2, "keepalives_count": 3,
+                      "tcp_user_timeout": 15000},
     )
 
 

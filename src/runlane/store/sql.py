@@ -116,7 +116,8 @@ SET status = :to_status,
     reason_code = COALESCE(:reason_code, reason_code),
     message = COALESCE(:message, message),
     outcome = COALESCE(:outcome, outcome),
-    ended_at = COALESCE(:ended_at, ended_at)
+    ended_at = COALESCE(ended_at, CASE WHEN CAST(:to_status AS VARCHAR(32)) IN
+        ('SUCCEEDED', 'FAILED', 'CANCELLED', 'POLICY_DENIED') THEN {now} END)
 WHERE run_id = :run_id
   AND status IN :sources
   AND fencing_token = :token
@@ -134,6 +135,8 @@ SET_RUN_STATUS_FENCED = _SET_RUN_STATUS + _FENCE + "RETURNING status"
 # ends; locks the run row so the decision and the write see the same state.
 RUN_WITH_ATTEMPT = """
 SELECT r.run_id, r.task_id, r.status, r.fencing_token AS run_token, r.attempt_count,
+       (SELECT COUNT(*) FROM attempts x WHERE x.run_id = r.run_id
+          AND (x.reason_code IS NULL OR x.reason_code <> 'LEASE_RELEASED')) AS charged_attempts,
        r.max_attempts, r.created_at, r.cost_usd,
        a.attempt_no, a.fencing_token, a.lease_status, a.lease_expires_at, a.worker_id,
        {now} AS now
@@ -210,9 +213,11 @@ FROM runs r WHERE r.task_id = :task_id
 
 # --- reaper ------------------------------------------------------------------------
 
-# Expired leases, oldest first; several reapers split the batch (SKIP LOCKED). The run
-# row is what gets locked, as every other writer locks the run before its attempt:
-# one lock order, no deadlock with a worker ending the same attempt.
+# Expired leases, oldest first; several reapers split the batch. Both the run and the
+# attempt rows are locked, and with SKIP LOCKED: the reaper never waits on a row a
+# worker holds (no deadlock with a worker ending the attempt), and a heartbeat that
+# is extending the lease either finished first (the row is skipped, then no longer
+# expired) or waits for the reaper and then finds the lease gone.
 EXPIRED_LEASES = """
 SELECT a.run_id, a.fencing_token, a.worker_id
 FROM attempts a
@@ -221,7 +226,7 @@ WHERE a.lease_status = 'ACTIVE'
   AND a.lease_expires_at <= {now}
 ORDER BY a.lease_expires_at
 LIMIT :limit
-{lock_r_skip}
+{lock_ra_skip}
 """
 
 # --- reconciler (seed 000 §25) -----------------------------------------------------
@@ -269,7 +274,7 @@ OVERLONG_ATTEMPTS = """
 SELECT a.run_id, a.fencing_token FROM attempts a JOIN runs r ON r.run_id = a.run_id
 WHERE a.lease_status = 'ACTIVE' AND a.started_at <= {now} - :max_seconds
 LIMIT :limit
-{lock_r_skip}
+{lock_ra_skip}
 """
 
 # --- audit (DESIGN.md invariants, checked on a live database) ----------------------
@@ -319,9 +324,11 @@ AUDIT_CHECKS: dict[str, str] = {
             OR COALESCE(MAX(a.attempt_no), 0) <> r.attempt_count
             OR COALESCE(MIN(a.attempt_no), 1) <> 1""",
     "attempts_over_budget": """
-        SELECT run_id, CAST(attempt_count AS TEXT) || ' attempts, max '
-               || CAST(max_attempts AS TEXT) AS detail
-        FROM runs WHERE attempt_count > max_attempts""",
+        SELECT r.run_id, CAST(COUNT(*) AS TEXT) || ' charged attempts, max '
+               || CAST(r.max_attempts AS TEXT) AS detail
+        FROM runs r JOIN attempts a ON a.run_id = r.run_id
+        WHERE a.reason_code IS NULL OR a.reason_code <> 'LEASE_RELEASED'
+        GROUP BY r.run_id, r.max_attempts HAVING COUNT(*) > r.max_attempts""",
     "side_effect_with_stale_token": """
         SELECT e.run_id, 'effect ' || e.effect_key || ' completed with token '
                || CAST(e.fencing_token AS TEXT) || ' outside that lease' AS detail
@@ -357,6 +364,7 @@ class Statements:
             lock_r=LOCK_WAIT[self.dialect].format(alias="r"),
             lock_r_skip=LOCK_SKIP[self.dialect].format(alias="r"),
             lock_a_skip=LOCK_SKIP[self.dialect].format(alias="a"),
+            lock_ra_skip=LOCK_SKIP[self.dialect].format(alias="r, a"),
         )
         clause = text(rendered)
         if expanding:

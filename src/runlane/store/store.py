@@ -120,6 +120,7 @@ class _Snapshot:
     status: RunStatus
     run_token: int
     attempt_count: int
+    charged_attempts: int  # attempts that count against max_attempts (not drained ones)
     max_attempts: int
     created_at: float
     cost_usd: float
@@ -240,7 +241,6 @@ class Store:
                 "reason_code": reason_code,
                 "message": message,
                 "outcome": outcome,
-                "ended_at": now if target in TERMINAL else None,
             },
         ).first()
         if row is None:
@@ -483,7 +483,8 @@ class Store:
         return _Snapshot(
             run_id=row.run_id, task_id=row.task_id, status=S(row.status),
             run_token=row.run_token,
-            attempt_count=row.attempt_count, max_attempts=row.max_attempts,
+            attempt_count=row.attempt_count, charged_attempts=row.charged_attempts,
+            max_attempts=row.max_attempts,
             created_at=row.created_at, cost_usd=row.cost_usd, attempt_no=row.attempt_no,
             fencing_token=row.fencing_token, lease_status=row.lease_status,
             lease_expires_at=row.lease_expires_at, now=row.now,
@@ -619,7 +620,7 @@ class Store:
             prefix = [S.STALE_LEASE] if recovered else []
             decision = decide(
                 reason,
-                RunBudget(snap.attempt_count, snap.max_attempts, now - snap.created_at,
+                RunBudget(snap.charged_attempts, snap.max_attempts, now - snap.created_at,
                           snap.cost_usd),
                 self.retry_policy, retry_after, self.rng,
             )
@@ -767,8 +768,9 @@ class Store:
                                 {"limit": limit, "now": self.clock.now()}).all()
             for r in rows:
                 snap = self._snapshot(conn, r.run_id, r.fencing_token)
-                if snap is None or snap.lease_status != "ACTIVE":
-                    continue
+                if snap is None or snap.lease_status != "ACTIVE" or \
+                        snap.lease_expires_at > snap.now:
+                    continue  # extended or ended meanwhile
                 self._end_attempt(conn, snap, Reason.WORKER_LOST, actor="reaper",
                                   lease_status="EXPIRED",
                                   message=f"lease of worker {r.worker_id} expired")
@@ -868,7 +870,7 @@ class Store:
         def work(conn: Connection) -> None:
             conn.execute(
                 self._q("UPDATE workers SET status = :status, heartbeat_at = {now} "
-                        "WHERE worker_id = :worker_id AND status <> 'DEAD'"),
+                        "WHERE worker_id = :worker_id"),
                 {"status": status, "worker_id": worker_id, "now": self.clock.now()})
 
         self._transaction(work)

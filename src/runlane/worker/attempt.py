@@ -6,6 +6,7 @@ after either."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ import structlog
 from sqlalchemy.exc import DBAPIError
 
 from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, StopReason
-from runlane.codehost.base import CodeHost, CodeHostError
+from runlane.codehost.base import CodeHost, CodeHostError, PullRequestExists
 from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
 from runlane.errors import CancelRequested, LeaseLost
@@ -52,11 +53,20 @@ class AttemptState:
 
     lease: Lease
     store: Store
+    # When the lease surely runs out, on this machine's monotonic clock: set from the
+    # moment a claim or heartbeat that extended it was *sent*, minus a margin. Past it
+    # the attempt stops even if the heartbeat is stuck (a silent network partition).
+    local_deadline: float = float("inf")
     cancel: threading.Event = field(default_factory=threading.Event)
     lost: threading.Event = field(default_factory=threading.Event)
     drain: threading.Event = field(default_factory=threading.Event)
 
+    def extended(self, sent_at: float, ttl: float) -> None:
+        self.local_deadline = sent_at + ttl - min(ttl * 0.2, 5.0)
+
     def stop_reason(self) -> StopReason | None:
+        if not self.lost.is_set() and time.monotonic() >= self.local_deadline:
+            self.lost.set()
         if self.lost.is_set():
             return StopReason.LEASE_LOST
         if self.cancel.is_set():
@@ -104,6 +114,7 @@ class AttemptDriver:
         self.verifier = verifier
         self.judge = judge
         self.settings = settings
+        self.code_host_for = code_host_for
         self.finalizer = Finalizer(store, code_host_for)
 
     def run(self, state: AttemptState) -> str:
@@ -116,6 +127,15 @@ class AttemptDriver:
         ended = "failed"
         try:
             task = self.store.get_task(lease.task_id)
+            try:  # an unsupported code host fails the run now, not after the push
+                host = self.code_host_for(task["repo"])
+                close = getattr(host, "close", None)
+                if callable(close):
+                    close()
+            except CodeHostError as exc:
+                if exc.transient:
+                    raise
+                return self._fail(state, Reason.TASK_CONTRACT_INVALID, str(exc))
             artifacts = self.settings.artifacts_root / lease.run_id / str(lease.attempt_no)
             artifacts.mkdir(parents=True, exist_ok=True)
             self.store.advance(lease, S.PREPARING_SANDBOX)
@@ -129,6 +149,9 @@ class AttemptDriver:
                 self.store.fail(lease, reason, message=str(exc))
                 return reason.value
             state.check()
+            if self.finalizer.already_pushed(lease, workspace):
+                ended = self.finalizer.resume(lease, workspace, task)
+                return ended
             self.store.advance(lease, S.RUNNING)
             env = self._env(lease, task, workspace.path, artifacts)
             result = self.agent.run(workspace=workspace.path, artifacts_dir=artifacts, env=env,
@@ -148,6 +171,9 @@ class AttemptDriver:
         except (CodeHostError, PushFailed) as exc:
             ended = self._fail(state, Reason.CODE_HOST_FAILED_TRANSIENT if exc.transient
                                else Reason.WORKER_ERROR, str(exc))
+            return ended
+        except PullRequestExists as exc:  # the host's list lags its create: look again later
+            ended = self._fail(state, Reason.CODE_HOST_FAILED_TRANSIENT, str(exc))
             return ended
         except DBAPIError as exc:
             # The database is unreachable: write nothing; the lease expires and the

@@ -15,7 +15,7 @@ from runlane.codehost.base import CodeHost, PullRequest, PullRequestExists, bran
 from runlane.domain.states import RunStatus
 from runlane.store.store import Lease, Store
 from runlane.worker.effects import perform_effect
-from runlane.workspace import Workspace
+from runlane.workspace import PushFailed, Workspace
 
 PUSH_EFFECT = "push_branch"
 PULL_REQUEST_EFFECT = "pull_request"
@@ -40,6 +40,26 @@ class Finalizer:
         self.store = store
         self.code_host_for = code_host_for
 
+    def already_pushed(self, lease: Lease, workspace: Workspace) -> bool:
+        """True when an earlier attempt of this run got as far as pushing its branch
+        (recorded, or found on the remote after a crash before the record)."""
+        effects = {e.effect_key: e for e in self.store.side_effects(lease.run_id)}
+        push = effects.get(PUSH_EFFECT)
+        if push is None:
+            return False
+        if push.status == "DONE":
+            return True
+        return workspace.remote_branch_sha(branch_name(lease.task_id, lease.run_id)) is not None
+
+    def resume(self, lease: Lease, workspace: Workspace, task: dict[str, Any]) -> str:
+        """Finish what an earlier attempt started: adopt its pushed branch and open (or
+        adopt) its pull request, without running the agent again. A retry must not end
+        ``no_changes`` or FAILED while the run's branch and pull request exist."""
+        if lease.stage is not RunStatus.FINALIZING:
+            self.store.advance(lease, RunStatus.FINALIZING)
+        self.store.check_lease(lease)
+        return self._publish(lease, workspace, task, sha=None)
+
     def finalize(self, lease: Lease, workspace: Workspace, task: dict[str, Any]) -> str:
         """Returns the run's outcome: ``no_changes`` or ``pull_request``."""
         if lease.stage is not RunStatus.FINALIZING:
@@ -50,12 +70,20 @@ class Finalizer:
         self.store.check_lease(lease)  # cancellation and lease, before the first effect
         branch = branch_name(lease.task_id, lease.run_id)
         sha = workspace.commit_all(branch, pr_title(task), trailer(lease.run_id))
+        return self._publish(lease, workspace, task, sha=sha)
+
+    def _publish(self, lease: Lease, workspace: Workspace, task: dict[str, Any],
+                 sha: str | None) -> str:
+        branch = branch_name(lease.task_id, lease.run_id)
 
         def remote_branch() -> dict[str, Any] | None:
             found = workspace.remote_branch_sha(branch)
             return {"branch": branch, "sha": found} if found else None
 
         def push() -> dict[str, Any]:
+            if sha is None:  # resuming, and the branch is gone: nothing to push
+                raise PushFailed(f"branch {branch} of an earlier attempt is not on the remote",
+                                 transient=True)
             workspace.push(branch)
             return {"branch": branch, "sha": sha}
 

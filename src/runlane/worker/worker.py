@@ -81,8 +81,9 @@ class Worker:
                       concurrency=self.config.concurrency)
         try:
             self._claim_loop()
-            self._drain()
         finally:
+            self.request_drain()
+            self._drain()  # never leave with attempts running: they would be orphaned
             self._stopped.set()
             self._beat_now.set()
             heartbeat.join(timeout=5)
@@ -104,28 +105,35 @@ class Worker:
 
     def _claim_loop(self) -> None:
         while not self.draining.is_set():
-            claimed = 0
-            for queue in self.config.queues:
-                free = self.config.concurrency - self._active_count()
-                if free <= 0 or self.draining.is_set():
-                    break
-                try:
-                    leases = self.store.claim(self.worker_id, queue, limit=free,
-                                              lease_ttl=self.config.lease_ttl_seconds)
-                except DBAPIError as exc:
-                    self.log.error("claim_failed", error=str(exc.orig).splitlines()[0])
-                    leases = []
-                for lease in leases:
-                    self._start(AttemptState(lease, self.store))
-                claimed += len(leases)
-            if (self.config.exit_when_idle and claimed == 0 and self._active_count() == 0
-                    and self.store.waiting_count(self.config.queues) == 0):
-                return
+            try:
+                claimed = self._claim_once()
+                if (self.config.exit_when_idle and claimed == 0 and self._active_count() == 0
+                        and self.store.waiting_count(self.config.queues) == 0):
+                    return
+            except Exception as exc:  # keep the worker alive; its attempts keep running
+                self.log.error("claim_loop_error", error=f"{type(exc).__name__}: {exc}")
+                claimed = 0
             for wake in self.listener.wait(self.config.poll_seconds if claimed == 0 else 0):
                 if wake.channel == CANCEL_CHANNEL:
                     with self._lock:
                         if wake.payload in self._active:
                             self._beat_now.set()  # deliver the cancel without waiting
+
+    def _claim_once(self) -> int:
+        claimed = 0
+        for queue in self.config.queues:
+            free = self.config.concurrency - self._active_count()
+            if free <= 0 or self.draining.is_set():
+                break
+            sent_at = time.monotonic()
+            leases = self.store.claim(self.worker_id, queue, limit=free,
+                                      lease_ttl=self.config.lease_ttl_seconds)
+            for lease in leases:
+                state = AttemptState(lease, self.store)
+                state.extended(sent_at, self.config.lease_ttl_seconds)
+                self._start(state)
+            claimed += len(leases)
+        return claimed
 
     def _start(self, state: AttemptState) -> None:
         thread = threading.Thread(target=self._drive, args=(state,), daemon=True,
@@ -155,17 +163,20 @@ class Worker:
             self._beat_now.clear()
             with self._lock:
                 states = {run_id: s for run_id, (_, s) in self._active.items()}
+            sent_at = time.monotonic()
             try:
                 result = self.store.heartbeat(self.worker_id, [s.lease for s in states.values()],
                                               lease_ttl=self.config.lease_ttl_seconds)
                 self._set_status("DRAINING" if self.draining.is_set() else "READY")
                 last_ok = time.monotonic()
-            except DBAPIError as exc:
-                self.log.error("heartbeat_failed", error=str(exc.orig).splitlines()[0])
+            except Exception as exc:  # a dead heartbeat thread would keep leases "alive"
+                self.log.error("heartbeat_failed", error=f"{type(exc).__name__}: {exc}")
                 if time.monotonic() - last_ok > self.config.lease_ttl_seconds:
                     for s in states.values():  # the leases have expired by now
                         s.lost.set()
                 continue
+            for run_id in result.extended:
+                states[run_id].extended(sent_at, self.config.lease_ttl_seconds)
             for run_id in result.lost:
                 states[run_id].lost.set()
             for run_id in result.cancel_requested:
@@ -179,7 +190,7 @@ class Worker:
 
     def _drain(self) -> None:
         """No new claims; active runs get the grace period, then give their leases back."""
-        if not self.draining.is_set():
+        if not self._active_count():
             return
         self._set_status("DRAINING")
         deadline = time.monotonic() + self.config.drain_grace_seconds
