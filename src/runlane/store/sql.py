@@ -13,8 +13,10 @@ from the transition table by the store, never written by hand.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import TextClause, bindparam, text
+from sqlalchemy import Table, TextClause, bindparam, text
+from sqlalchemy.types import TypeEngine
 
 NOW = {
     "postgresql": (
@@ -350,6 +352,29 @@ AUDIT_TRANSITIONS = """
 SELECT from_status, to_status, MIN(run_id) AS run_id, COUNT(*) AS n
 FROM run_events GROUP BY from_status, to_status
 """
+
+
+# --- bulk inserts (PostgreSQL) -------------------------------------------------------
+
+_PG_ARRAY_TYPES = {"VARCHAR": "text", "TEXT": "text", "INTEGER": "integer",
+                   "BIGINT": "bigint", "FLOAT": "double precision", "JSON": "json"}
+
+
+def bulk_insert_unnest(table: Table, columns: list[str], suffix: str = "") -> str:
+    """``INSERT INTO t (cols) SELECT * FROM unnest(CAST(:col AS type[]), …)``: one
+    array parameter per column, the same short text for any number of rows."""
+    arrays = ", ".join(
+        f"CAST(:{name} AS {_PG_ARRAY_TYPES[_type_name(table.c[name].type)]}[])"
+        for name in columns)
+    return (f"INSERT INTO {table.name} ({', '.join(columns)}) "
+            f"SELECT * FROM unnest({arrays}) {suffix}")
+
+
+def _type_name(column_type: TypeEngine[Any]) -> str:
+    name = type(column_type).__name__.upper()
+    if name == "VARIANT":  # with_variant(): the base type
+        name = type(column_type.impl).__name__.upper()  # type: ignore[attr-defined]
+    return {"STRING": "VARCHAR", "BIGINTEGER": "BIGINT"}.get(name, name)
 
 
 @dataclass(frozen=True)
