@@ -64,15 +64,19 @@ def drop_pg_database(name: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-@pytest.fixture(scope="session")
-def pg_url() -> Iterator[str]:
-    name = f"runlane_test_{RUN_TAG}"
+def migrated_pg_database(name: str) -> Iterator[str]:
+    """A fresh, migrated database for the whole session, dropped afterwards."""
     url = create_pg_database(name)
     engine = build_engine(url)
     upgrade(engine)
     engine.dispose()
     yield url
     drop_pg_database(name)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    yield from migrated_pg_database(f"runlane_test_{RUN_TAG}")
 
 
 def truncate_pg(url: str) -> None:

@@ -44,7 +44,7 @@ from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
 from runlane.store.store import Lease, Store
 
-from .conftest import POLICY, RUN_TAG, T0, TABLES, create_pg_database, drop_pg_database
+from .conftest import POLICY, RUN_TAG, T0, TABLES, migrated_pg_database
 from .support import spec
 
 S = RunStatus
@@ -642,13 +642,7 @@ def sm_sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def sm_postgres_url() -> Iterator[str]:
-    name = f"runlane_sm_{RUN_TAG}"
-    url = create_pg_database(name)
-    engine = build_engine(url)
-    upgrade(engine)
-    engine.dispose()
-    yield url
-    drop_pg_database(name)
+    yield from migrated_pg_database(f"runlane_sm_{RUN_TAG}")
 
 
 @pytest.mark.xdist_group("state-machine")

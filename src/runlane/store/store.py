@@ -513,12 +513,11 @@ class Store:
         )
 
     def _refusal(self, conn: Connection, lease: Lease, wanted: RunStatus) -> Exception:
-        snap = self._snapshot(conn, lease.run_id, lease.fencing_token)
-        if snap is None or not snap.lease_live:
-            return LeaseLost(f"run {lease.run_id}: lease with token {lease.fencing_token} "
-                             "is no longer live")
-        if snap.status in CANCELLING:
-            return CancelRequested(f"run {lease.run_id} is {snap.status}")
+        """Why a fenced write changed nothing: the lease, a cancel, or the state."""
+        try:
+            snap = self._live_snapshot(conn, lease)
+        except (LeaseLost, CancelRequested) as exc:
+            return exc
         return TransitionRefused(f"run {lease.run_id} is {snap.status}; cannot move to {wanted}")
 
     def advance(self, lease: Lease, stage: RunStatus) -> None:
