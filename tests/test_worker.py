@@ -503,3 +503,14 @@ def test_up_runs_workers_and_drains_them_on_sigterm(db_url: str, pstore: Store, 
     assert len(pull_requests(forge_dir, remote)) == 4
     statuses = [w["status"] for w in _workers(pstore)]
     assert statuses == ["STOPPED", "STOPPED"]
+
+
+def test_a_failed_attempts_workspace_is_kept_when_asked(lane: Runlane, remote: Path,
+                                                       forge_dir: Path) -> None:
+    run_id = submit_one(lane, remote, max_attempts=1)
+    run_worker(lane, forge_dir, "echo partial > work.txt; exit 2", keep_failed_workspaces=True)
+    kept = Path(lane.settings.workspace_dir) / f"{run_id}-1"
+    assert (kept / "work.txt").read_text() == "partial\n"
+    ok = submit_one(lane, remote)
+    run_worker(lane, forge_dir, "echo done > work.txt", keep_failed_workspaces=True)
+    assert not (Path(lane.settings.workspace_dir) / f"{ok}-1").exists()  # success: removed
