@@ -89,7 +89,7 @@ class WorkerProcess:
             "RUNLANE_HEARTBEAT_SECONDS": "0.3",
             "RUNLANE_RETRY_BASE_SECONDS": "0.1",
             "RUNLANE_RETRY_MAX_SECONDS": "0.2",
-            "RUNLANE_AGENT_TERM_GRACE_SECONDS": "1",
+            "RUNLANE_AGENT_TERM_GRACE_SECONDS": "0.5",
             **(env or {}),
         })
         self.process = subprocess.Popen(
@@ -514,3 +514,15 @@ def test_a_failed_attempts_workspace_is_kept_when_asked(lane: Runlane, remote: P
     ok = submit_one(lane, remote)
     run_worker(lane, forge_dir, "echo done > work.txt", keep_failed_workspaces=True)
     assert not (Path(lane.settings.workspace_dir) / f"{ok}-1").exists()  # success: removed
+
+
+def test_an_agent_cannot_report_a_worker_only_reason(lane: Runlane, remote: Path,
+                                                     forge_dir: Path) -> None:
+    """Otherwise an agent could claim it was drained (no attempt charged, no delay)
+    and loop forever."""
+    run_id = submit_one(lane, remote, max_attempts=1)
+    run_worker(lane, forge_dir,
+               "echo '{\"runlane\": \"fail\", \"reason_code\": \"LEASE_RELEASED\"}'; exit 1")
+    run = lane.run(run_id)
+    assert (run["status"], run["reason_code"], run["attempt_count"]) == (
+        "FAILED", "AGENT_FAILED", 1)

@@ -146,6 +146,7 @@ class Runlane:
             queues=queues or ["default"], concurrency=concurrency,
             capabilities=capabilities or {}, lease_ttl_seconds=s.lease_ttl_seconds,
             heartbeat_seconds=s.heartbeat_seconds, drain_grace_seconds=s.drain_grace_seconds,
+            agent_term_grace_seconds=s.agent_term_grace_seconds,
             exit_when_idle=exit_when_idle))
 
     def maintain_once(self) -> dict[str, int]:

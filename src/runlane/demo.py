@@ -53,7 +53,7 @@ TASKS: list[tuple[str, str, str]] = [
     ("globex", "globex-shop", "add a health check endpoint"),
 ]
 WORKER_ENV = {
-    "RUNLANE_LEASE_TTL_SECONDS": "2",
+    "RUNLANE_LEASE_TTL_SECONDS": "3",
     "RUNLANE_HEARTBEAT_SECONDS": "0.4",
     "RUNLANE_RETRY_BASE_SECONDS": "0.5",
     "RUNLANE_RETRY_MAX_SECONDS": "2",
@@ -109,8 +109,9 @@ def run_demo(directory: Path, console: Console | None = None, *, workers: int = 
            "RUNLANE_ARTIFACTS_DIR": str(directory / "artifacts"),
            "RUNLANE_WORKSPACE_DIR": str(directory / "workspaces"),
            "RUNLANE_LOG_LEVEL": "WARNING"}
-    lane = Runlane(settings=Settings(database_url=url, lease_ttl_seconds=2,
-                                     heartbeat_seconds=0.4, retry_base_seconds=0.5,
+    lane = Runlane(settings=Settings(database_url=url, lease_ttl_seconds=3,
+                                     heartbeat_seconds=0.4, agent_term_grace_seconds=1,
+                                     retry_base_seconds=0.5,
                                      retry_max_seconds=2))
     lane.upgrade_schema()
     rows = [{"tenant": tenant, "repo": str(fleet[repo]), "prompt": prompt,

@@ -48,11 +48,19 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _heartbeat_well_inside_the_lease(self) -> Settings:
-        if self.heartbeat_seconds * 2 > self.lease_ttl_seconds:
+        """A lease must survive one failed heartbeat, and an agent told to stop when
+        its lease is about to run out must be gone before it does."""
+        ttl, beat, grace = (self.lease_ttl_seconds, self.heartbeat_seconds,
+                            self.agent_term_grace_seconds)
+        if beat * 3 > ttl:
             raise ValueError(
-                f"HEARTBEAT_SECONDS ({self.heartbeat_seconds:g}) must be at most half of "
-                f"LEASE_TTL_SECONDS ({self.lease_ttl_seconds:g}), or leases expire between "
-                "heartbeats")
+                f"HEARTBEAT_SECONDS ({beat:g}) must be at most a third of "
+                f"LEASE_TTL_SECONDS ({ttl:g}), so that a lease survives a failed heartbeat")
+        if grace >= ttl - 2 * beat:
+            raise ValueError(
+                f"AGENT_TERM_GRACE_SECONDS ({grace:g}) must be less than LEASE_TTL_SECONDS "
+                f"minus two heartbeats ({ttl - 2 * beat:g}), so that an agent stopped for a "
+                "lost lease is gone before another worker gets the run")
         return self
 
     @classmethod

@@ -50,3 +50,23 @@ DEFAULT_RETRYABLE: frozenset[Reason] = frozenset(
         Reason.CODE_HOST_FAILED_TRANSIENT,
     }
 )
+
+
+# Codes only runlane itself may record. An agent that reports one of these (a fail
+# control line, AgentFailed) is treated as AGENT_FAILED: an agent must not be able to
+# claim it was drained (uncharged, instant retry) or that a user cancelled it.
+WORKER_ONLY: frozenset[Reason] = frozenset(
+    {
+        Reason.LEASE_RELEASED,
+        Reason.LEASE_LOST,
+        Reason.WORKER_LOST,
+        Reason.WORKER_ERROR,
+        Reason.CANCELLED_BY_USER,
+        Reason.RETRY_BUDGET_EXHAUSTED,
+        Reason.RECONCILED_ADMITTED_NOT_QUEUED,
+        Reason.RECONCILED_TERMINAL_LEASE,
+        Reason.RECONCILED_ACTIVE_WITHOUT_LEASE,
+        Reason.RECONCILED_CANCELLED_TASK,
+        Reason.WORKER_HEARTBEAT_STALE,
+    }
+)

@@ -787,6 +787,7 @@ class Store:
         def work(conn: Connection) -> int:
             rows = conn.execute(self._q(sql.EXPIRED_LEASES),
                                 {"limit": limit, "now": self.clock.now()}).all()
+            reaped = 0
             for r in rows:
                 snap = self._snapshot(conn, r.run_id, r.fencing_token)
                 if snap is None or snap.lease_status != "ACTIVE" or \
@@ -795,7 +796,8 @@ class Store:
                 self._end_attempt(conn, snap, Reason.WORKER_LOST, actor="reaper",
                                   lease_status="EXPIRED",
                                   message=f"lease of worker {r.worker_id} expired")
-            return len(rows)
+                reaped += 1
+            return reaped
 
         return self._transaction(work)
 

@@ -5,6 +5,7 @@ after either."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from sqlalchemy.exc import DBAPIError
 
 from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, StopReason
 from runlane.codehost.base import CodeHost, CodeHostError, PullRequestExists
-from runlane.domain.reasons import Reason
+from runlane.domain.reasons import WORKER_ONLY, Reason
 from runlane.domain.states import RunStatus
 from runlane.errors import CancelRequested, LeaseLost
 from runlane.store.store import Lease, Store
@@ -57,15 +58,19 @@ class AttemptState:
     # moment a claim or heartbeat that extended it was *sent*, minus a margin. Past it
     # the attempt stops even if the heartbeat is stuck (a silent network partition).
     local_deadline: float = float("inf")
+    # Time the agent needs to stop after SIGTERM: it must be gone before the lease is.
+    stop_grace: float = 0.0
+    deadline_fired: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
     lost: threading.Event = field(default_factory=threading.Event)
     drain: threading.Event = field(default_factory=threading.Event)
 
     def extended(self, sent_at: float, ttl: float) -> None:
-        self.local_deadline = sent_at + ttl - min(ttl * 0.2, 5.0)
+        self.local_deadline = sent_at + ttl - min(ttl * 0.2, 5.0) - self.stop_grace
 
     def stop_reason(self) -> StopReason | None:
         if not self.lost.is_set() and time.monotonic() >= self.local_deadline:
+            self.deadline_fired = True
             self.lost.set()
         if self.lost.is_set():
             return StopReason.LEASE_LOST
@@ -198,8 +203,11 @@ class AttemptDriver:
         if result.stopped is not None:
             return self._stopped(state, result.stopped)
         if result.failure is not None:
-            return self._fail(state, result.failure.reason_code, result.failure.message,
-                              result.failure.retry_after_seconds)
+            reason, message = result.failure.reason_code, result.failure.message
+            if reason in WORKER_ONLY:
+                message = f"agent reported {reason}, a code only runlane may record"
+                reason = Reason.AGENT_FAILED
+            return self._fail(state, reason, message, result.failure.retry_after_seconds)
         if result.exit_code != 0:
             return self._fail(state, Reason.AGENT_FAILED,
                               f"agent exited with status {result.exit_code}")
@@ -228,6 +236,12 @@ class AttemptDriver:
 
     def _stopped(self, state: AttemptState, reason: StopReason) -> str:
         if reason is StopReason.LEASE_LOST:
+            if state.deadline_fired:
+                # Stopped on the local deadline, without word from the database: if the
+                # lease is in fact still live, give it back rather than leave the run to
+                # the reaper (a fenced write: refused if the lease is really gone).
+                with contextlib.suppress(Exception):
+                    self.store.release(state.lease, message="local lease deadline passed")
             return "lease_lost"  # someone else owns the run now: write nothing
         if reason is StopReason.CANCELLED:
             return self._finish_cancel(state)

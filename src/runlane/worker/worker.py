@@ -42,6 +42,7 @@ class WorkerConfig:
     heartbeat_seconds: float = 10.0
     poll_seconds: float = 1.0
     drain_grace_seconds: float = 30.0
+    agent_term_grace_seconds: float = 10.0
     exit_when_idle: bool = False
 
 
@@ -129,9 +130,12 @@ class Worker:
             leases = self.store.claim(self.worker_id, queue, limit=free,
                                       lease_ttl=self.config.lease_ttl_seconds)
             for lease in leases:
-                state = AttemptState(lease, self.store)
+                state = AttemptState(lease, self.store,
+                                     stop_grace=self.config.agent_term_grace_seconds)
                 state.extended(sent_at, self.config.lease_ttl_seconds)
                 self._start(state)
+            if leases:
+                self._beat_now.set()  # a slow claim must not eat into the first lease
             claimed += len(leases)
         return claimed
 
@@ -157,9 +161,13 @@ class Worker:
     # --- heartbeat ---------------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
+        """Beats every ``heartbeat_seconds`` counted from when the last beat was *sent*
+        (a slow answer does not push the next beat out), at once when asked, and again
+        within a second after a failed beat."""
         last_ok = time.monotonic()
+        wait = self.config.heartbeat_seconds
         while not self._stopped.is_set():
-            self._beat_now.wait(self.config.heartbeat_seconds)
+            self._beat_now.wait(wait)
             self._beat_now.clear()
             with self._lock:
                 states = {run_id: s for run_id, (_, s) in self._active.items()}
@@ -174,7 +182,9 @@ class Worker:
                 if time.monotonic() - last_ok > self.config.lease_ttl_seconds:
                     for s in states.values():  # the leases have expired by now
                         s.lost.set()
+                wait = min(1.0, self.config.heartbeat_seconds)
                 continue
+            wait = max(0.0, self.config.heartbeat_seconds - (time.monotonic() - sent_at))
             for run_id in result.extended:
                 states[run_id].extended(sent_at, self.config.lease_ttl_seconds)
             for run_id in result.lost:
