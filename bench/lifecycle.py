@@ -1125,7 +1125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--postgres-url", default=os.environ.get(
         "RUNLANE_BENCH_POSTGRES_URL", DEFAULT_POSTGRES_URL),
         help="a PostgreSQL server to benchmark on (any existing database on it; the "
-             f"benchmark drops and recreates database {BENCH_DATABASE!r} there)")
+             f"benchmark drops and recreates databases {BENCH_DATABASE!r} and "
+             f"'{BENCH_DATABASE}_depth_N' there, and drops the latter at the end)")
     parser.add_argument("--repeat", type=int, default=None, metavar="N",
                         help="rounds of the submit and claim cells; the median round is "
                              "reported (default 3, 1 with --quick)")

@@ -59,7 +59,11 @@ def build_engine(url: str, pool_size: int | None = None) -> Engine:
         connect_args={"prepare_threshold": 2, "application_name": "runlane",
                       "connect_timeout": 10, "keepalives": 1, "keepalives_idle": 5,
                       "keepalives_interval": 2, "keepalives_count": 3,
-                      "tcp_user_timeout": 15000},
+                      "tcp_user_timeout": 15000,
+                      # The claim's cost estimate grows with its batch size; past
+                      # jit_above_cost PostgreSQL would JIT-compile every claim (7-110 ms
+                      # at 1M queued runs, docs/benchmarks.md) for a sub-millisecond query.
+                      "options": "-c jit=off"},
     )
 
 
