@@ -650,6 +650,15 @@ def reset(backend: str, url: str, directory: Path, name: str) -> str:
 # --- 3. claim latency at depth (PostgreSQL) -----------------------------------------------
 
 
+
+def v7_sql(kind: str) -> str:
+    """SQL for run g's id in runlane's own layout (runlane.domain.ids, UUIDv7): the
+    creation millisecond (base + g/100 s) first, then a random-looking tail."""
+    return ("(overlay(overlay(overlay(md5('bench-" + kind + "-' || g) "
+            "placing lpad(to_hex((%(base)s * 1000 + g * 10)::bigint), 12, '0') from 1 for 12) "
+            "placing '7' from 13 for 1) placing '8' from 17 for 1))::uuid::text")
+
+
 def populate(url: str, first: int, count: int, chunk: int = 100_000) -> None:
     """Append ``count`` queued runs (ids first+1 ..) with set-based SQL: a task, a run and
     its submission event each; visible in the past; the same priority mix as submit."""
@@ -662,7 +671,7 @@ def populate(url: str, first: int, count: int, chunk: int = 100_000) -> None:
                 "INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, "
                 "idempotency_key, max_attempts, context, truncated_sections, payload_bytes, "
                 "cancel_requested_at, created_at) "
-                "SELECT md5('bench-task-' || g)::uuid::text, 'tenant-' || mod(g, 8), "
+                "SELECT " + v7_sql("task") + ", 'tenant-' || mod(g, 8), "
                 f"%(repo)s, 'no-op', %(queue)s, {PRIORITY_CASE}, 'depth-' || g, 3, "
                 "'{}'::json, '[]'::json, 120, NULL, %(base)s + g / 100.0 "
                 "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS g",
@@ -672,7 +681,7 @@ def populate(url: str, first: int, count: int, chunk: int = 100_000) -> None:
                 "INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority, status, "
                 "attempt_count, max_attempts, fencing_token, visible_at, created_at, "
                 "updated_at, ended_at, reason_code, message, outcome, cost_usd) "
-                "SELECT md5('bench-run-' || g)::uuid::text, md5('bench-task-' || g)::uuid::text, "
+                "SELECT " + v7_sql("run") + ", " + v7_sql("task") + ", "
                 f"'tenant-' || mod(g, 8), %(repo)s, %(queue)s, {PRIORITY_CASE}, 'QUEUED', 0, 3, 0, "
                 "%(base)s + g / 100.0, %(base)s + g / 100.0, %(base)s + g / 100.0, "
                 "NULL, NULL, NULL, NULL, 0 "
@@ -682,7 +691,7 @@ def populate(url: str, first: int, count: int, chunk: int = 100_000) -> None:
             conn.execute(
                 "INSERT INTO run_events (run_id, attempt_no, at, actor, from_status, to_status, "
                 "reason_code, fencing_token, message) "
-                "SELECT md5('bench-run-' || g)::uuid::text, NULL, %(base)s + g / 100.0, 'bench', "
+                "SELECT " + v7_sql("run") + ", NULL, %(base)s + g / 100.0, 'bench', "
                 "NULL, 'QUEUED', NULL, NULL, 'submitted' "
                 "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS g",
                 params,

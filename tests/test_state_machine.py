@@ -121,7 +121,7 @@ class Observed:
 
 
 class SequentialIds:
-    """Stands in for ``uuid`` inside the store: ids in creation order.
+    """Stands in for ``new_id`` inside the store: ids in creation order.
 
     Claims break ties by run id; with random ids the same example would claim
     different runs on replay and Hypothesis could neither replay nor shrink it.
@@ -130,9 +130,9 @@ class SequentialIds:
     def __init__(self) -> None:
         self.issued = 0
 
-    def uuid4(self) -> uuid.UUID:
+    def __call__(self) -> str:
         self.issued += 1
-        return uuid.UUID(int=self.issued)
+        return str(uuid.UUID(int=self.issued))
 
 
 class SeededJitter(random.Random):
@@ -166,7 +166,7 @@ class StoreMachine(RuleBasedStateMachine):
         except BaseException:
             self.teardown_database()
             raise
-        self.ids = mock.patch.object(store_module, "uuid", SequentialIds())
+        self.ids = mock.patch.object(store_module, "new_id", SequentialIds())
         self.ids.start()
         self.tasks: dict[str, ModelTask] = {}
         self.keys: dict[tuple[str, str], str] = {}  # (tenant, key) -> task id

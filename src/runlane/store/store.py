@@ -12,7 +12,6 @@ import itertools
 import json
 import random
 import time
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -23,6 +22,7 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.exc import OperationalError
 
 from runlane.clock import Clock, DatabaseClock
+from runlane.domain.ids import new_id
 from runlane.domain.reasons import Reason
 from runlane.domain.retry import RetryPolicy, RunBudget, decide
 from runlane.domain.states import (
@@ -313,7 +313,7 @@ class Store:
                         continue
                     first_of_key[key] = i
                 row = {
-                    "task_id": str(uuid.uuid4()),
+                    "task_id": new_id(),
                     "tenant": spec.tenant,
                     "repo": spec.repo,
                     "prompt": spec.prompt,
@@ -328,7 +328,7 @@ class Store:
                     "created_at": now,
                 }
                 task_rows.append(row)
-                plan.append((i, row, str(uuid.uuid4())))
+                plan.append((i, row, new_id()))
             inserted: set[str] = set()
             if task_rows and self.is_postgres:
                 inserted = {r.task_id for r in self._bulk_insert(
