@@ -121,6 +121,3 @@ def check_path(sources: Iterable[RunStatus], path: Sequence[RunStatus]) -> froze
         raise IllegalTransition(f"no source state among {sorted(sources)} may reach {path[0]}")
     return allowed
 
-
-def is_terminal(status: RunStatus | str) -> bool:
-    return RunStatus(status) in TERMINAL

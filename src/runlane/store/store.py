@@ -944,12 +944,6 @@ class Store:
                 raise NotFound(f"no task {task_id!r}")
             return dict(row._mapping)
 
-    def runs_of_task(self, task_id: str) -> list[str]:
-        with self.engine.connect() as conn:
-            return [r.run_id for r in conn.execute(
-                text("SELECT run_id FROM runs WHERE task_id = :t ORDER BY created_at"),
-                {"t": task_id})]
-
     # --- audit --------------------------------------------------------------------
 
     def audit(self) -> list[Violation]:
