@@ -63,12 +63,14 @@ def test_sigkilled_worker_is_recovered_within_ttl_plus_reaper_pass(db_url: str) 
     ttl = 1.0
     victim = subprocess.Popen([sys.executable, "-m", "tests.procs", db_url, str(ttl)],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    assert victim.stdout is not None
-    assert victim.stdout.readline().strip() == "running"
-    time.sleep(ttl * 1.5)  # heartbeats keep it alive past one TTL
-    assert store.reap_expired_leases() == 0
-    assert run_row(store, sub.run_id).status == "RUNNING"
-    os.kill(victim.pid, signal.SIGKILL)
+    try:
+        assert victim.stdout is not None
+        assert victim.stdout.readline().strip() == "running"
+        time.sleep(ttl * 1.5)  # heartbeats keep it alive past one TTL
+        assert store.reap_expired_leases() == 0
+        assert run_row(store, sub.run_id).status == "RUNNING"
+    finally:
+        os.kill(victim.pid, signal.SIGKILL)
     killed_at = time.monotonic()
     victim.wait()
     while run_row(store, sub.run_id).status == "RUNNING":

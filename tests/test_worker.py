@@ -491,15 +491,16 @@ def test_up_runs_workers_and_drains_them_on_sigterm(db_url: str, pstore: Store, 
     up = subprocess.Popen([sys.executable, "-m", "runlane", "--database-url", db_url, "up",
                            "--workers", "2", "--agent-command", AGENT_WRITES],
                           cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+                          stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_until(lambda: all(status_of(pstore, s.run_id) == "SUCCEEDED" for s in subs), 60,
                    "every run to succeed")
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
     finally:
-        if up.poll() is None:
-            up.kill()
+        with contextlib.suppress(ProcessLookupError):  # never leave its workers behind
+            os.killpg(up.pid, signal.SIGKILL)
+        up.wait()
     assert len(pull_requests(forge_dir, remote)) == 4
     statuses = [w["status"] for w in _workers(pstore)]
     assert statuses == ["STOPPED", "STOPPED"]
@@ -526,3 +527,22 @@ def test_an_agent_cannot_report_a_worker_only_reason(lane: Runlane, remote: Path
     run = lane.run(run_id)
     assert (run["status"], run["reason_code"], run["attempt_count"]) == (
         "FAILED", "AGENT_FAILED", 1)
+
+
+def test_workers_drain_when_their_supervisor_is_killed(db_url: str, pstore: Store,
+                                                       tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNLANE_")}
+    env["RUNLANE_HEARTBEAT_SECONDS"] = "0.3"
+    up = subprocess.Popen([sys.executable, "-m", "runlane", "--database-url", db_url, "up",
+                           "--workers", "2", "--agent-command", "true"],
+                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_until(lambda: len(_workers(pstore)) == 2, 30, "two workers to register")
+        up.kill()  # the supervisor alone; its workers are not signalled by anyone
+        up.wait()
+        wait_until(lambda: {w["status"] for w in _workers(pstore)} == {"STOPPED"}, 30,
+                   "the orphaned workers to drain and stop")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(up.pid, signal.SIGKILL)

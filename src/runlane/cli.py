@@ -311,6 +311,7 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
            max_diff_lines: int | None, keep_failed_workspaces: bool) -> None:
     """A long-running worker; SIGTERM drains it."""
     from runlane.agents.base import AttemptLimits
+    from runlane.services.supervisor import follow_supervisor
 
     with _lane() as lane:
         runner = lane.worker(
@@ -319,6 +320,9 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
             capabilities=_pairs(capabilities, "--capability"), exit_when_idle=exit_when_idle,
             limits=AttemptLimits(timeout_seconds, max_changed_files, max_diff_lines),
             keep_failed_workspaces=keep_failed_workspaces)
+        # Started by `up` or the demo: drain when the supervisor dies. A SIGTERM that
+        # comes before run() installs its handler just ends a worker with no attempts.
+        follow_supervisor()
         sys.exit(runner.run(handle_signals=True))
 
 

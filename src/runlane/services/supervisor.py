@@ -14,6 +14,26 @@ import structlog
 
 log = structlog.get_logger("runlane.supervisor")
 
+SUPERVISOR_ENV = "RUNLANE_SUPERVISOR_PID"
+PR_SET_PDEATHSIG = 1
+
+
+def follow_supervisor() -> None:
+    """In a worker started by a WorkerPool: get SIGTERM (a drain) when the supervisor
+    dies. Linux only (prctl); elsewhere, and for workers started by hand, nothing."""
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    if not supervisor or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(supervisor):  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
 
 class WorkerPool:
     def __init__(self, worker_args: Sequence[str], count: int, *, database_url: str,
@@ -21,7 +41,9 @@ class WorkerPool:
         self.command = [sys.executable, "-m", "runlane", "--database-url", database_url,
                         "worker", *worker_args]
         self.count = count
-        self.env = {**os.environ, **(env or {})}
+        # The workers drain when this process dies (see follow_supervisor), so that a
+        # killed `runlane up` or demo leaves no worker behind.
+        self.env = {**os.environ, **(env or {}), SUPERVISOR_ENV: str(os.getpid())}
         self.stderr = stderr
         self.processes: list[subprocess.Popen[bytes]] = []
         self.restarts = 0
