@@ -297,7 +297,8 @@ def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
 @click.option("--queue", "queues", multiple=True, help="Queue to claim from (repeatable).")
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--capability", "capabilities", multiple=True, help="KEY=VALUE (repeatable).")
-@click.option("--exit-when-idle", is_flag=True, help="Exit when nothing is claimable.")
+@click.option("--exit-when-idle", is_flag=True,
+              help="Exit once nothing is active and nothing is queued in its queues.")
 @click.option("--timeout-seconds", type=click.FloatRange(min=0, min_open=True),
               help="Wall-clock limit of one attempt's agent (TIMEOUT).")
 @click.option("--max-changed-files", type=click.IntRange(min=0),
@@ -440,7 +441,7 @@ def maintain(once: bool, as_json: bool) -> None:
               show_default=True, help="Where the demo keeps its database.")
 @json_flag
 def demo(directory: Path, as_json: bool) -> None:
-    """The run lifecycle on SQLite, start to finish, with a worker dying and a cancel."""
+    """The main job on SQLite: real workers, a killed worker, a cancel, pull requests."""
     from runlane.demo import run_demo
 
     summary = run_demo(directory, console=None if as_json else out)
