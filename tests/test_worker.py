@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
+from structlog.testing import capture_logs
 
 from runlane.agents.base import AttemptLimits
 from runlane.agents.python import AgentContext, AgentFailed, PythonAgentRunner
@@ -546,3 +547,19 @@ def test_workers_drain_when_their_supervisor_is_killed(db_url: str, pstore: Stor
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(up.pid, signal.SIGKILL)
+
+
+def test_logs_carry_the_task_run_attempt_lease_and_worker_ids(lane: Runlane, remote: Path,
+                                                               forge_dir: Path) -> None:
+    run_id = submit_one(lane, remote)
+    with capture_logs() as logs:
+        run_worker(lane, forge_dir, AGENT_WRITES)
+    finished = [e for e in logs if e["event"] == "attempt_finished"]
+    assert len(finished) == 1
+    entry = finished[0]
+    assert entry["run_id"] == run_id and entry["attempt_id"] == f"{run_id}/1"
+    assert entry["fencing_token"] == 1 and entry["ended"] == "pull_request"
+    assert entry["task_id"] and entry["worker_id"].count("/") == 2
+    effects = [e for e in logs if e["event"] == "side_effect_done"]
+    assert {e["effect"] for e in effects} == {"push_branch", "pull_request"}
+    assert all(e["fencing_token"] == 1 and e["attempt_id"] == f"{run_id}/1" for e in effects)
