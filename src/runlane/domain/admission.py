@@ -1,0 +1,178 @@
+"""Admission control (seed 000 §16): may this run enter the queue now, and on what terms?
+
+A pure function of the request, the policy, the tenant's usage and the time, so
+that a decision can be recomputed and audited: same inputs, same decision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from runlane.domain.policy import Policy
+from runlane.domain.reasons import Reason
+from runlane.domain.routing import Requirement, canonical_requirements, merge_requirements
+
+DEFAULT_MAX_ATTEMPTS = 3
+# How long a DEFER waits when nothing better is known (a full queue, a rule without
+# retry_after_seconds): long enough not to spin, short enough to notice free room.
+DEFER_SECONDS = 60.0
+DAY_SECONDS = 86_400
+
+DecisionKind = Literal["ADMIT", "DENY", "DEFER"]
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    tenant: str
+    repo: str
+    queue: str | None = None  # None: the repository rule's queue, else the default
+    priority: int | None = None
+    user: str | None = None
+    max_attempts: int | None = None
+    requires: Mapping[str, Requirement] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """Read by the store in the admitting transaction."""
+
+    queued_runs: int = 0
+    spent_today_usd: float = 0.0
+
+
+@dataclass(frozen=True)
+class Decision:
+    decision: DecisionKind
+    reason_code: str | None
+    message: str | None
+    retry_after: float | None  # epoch seconds, DEFER only
+    queue: str
+    priority: int
+    max_attempts: int
+    risk_class: str
+    requires: str  # the route key (routing.canonical_requirements)
+    limits: dict[str, float | int]
+    concurrency: dict[str, int]
+    weight: float
+    policy_version: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Decision:
+        return cls(**{**data, "limits": dict(data["limits"]),
+                      "concurrency": dict(data["concurrency"])})
+
+
+def next_utc_midnight(now: float) -> float:
+    return float((math.floor(now / DAY_SECONDS) + 1) * DAY_SECONDS)
+
+
+def admit(
+    request: AdmissionRequest,
+    policy: Policy,
+    policy_version: int,
+    usage: TenantUsage,
+    now: float,
+    *,
+    default_max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+) -> Decision:
+    """Decide ADMIT, DENY or DEFER; every decision carries the run's terms for the record.
+
+    Checks, first hit decides: rules, unknown tenant, repository blocks agents,
+    risk class, requirements contract, daily budget, queued runs.
+    ``default_max_attempts`` is the setting used when neither task nor policy says.
+    """
+    tenant = request.tenant
+    repo_rule = policy.repository_rule(request.repo)
+    defaults = policy.defaults
+    risk = (repo_rule.risk_class if repo_rule else None) or defaults.risk_class
+    queue = request.queue or (repo_rule.queue if repo_rule else None) or defaults.queue
+    priority = request.priority if request.priority is not None else defaults.priority
+    max_attempts = next(n for n in (request.max_attempts, defaults.max_attempts,
+                                    default_max_attempts) if n is not None)
+    if repo_rule and repo_rule.max_attempts is not None:
+        max_attempts = min(max_attempts, repo_rule.max_attempts)
+    limits = defaults.limits.snapshot()
+    if repo_rule:
+        limits.update(repo_rule.limits.snapshot())
+
+    contract_error: str | None = None
+    requires = ""
+    try:
+        merged = merge_requirements(defaults.requires, repo_rule.requires if repo_rule else {})
+        requires = canonical_requirements(merge_requirements(merged, request.requires))
+    except ValueError as exc:
+        contract_error = str(exc)
+
+    def decide(
+        kind: DecisionKind,
+        code: str | None = None,
+        message: str | None = None,
+        retry_after: float | None = None,
+    ) -> Decision:
+        return Decision(
+            decision=kind,
+            reason_code=None if code is None else str(code),
+            message=message,
+            retry_after=retry_after,
+            queue=queue,
+            priority=priority,
+            max_attempts=max_attempts,
+            risk_class=risk,
+            requires=requires,
+            limits=dict(limits),
+            concurrency=policy.concurrency_limits_for(tenant, request.repo, request.user,
+                                                      risk, queue),
+            weight=policy.tenant_weight(tenant),
+            policy_version=policy_version,
+        )
+
+    def contract_denied() -> Decision:
+        return decide("DENY", Reason.TASK_CONTRACT_INVALID, contract_error)
+
+    matched = policy.matching_rule(tenant, request.repo, queue, request.user, risk)
+    if matched is not None:
+        index, rule = matched
+        label = f"policy rule {rule.name!r}" if rule.name else f"policy rule rules[{index}]"
+        if rule.action == "deny":
+            return decide("DENY", rule.reason_code or Reason.POLICY_RULE_DENIED,
+                          rule.message or f"denied by {label}")
+        if rule.action == "defer":
+            wait = rule.retry_after_seconds or DEFER_SECONDS
+            return decide("DEFER", rule.reason_code or Reason.POLICY_RULE_DEFERRED,
+                          rule.message or f"deferred by {label}", now + wait)
+        # An admit rule skips the policy checks below, never the task's own contract.
+        return contract_denied() if contract_error else decide("ADMIT")
+
+    tenant_policy = policy.tenants.get(tenant)
+    if tenant_policy is None and not policy.allow_unknown_tenants:
+        return decide("DENY", Reason.TENANT_NOT_ALLOWED,
+                      f"tenant {tenant!r} is not listed in the policy "
+                      "and allow_unknown_tenants is false")
+    if repo_rule and not repo_rule.autonomous_agents:
+        return decide("DENY", Reason.REPOSITORY_POLICY_BLOCKS_AUTONOMOUS_AGENT,
+                      repo_rule.message or f"repository {request.repo!r} does not allow "
+                      f"autonomous agent runs (repositories rule {repo_rule.match!r})")
+    allowed = tenant_policy.allowed_risk_classes if tenant_policy else None
+    if allowed is not None and risk not in allowed:
+        return decide("DENY", Reason.RISK_CLASS_NOT_ALLOWED,
+                      f"tenant {tenant!r} may not run {risk}-risk work "
+                      f"(allowed: {', '.join(allowed) or 'none'})")
+    if contract_error:
+        return contract_denied()
+    budget = tenant_policy.daily_model_budget_usd if tenant_policy else None
+    if budget is not None and usage.spent_today_usd >= budget:
+        return decide("DEFER", Reason.TENANT_DAILY_MODEL_BUDGET_EXCEEDED,
+                      f"tenant {tenant!r} spent {usage.spent_today_usd:.2f} USD today, its "
+                      f"daily model budget is {budget:.2f} USD", next_utc_midnight(now))
+    max_queued = tenant_policy.max_queued if tenant_policy else None
+    if max_queued is not None and usage.queued_runs >= max_queued:
+        return decide("DEFER", Reason.TENANT_QUEUE_FULL,
+                      f"tenant {tenant!r} has {usage.queued_runs} queued runs "
+                      f"(max_queued {max_queued})", now + DEFER_SECONDS)
+    return decide("ADMIT")

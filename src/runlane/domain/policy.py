@@ -1,0 +1,390 @@
+"""The scheduling policy file (TOML): defaults, limits, tenants, repositories, rules.
+
+One validated, immutable value; the store records each distinct version (by
+digest) and every run records the version that admitted it (seed 000 §28).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tomllib
+from dataclasses import replace
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from runlane.domain.retry import RetryPolicy
+from runlane.domain.routing import (
+    KEY_PATTERN,
+    Requirement,
+    parse_requirement_value,
+    requirements_to_mapping,
+)
+from runlane.domain.tasks import PRIORITY_CLASSES, parse_priority
+
+RISK_CLASSES: tuple[str, ...] = ("low", "medium", "high", "critical")
+RULE_FIELDS: tuple[str, ...] = ("tenant", "repo", "queue", "user", "risk_class")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+_REASON_CODE = re.compile(r"^[A-Z][A-Z0-9_]*$")
+_TOML_AT = re.compile(r"\s*\(at (line \d+, column \d+|end of document)\)$")
+
+
+class PolicyInvalid(ValueError):
+    """A policy that cannot be applied; names the file, the dotted field and the problem."""
+
+    def __init__(self, source: str, field: str, problem: str):
+        super().__init__(f"{source}: {field}: {problem}")
+        self.source = source
+        self.field = field
+        self.problem = problem
+
+
+def _name(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError(f"{value!r} must be 1-128 characters of letters, digits and ._:@/-")
+    return value
+
+
+def _risk(value: str) -> str:
+    if value not in RISK_CLASSES:
+        raise ValueError(f"{value!r} is not a risk class ({', '.join(RISK_CLASSES)})")
+    return value
+
+
+def _requirement_key(value: str) -> str:
+    if not KEY_PATTERN.match(value):
+        raise ValueError(f"{value!r} may only contain letters, digits, '_', '.' and '-'")
+    return value
+
+
+RequirementTable = Annotated[
+    dict[
+        Annotated[str, AfterValidator(_requirement_key)],
+        Annotated[Requirement, PlainValidator(parse_requirement_value)],
+    ],
+    PlainSerializer(requirements_to_mapping),
+]
+Name = Annotated[str, AfterValidator(_name)]
+RiskClass = Annotated[str, AfterValidator(_risk)]
+
+
+def _globs(value: Any) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(g, str) for g in items):
+        raise ValueError("must be a glob string or a list of glob strings")
+    if not items or not all(items):
+        raise ValueError("a glob must not be empty")
+    return tuple(items)
+
+
+Globs = Annotated[tuple[str, ...], PlainValidator(_globs), PlainSerializer(list)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Limits(_Model):
+    """Per-run limits (seed 000 §28), snapshotted on each run at admission."""
+
+    max_wall_clock_minutes: float | None = Field(default=None, gt=0)
+    max_agent_iterations: int | None = Field(default=None, ge=0)
+    max_tool_calls: int | None = Field(default=None, ge=0)
+    max_shell_command_seconds: float | None = Field(default=None, gt=0)
+    max_verifier_minutes: float | None = Field(default=None, gt=0)
+    max_changed_files: int | None = Field(default=None, ge=0)
+    max_diff_lines: int | None = Field(default=None, ge=0)
+    max_model_input_tokens: int | None = Field(default=None, ge=0)
+    max_model_output_tokens: int | None = Field(default=None, ge=0)
+    max_cost_usd: float | None = Field(default=None, ge=0)
+
+    def snapshot(self) -> dict[str, float | int]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class Defaults(_Model):
+    queue: str = "default"
+    priority: int = PRIORITY_CLASSES["normal"]
+    max_attempts: int | None = Field(default=None, ge=1, le=100)
+    risk_class: str = "low"
+    limits: Limits = Limits()
+    requires: RequirementTable = {}
+
+    @field_validator("queue")
+    @classmethod
+    def _queue(cls, value: str) -> str:
+        return _name(value)
+
+    @field_validator("risk_class")
+    @classmethod
+    def _risk_class(cls, value: str) -> str:
+        return _risk(value)
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _priority(cls, value: Any) -> int:
+        return parse_priority(value)
+
+
+class Concurrency(_Model):
+    """Maximum active runs per scope; an absent limit is no limit."""
+
+    global_max_active: int | None = Field(default=None, ge=0)
+    per_tenant_max_active: int | None = Field(default=None, ge=0)
+    per_repository_max_active: int | None = Field(default=None, ge=0)
+    per_user_max_active: int | None = Field(default=None, ge=0)
+    per_risk_class_max_active: dict[RiskClass, Annotated[int, Field(ge=0)]] = {}
+    per_queue_max_active: dict[Name, Annotated[int, Field(ge=0)]] = {}
+
+
+class Retry(_Model):
+    """Overrides of the retry policy; absent fields keep the settings' values."""
+
+    base_seconds: float | None = Field(default=None, gt=0)
+    max_seconds: float | None = Field(default=None, gt=0)
+    max_total_run_seconds: float | None = Field(default=None, gt=0)
+    max_cost_usd: float | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _order(self) -> Retry:
+        if (self.base_seconds is not None and self.max_seconds is not None
+                and self.max_seconds < self.base_seconds):
+            raise ValueError("max_seconds must be at least base_seconds")
+        return self
+
+
+class TenantPolicy(_Model):
+    weight: float = Field(default=1.0, gt=0)
+    max_active: int | None = Field(default=None, ge=0)
+    max_queued: int | None = Field(default=None, ge=0)
+    daily_model_budget_usd: float | None = Field(default=None, ge=0)
+    allowed_risk_classes: tuple[str, ...] | None = None
+
+    @field_validator("allowed_risk_classes", mode="before")
+    @classmethod
+    def _risks(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ValueError("must be a list of risk classes")
+        return tuple(sorted({_risk(v) for v in value}, key=RISK_CLASSES.index))
+
+
+class RepositoryPolicy(_Model):
+    match: str = Field(min_length=1)
+    risk_class: str | None = None
+    autonomous_agents: bool = True
+    message: str | None = None
+    queue: str | None = None
+    max_attempts: int | None = Field(default=None, ge=1, le=100)
+    max_active: int | None = Field(default=None, ge=0)
+    requires: RequirementTable = {}
+    limits: Limits = Limits()
+
+    @field_validator("queue")
+    @classmethod
+    def _queue(cls, value: str | None) -> str | None:
+        return None if value is None else _name(value)
+
+    @field_validator("risk_class")
+    @classmethod
+    def _risk_class(cls, value: str | None) -> str | None:
+        return None if value is None else _risk(value)
+
+    def matches(self, repo: str) -> bool:
+        return fnmatchcase(repo, self.match)
+
+
+class RuleWhen(_Model):
+    """Globs on the run's facts; every given field must match (an empty table always does)."""
+
+    tenant: Globs | None = None
+    repo: Globs | None = None
+    queue: Globs | None = None
+    user: Globs | None = None
+    risk_class: Globs | None = None
+
+
+class Rule(_Model):
+    name: str | None = None
+    when: RuleWhen = RuleWhen()
+    action: Literal["deny", "defer", "admit"]
+    reason_code: str | None = None
+    message: str | None = None
+    retry_after_seconds: float | None = Field(default=None, gt=0)
+
+    @field_validator("reason_code")
+    @classmethod
+    def _code(cls, value: str | None) -> str | None:
+        if value is not None and not _REASON_CODE.match(value):
+            raise ValueError(f"{value!r} must be UPPER_SNAKE_CASE, like TENANT_SUSPENDED")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Rule:
+        if self.retry_after_seconds is not None and self.action != "defer":
+            raise ValueError('retry_after_seconds is only for action = "defer"')
+        if self.reason_code is not None and self.action == "admit":
+            raise ValueError('reason_code is only for action = "deny" or "defer"')
+        return self
+
+    def matches(self, facts: dict[str, str]) -> bool:
+        for field in RULE_FIELDS:
+            globs: tuple[str, ...] | None = getattr(self.when, field)
+            if globs is not None and not any(fnmatchcase(facts[field], g) for g in globs):
+                return False
+        return True
+
+
+class Policy(_Model):
+    allow_unknown_tenants: bool = True
+    defaults: Defaults = Defaults()
+    concurrency: Concurrency = Concurrency()
+    retry: Retry = Retry()
+    tenants: dict[Name, TenantPolicy] = {}
+    repositories: tuple[RepositoryPolicy, ...] = ()
+    rules: tuple[Rule, ...] = ()
+
+    @field_validator("repositories", "rules", mode="before")
+    @classmethod
+    def _array(cls, value: Any) -> Any:
+        if isinstance(value, list):  # TOML arrays are lists; strict mode wants a tuple
+            return tuple(value)
+        return value
+
+    @classmethod
+    def default(cls) -> Policy:
+        """The policy in force before any was applied: everything admitted, no limits."""
+        return cls()
+
+    def tenant_weight(self, tenant: str) -> float:
+        found = self.tenants.get(tenant)
+        return found.weight if found else 1.0
+
+    def tenant_max_active(self, tenant: str) -> int | None:
+        found = self.tenants.get(tenant)
+        if found and found.max_active is not None:
+            return found.max_active
+        return self.concurrency.per_tenant_max_active
+
+    def repository_rule(self, repo: str) -> RepositoryPolicy | None:
+        return next((r for r in self.repositories if r.matches(repo)), None)
+
+    def matching_rule(
+        self, tenant: str, repo: str, queue: str, user: str | None, risk_class: str
+    ) -> tuple[int, Rule] | None:
+        """The first rule whose globs all match; a missing user matches as ``""``."""
+        facts = {"tenant": tenant, "repo": repo, "queue": queue, "user": user or "",
+                 "risk_class": risk_class}
+        return next(((i, r) for i, r in enumerate(self.rules) if r.matches(facts)), None)
+
+    def concurrency_limits_for(
+        self, tenant: str, repo: str, user: str | None, risk_class: str, queue: str
+    ) -> dict[str, int]:
+        """Scope key -> max active runs, only for the scopes that have a limit."""
+        c = self.concurrency
+        rule = self.repository_rule(repo)
+        candidates: dict[str, int | None] = {
+            "global": c.global_max_active,
+            f"tenant:{tenant}": self.tenant_max_active(tenant),
+            f"repo:{repo}": rule.max_active if rule and rule.max_active is not None
+            else c.per_repository_max_active,
+            f"user:{user}": c.per_user_max_active if user is not None else None,
+            f"risk:{risk_class}": c.per_risk_class_max_active.get(risk_class),
+            f"queue:{queue}": c.per_queue_max_active.get(queue),
+        }
+        return {k: v for k, v in candidates.items() if v is not None}
+
+    def retry_policy(self, base: RetryPolicy | None = None) -> RetryPolicy:
+        """``base`` (from the settings) with this policy's retry overrides applied."""
+        base = base or RetryPolicy()
+        overrides = {k: v for k, v in self.retry.model_dump().items() if v is not None}
+        if self.defaults.max_attempts is not None:
+            overrides["max_attempts"] = self.defaults.max_attempts
+        return replace(base, **overrides)
+
+
+# --- loading ---------------------------------------------------------------------------
+
+
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part != "[key]":
+            out += f".{part}" if out else str(part)
+    return out or "(top level)"
+
+
+def _problem(error: Any) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return "unknown field"
+    if kind == "missing":
+        return "is required"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if error["loc"] and error["loc"][-1] == "[key]":
+        return f"bad name: {message}"
+    if kind not in ("value_error", "assertion_error") and not isinstance(
+        error.get("input"), dict
+    ):
+        message += f" (got {error['input']!r})"
+    return message
+
+
+def policy_from_document(data: Any, source: str = "<document>") -> Policy:
+    """Validate already-parsed data (TOML tables or a stored ``policy_document``)."""
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise PolicyInvalid(source, _dotted(first["loc"]), _problem(first)) from None
+
+
+def parse_policy(text: str, source: str = "<string>") -> Policy:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        message = str(exc)
+        where = _TOML_AT.search(message)
+        field = where.group(1) if where else "(syntax)"
+        raise PolicyInvalid(source, field, _TOML_AT.sub("", message)) from None
+    return policy_from_document(data, source)
+
+
+def load_policy(path: str | Path) -> Policy:
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyInvalid(source, "(file)", f"cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise PolicyInvalid(source, "(file)", "is not UTF-8 text") from None
+    return parse_policy(text, source)
+
+
+def policy_document(policy: Policy) -> dict[str, Any]:
+    """Canonical JSON-able form with every default filled in; parses back to ``policy``."""
+    data: dict[str, Any] = policy.model_dump(mode="json")
+    return data
+
+
+def policy_digest(policy: Policy) -> str:
+    """sha256 of the canonical JSON: unchanged by formatting or the order of tables."""
+    text = json.dumps(policy_document(policy), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
