@@ -31,7 +31,8 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 ADMIN_URL = os.environ.get("RUNLANE_TEST_POSTGRES_URL",
                            "postgresql://postgres@127.0.0.1:5432/test")
 REQUIRE_POSTGRES = os.environ.get("RUNLANE_REQUIRE_POSTGRES") == "1"
-TABLES = "side_effects, run_events, attempts, runs, tasks, workers"
+TABLES = ("side_effects, run_events, attempts, runs, task_dependencies, tasks, workers, lanes, "
+          "limit_counters, routes, policy_versions, tenant_spend")
 T0 = 1_800_000_000.0  # a pinned "now" for tests on the manual clock
 
 

@@ -197,7 +197,7 @@ def test_priority_classes_and_integers() -> None:
     assert [parse_priority(p) for p in ("critical", "HIGH", "normal", "low", "batch")] == [
         0, 50, 100, 150, 200]
     assert parse_priority("42") == 42
-    assert parse_task(good()).priority == 100
+    assert parse_task(good()).priority is None  # unset: the policy decides (default normal)
 
 
 # --- payload cap ------------------------------------------------------------------------

@@ -32,12 +32,18 @@ from structlog.testing import capture_logs
 from runlane.store import migrate, schema
 from runlane.store.engine import build_engine
 from runlane.store.online_index import IndexDefinitionMismatch, Plan
+from runlane.store.store import Store
 
 from .conftest import RUN_TAG, _libpq, create_pg_database, drop_pg_database
 
 WORKER = RUN_TAG
-INDEX = schema.DISPATCH_INDEX_NAME
 HEAD = migrate.head_revision()
+# The guard tests below exercise the online-index guard through migration 0002, whose
+# index (ix_runs_dispatch) 0004 later replaced; they migrate up to 0002 only.
+GUARDED = "0002"
+INDEX = "ix_runs_dispatch"
+GUARDED_COLUMNS = ("queue", "priority", "visible_at", "run_id")
+GUARDED_WHERE = "status = 'QUEUED'"
 
 # A plain (blocking) build of the dispatch index: CREATE [UNIQUE] INDEX [IF NOT EXISTS]
 # ix_runs_dispatch, without CONCURRENTLY. ``\b`` keeps the guard's own scratch index
@@ -254,7 +260,7 @@ def test_migrated_schema_equals_create_all(fresh_url: str, tmp_path: Path,
     # The comparison really covers the predicates (guards against a reflection that
     # silently stops reporting them, which would make the equality above vacuous).
     where = {ix[0]: ix[3] for ix in expected["runs"]["indexes"] + expected["attempts"]["indexes"]}
-    assert "QUEUED" in where[INDEX]
+    assert "QUEUED" in where[schema.DISPATCH_INDEX_NAME]
     assert "ACTIVE" in where["uq_attempts_one_active_lease"]
 
 
@@ -317,7 +323,7 @@ def test_one_active_lease_per_run_is_enforced_by_the_database(db_url: str) -> No
 def test_sqlite_upgrade_creates_the_dispatch_index(
         tmp_path: Path, make_engine: Callable[[str], Engine]) -> None:
     engine = make_engine(f"sqlite:///{tmp_path / 'runlane.db'}")
-    _result, plans = upgrade_logging_plans(engine)
+    _result, plans = upgrade_logging_plans(engine, GUARDED)
     assert plans == []  # the PostgreSQL guard is not involved on SQLite
     with engine.connect() as conn:
         row = conn.execute(text(
@@ -326,9 +332,9 @@ def test_sqlite_upgrade_creates_the_dispatch_index(
         columns = [r.name for r in conn.execute(text(f"PRAGMA index_info({INDEX})"))]
         partial = {r.name: r.partial for r in conn.execute(text("PRAGMA index_list(runs)"))}
     assert row.tbl_name == "runs"
-    assert columns == list(schema.DISPATCH_INDEX_COLUMNS)
+    assert columns == list(GUARDED_COLUMNS)
     assert partial[INDEX] == 1
-    assert " ".join(row.sql.split()).endswith(f"WHERE {schema.DISPATCH_INDEX_WHERE}")
+    assert " ".join(row.sql.split()).endswith(f"WHERE {GUARDED_WHERE}")
 
 
 def test_sqlite_stale_precreated_index_is_refused(
@@ -338,13 +344,13 @@ def test_sqlite_stale_precreated_index_is_refused(
     with engine.begin() as conn:
         conn.execute(text(f"CREATE INDEX {INDEX} ON runs (queue, priority, visible_at)"))
     with pytest.raises(IndexDefinitionMismatch, match=f"DROP INDEX {INDEX}"):
-        migrate.upgrade(engine)
+        migrate.upgrade(engine, GUARDED)
     assert migrate.current_revision(engine) == "0001"
     with engine.begin() as conn:
         conn.execute(text(f"DROP INDEX {INDEX}"))
         conn.execute(text(f"create index {INDEX} on runs(queue,priority, visible_at, run_id)"
-                          f" where {schema.DISPATCH_INDEX_WHERE}"))
-    assert migrate.upgrade(engine)[1] == migrate.head_revision()  # same index, other spelling
+                          f" where {GUARDED_WHERE}"))
+    assert migrate.upgrade(engine, GUARDED)[1] == GUARDED  # same index, other spelling
 
 
 # --- PostgreSQL: the online index guard ----------------------------------------------
@@ -354,9 +360,9 @@ def test_pg_empty_database_builds_the_index_inline(
         fresh_pg: Callable[[str], str], make_engine: Callable[[str], Engine]) -> None:
     engine = make_engine(fresh_pg("empty"))
     recorder = Recorder(engine)
-    result, plans = upgrade_logging_plans(engine)
+    result, plans = upgrade_logging_plans(engine, GUARDED)
 
-    assert result == (None, HEAD)
+    assert result == (None, GUARDED)
     assert plans == [Plan.CREATE_INLINE.value]
     assert len(recorder.matching(INLINE_BUILD)) == 1
     assert recorder.matching(re.compile("CONCURRENTLY", re.I)) == []
@@ -372,9 +378,9 @@ def test_pg_populated_database_builds_the_index_concurrently(
     populate_pg(engine)
 
     recorder = Recorder(engine)
-    result, plans = upgrade_logging_plans(engine)
+    result, plans = upgrade_logging_plans(engine, GUARDED)
 
-    assert result == ("0001", HEAD)
+    assert result == ("0001", GUARDED)
     assert plans == [Plan.CREATE_CONCURRENTLY.value]
     # Built concurrently (which PostgreSQL refuses inside a transaction block, so it
     # also ran outside the migration's transaction), and never inline.
@@ -387,8 +393,8 @@ def test_pg_populated_database_builds_the_index_concurrently(
 
     # Repeatable: the second run finds the index in place and writes nothing.
     recorder.clear()
-    result, plans = upgrade_logging_plans(engine)
-    assert result == (HEAD, HEAD) and plans == []
+    result, plans = upgrade_logging_plans(engine, GUARDED)
+    assert result == (GUARDED, GUARDED) and plans == []
     assert recorder.matching(WRITES) == []
 
 
@@ -404,7 +410,7 @@ def test_pg_stale_precreated_index_is_refused_with_the_commands_that_fix_it(
     assert stale is not None
 
     with pytest.raises(IndexDefinitionMismatch) as refused:
-        migrate.upgrade(engine)
+        migrate.upgrade(engine, GUARDED)
     message = str(refused.value)
     assert f"DROP INDEX CONCURRENTLY {INDEX}" in message
     assert f"CREATE INDEX CONCURRENTLY {INDEX}" in message
@@ -421,8 +427,8 @@ def test_pg_stale_precreated_index_is_refused_with_the_commands_that_fix_it(
     assert fixed is not None and fixed[2] and fixed[1] == EXPECTED_DEF
 
     recorder = Recorder(engine)
-    result, plans = upgrade_logging_plans(engine)
-    assert result == ("0001", HEAD)
+    result, plans = upgrade_logging_plans(engine, GUARDED)
+    assert result == ("0001", GUARDED)
     assert plans == [Plan.KEEP.value]
     assert recorder.matching(re.compile(rf"INDEX\s+(CONCURRENTLY\s+)?{INDEX}\b", re.I)) == []
     assert index_state(engine) == fixed
@@ -452,7 +458,7 @@ def test_pg_every_other_mismatched_definition_is_refused(
             conn.execute(text(ddl))
         found = index_state(engine)
         with pytest.raises(IndexDefinitionMismatch, match=f"DROP INDEX CONCURRENTLY {INDEX}"):
-            migrate.upgrade(engine)
+            migrate.upgrade(engine, GUARDED)
         assert migrate.current_revision(engine) == "0001", case
         assert index_state(engine) == found, case
         with engine.begin() as conn:
@@ -473,8 +479,8 @@ def test_pg_matching_precreated_index_is_kept(
     assert kept is not None and kept[2] and kept[1] == EXPECTED_DEF
 
     recorder = Recorder(engine)
-    result, plans = upgrade_logging_plans(engine)
-    assert result == ("0001", HEAD)
+    result, plans = upgrade_logging_plans(engine, GUARDED)
+    assert result == ("0001", GUARDED)
     assert plans == [Plan.KEEP.value]
     assert recorder.matching(re.compile(rf"INDEX\s+(CONCURRENTLY\s+)?{INDEX}\b", re.I)) == []
     assert index_state(engine) == kept  # same oid: neither dropped nor rebuilt
@@ -500,8 +506,8 @@ def test_pg_invalid_index_from_an_interrupted_build_is_rebuilt(
     assert invalid is not None and not invalid[2], "setup: expected an INVALID index"
 
     recorder = Recorder(engine)
-    result, plans = upgrade_logging_plans(engine)
-    assert result == ("0001", HEAD)
+    result, plans = upgrade_logging_plans(engine, GUARDED)
+    assert result == ("0001", GUARDED)
     assert plans == [Plan.REBUILD_INVALID.value]
     rebuilt = index_state(engine)
     assert rebuilt is not None
@@ -512,3 +518,37 @@ def test_pg_invalid_index_from_an_interrupted_build_is_rebuilt(
                                        re.I))
     assert [" ".join(s.split()[:3]) for s in ddl] == [
         "DROP INDEX CONCURRENTLY", "CREATE INDEX CONCURRENTLY"], ddl
+
+
+# --- 0004: the lane dispatch index replaces ix_runs_dispatch on a live queue ---------
+
+
+def test_pg_0004_moves_a_populated_queue_into_lanes_online(
+        fresh_pg: Callable[[str], str], make_engine: Callable[[str], Engine]) -> None:
+    url = fresh_pg("lanes")
+    engine = make_engine(url)
+    migrate.upgrade(engine, "0003")
+    populate_pg(engine, 600)
+    recorder = Recorder(engine)
+    result, plans = upgrade_logging_plans(engine)
+
+    assert result == ("0003", HEAD)
+    lane_index = schema.DISPATCH_INDEX_NAME
+    assert recorder.matching(re.compile(
+        rf"^\s*CREATE\s+INDEX\s+CONCURRENTLY\s+{lane_index}\b", re.I)), plans
+    assert recorder.matching(re.compile(r"DROP\s+INDEX\s+CONCURRENTLY\s+IF\s+EXISTS\s+"
+                                        r"ix_runs_dispatch\b", re.I))
+    assert index_state(engine, "ix_runs_dispatch") is None
+    state = index_state(engine, lane_index)
+    assert state is not None and state[2]
+    with engine.connect() as conn:
+        lanes = conn.execute(text("SELECT queue, priority, queued_count FROM lanes "
+                                  "ORDER BY queue, priority")).all()
+        orphans = conn.execute(text("SELECT COUNT(*) FROM runs WHERE lane_id IS NULL")).scalar()
+    # populate_pg: two queues x three priorities, one tenant, every run QUEUED.
+    assert len(lanes) == 6 and sum(lane.queued_count for lane in lanes) == 600
+    assert orphans == 0
+    store = Store(url, engine=engine)
+    leases = store.claim("w1", "default", limit=5, lease_ttl=30)
+    assert [lease.priority for lease in leases] == [0] * 5  # the lanes serve at once
+    assert store.audit() == []

@@ -81,6 +81,8 @@ class ModelRun:
     priority: int
     max_attempts: int
     visible_at: float
+    tenant: str = ""
+    created_at: float = 0.0
     status: RunStatus = S.QUEUED
     fencing_token: int = 0
     attempt_count: int = 0
@@ -245,6 +247,8 @@ class StoreMachine(RuleBasedStateMachine):
         run = self.runs[h.lease.run_id]
         if run.status in CANCELLING:
             run.status = S.CANCELLED
+        elif run.status in LEASED and reason == Reason.POLICY_DENIED:
+            run.status = S.POLICY_DENIED  # denied under the lease: never retried
         elif run.status in LEASED:
             released = reason == Reason.LEASE_RELEASED
             if reason in POLICY.retryable and (released or run.charged < run.max_attempts):
@@ -312,7 +316,8 @@ class StoreMachine(RuleBasedStateMachine):
             if key is not None:
                 self.keys[(tenant, key)] = sub.task_id
             self.runs[sub.run_id] = ModelRun(sub.run_id, sub.task_id, priority,
-                                             max_attempts or 3, visible_at=self.now())
+                                             max_attempts or 3, visible_at=self.now(),
+                                             tenant=tenant, created_at=self.now())
 
     @precondition(lambda self: any(r.status is S.QUEUED for r in self.runs.values()))
     @rule(worker=st.sampled_from(WORKERS), limit=st.integers(1, 3))
@@ -322,10 +327,23 @@ class StoreMachine(RuleBasedStateMachine):
             (r for r in self.runs.values()
              if r.status is S.QUEUED and r.visible_at <= now
              and not self.tasks[r.task_id].cancelled),
-            key=lambda r: (r.priority, r.visible_at, r.run_id))
-        expected = {r.run_id for r in runnable[:limit]}
+            key=lambda r: (r.priority, r.created_at, r.run_id))
         leases = self.store.claim(worker, limit=limit, lease_ttl=LEASE_TTL)
-        assert {lease.run_id for lease in leases} == expected, "claimed the wrong runs"
+        claimed = {lease.run_id for lease in leases}
+        # Which runs a claim takes: only runnable ones, as many as it may; priority
+        # before everything; inside a lane (tenant, priority) the oldest first. Among
+        # the tenants of one priority the order is the fair share's (stride), which
+        # tests/test_scheduler.py checks on its own.
+        assert claimed <= {r.run_id for r in runnable}, "claimed a run that is not runnable"
+        assert len(claimed) == min(limit, len(runnable)), "claimed too few runs"
+        left = [r for r in runnable if r.run_id not in claimed]
+        for run_id in claimed:
+            taken = self.runs[run_id]
+            for other in left:
+                assert other.priority >= taken.priority, "a better priority was left"
+                if (other.tenant, other.priority) == (taken.tenant, taken.priority):
+                    assert (other.created_at, other.run_id) > (taken.created_at, taken.run_id), \
+                        "an older run of the same lane was left"
         for lease in sorted(leases, key=lambda lease: lease.run_id):
             run = self.runs[lease.run_id]
             assert not self.tasks[run.task_id].cancelled, "claimed a run of a cancelled task"

@@ -15,6 +15,7 @@ from runlane.codehost.base import CodeHost
 from runlane.domain.tasks import TaskInvalid, TaskSpec, parse_task
 from runlane.errors import DatabaseUnavailable, RunlaneError, SchemaOutdated
 from runlane.services.maintenance import Reaper, ReaperConfig, Reconciler, ReconcilerConfig
+from runlane.services.scheduler import Scheduler, SchedulerConfig
 from runlane.settings import Settings, load_settings
 from runlane.store import migrate
 from runlane.store.store import CancelResult, Store, Submission, Violation
@@ -114,6 +115,10 @@ class Runlane:
             interval_seconds=max(self.settings.reaper_interval_seconds, 10.0),
             max_attempt_seconds=self.settings.max_attempt_seconds))
 
+    def scheduler(self) -> Scheduler:
+        return Scheduler(self.store, SchedulerConfig(
+            interval_seconds=self.settings.reaper_interval_seconds))
+
     def pull_requests(self) -> list[dict[str, Any]]:
         return self.store.pull_requests()
 
@@ -150,4 +155,5 @@ class Runlane:
             exit_when_idle=exit_when_idle))
 
     def maintain_once(self) -> dict[str, int]:
-        return {**self.reaper().run_once(), **self.reconciler().run_once()}
+        return {**self.reaper().run_once(), **self.reconciler().run_once(),
+                **self.scheduler().run_once()}

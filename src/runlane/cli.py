@@ -20,6 +20,13 @@ from rich.table import Table
 from sqlalchemy.exc import DBAPIError
 
 from runlane.api import Runlane
+from runlane.domain.policy import PolicyInvalid, load_policy
+from runlane.domain.routing import (
+    canonical_capabilities,
+    parse_capabilities,
+    parse_requirements,
+    requirements_to_mapping,
+)
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskInvalid
 from runlane.errors import DatabaseUnavailable, RunlaneError
@@ -84,10 +91,12 @@ def _times(row: dict[str, Any]) -> dict[str, Any]:
 
 RUN_FIELDS = ("run_id", "task_id", "tenant", "repo", "queue", "status", "priority",
               "attempt_count", "max_attempts", "fencing_token", "visible_at", "created_at",
-              "updated_at", "ended_at", "reason_code", "message", "outcome", "cost_usd")
+              "updated_at", "ended_at", "reason_code", "message", "outcome", "cost_usd",
+              "estimated_cost_usd", "user_id", "risk_class", "route_key", "policy_version")
 ATTEMPT_FIELDS = ("attempt_no", "status", "reason_code", "message", "worker_id",
                   "fencing_token", "lease_status", "lease_expires_at", "started_at", "ended_at",
-                  "retry_after_seconds", "cost_usd", "input_tokens", "output_tokens")
+                  "retry_after_seconds", "cost_usd", "estimated_cost_usd", "input_tokens",
+                  "output_tokens")
 
 
 def run_document(run: dict[str, Any]) -> dict[str, Any]:
@@ -129,6 +138,14 @@ def db_upgrade(as_json: bool) -> None:
 @click.option("--priority", help="Integer (lower first) or critical|high|normal|low|batch.")
 @click.option("--idempotency-key")
 @click.option("--max-attempts")
+@click.option("--require", "requires", multiple=True,
+              help="Required worker capability: KEY=VALUE, KEY=A,B (set), KEY=N (at least), "
+              "KEY>=VERSION (repeatable).")
+@click.option("--depends-on", "depends_on", multiple=True,
+              help="Task that must succeed before this one runs (repeatable).")
+@click.option("--parent", "parent_task_id", help="Task this one follows up on.")
+@click.option("--user", help="Who asked (for per-user limits).")
+@click.option("--estimated-cost", "estimated_cost_usd", help="Expected model cost in USD.")
 @click.option("--context", type=click.Path(path_type=Path),
               help="JSON object of optional context sections (summary, history, comments, "
               "diff, ci_failures).")
@@ -137,11 +154,17 @@ def db_upgrade(as_json: bool) -> None:
 @json_flag
 def submit(tenant: str | None, repo: str | None, prompt: str | None, queue: str | None,
            priority: str | None, idempotency_key: str | None, max_attempts: str | None,
+           requires: tuple[str, ...], depends_on: tuple[str, ...], parent_task_id: str | None,
+           user: str | None, estimated_cost_usd: str | None,
            context: Path | None, batch: Path | None, as_json: bool) -> None:
-    """Submit a task (or a batch); the same tenant and idempotency key returns the same run."""
+    """Submit a task (or a batch); the same tenant and idempotency key returns the same run.
+
+    Each run is admitted under the policy in force: it is queued, denied
+    (POLICY_DENIED) or deferred (WAITING_CAPACITY) with a reason code."""
     if batch is not None:
         if any(v is not None for v in (tenant, repo, prompt, queue, priority, idempotency_key,
-                                       max_attempts, context)):
+                                       max_attempts, context, parent_task_id, user,
+                                       estimated_cost_usd)) or requires or depends_on:
             raise TaskInvalid("--batch", "cannot be combined with per-task flags")
         rows = _read_jsonl(batch)
         with _lane() as lane:
@@ -156,7 +179,15 @@ def submit(tenant: str | None, repo: str | None, prompt: str | None, queue: str 
         return
     raw: dict[str, Any] = {"tenant": tenant, "repo": repo, "prompt": prompt, "queue": queue,
                            "priority": priority, "idempotency_key": idempotency_key,
-                           "max_attempts": max_attempts}
+                           "max_attempts": max_attempts, "parent_task_id": parent_task_id,
+                           "user": user, "estimated_cost_usd": estimated_cost_usd}
+    if requires:
+        try:
+            raw["requires"] = requirements_to_mapping(parse_requirements(list(requires)))
+        except ValueError as exc:
+            raise TaskInvalid("--require", str(exc)) from None
+    if depends_on:
+        raw["depends_on"] = list(depends_on)
     if context is not None:
         raw["context"] = _read_json(context, "--context")
     missing = [f"--{k}" for k in ("tenant", "repo", "prompt") if raw[k] is None]
@@ -168,12 +199,14 @@ def submit(tenant: str | None, repo: str | None, prompt: str | None, queue: str 
         _print_json(_submission(result))
     else:
         verb = "submitted" if result.created else "already submitted"
-        out.print(f"{verb}: task {result.task_id} run {result.run_id} ({result.status})")
+        why = f": {result.reason_code}" if result.reason_code else ""
+        out.print(f"{verb}: task {result.task_id} run {result.run_id} ({result.status}{why})")
 
 
 def _submission(s: Any) -> dict[str, Any]:
     return {"task_id": s.task_id, "run_id": s.run_id, "status": s.status, "created": s.created,
-            "truncated_sections": list(s.truncated_sections), "payload_bytes": s.payload_bytes}
+            "reason_code": s.reason_code, "truncated_sections": list(s.truncated_sections),
+            "payload_bytes": s.payload_bytes}
 
 
 def _read_json(path: Path, flag: str) -> Any:
@@ -225,15 +258,21 @@ def cancel(task_id: str, as_json: bool) -> None:
 @click.option("--status", help="Only runs in this status.")
 @click.option("--tenant", help="Only runs of this tenant.")
 @click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--unroutable", is_flag=True,
+              help="Only waiting runs that no live worker can serve (queue or capabilities).")
 @json_flag
-def runs_list(status: str | None, tenant: str | None, limit: int, as_json: bool) -> None:
+def runs_list(status: str | None, tenant: str | None, limit: int, unroutable: bool,
+              as_json: bool) -> None:
     """List runs, oldest first."""
     if status is not None:
         status = status.upper()
         if status not in RunStatus.__members__:
             raise TaskInvalid("--status", f"unknown status; one of {', '.join(RunStatus)}")
     with _lane() as lane:
-        rows = lane.runs(status=status, tenant=tenant, limit=limit)
+        if unroutable:
+            rows = lane.store.unroutable_runs(tenant=tenant, limit=limit)
+        else:
+            rows = lane.runs(status=status, tenant=tenant, limit=limit)
     if as_json:
         _print_json([run_document(r) for r in rows])
         return
@@ -256,6 +295,12 @@ def runs_show(run_id: str, as_json: bool) -> None:
     document["prompt"] = run["task"]["prompt"]
     document["idempotency_key"] = run["task"]["idempotency_key"]
     document["truncated_sections"] = run["task"]["truncated_sections"]
+    document["parent_task_id"] = run["task"]["parent_task_id"]
+    document["depends_on"] = run["depends_on"]
+    document["admission"] = run["admission"]
+    document["limits"] = run["limits"]
+    if "unroutable_because" in run:
+        document["unroutable_because"] = run["unroutable_because"]
     document["attempts"] = [_times({k: a[k] for k in ATTEMPT_FIELDS}) for a in run["attempts"]]
     document["events"] = [_times({k: v for k, v in e.items() if k != "run_id"})
                           for e in run["events"]]
@@ -263,8 +308,16 @@ def runs_show(run_id: str, as_json: bool) -> None:
         _print_json(document)
         return
     for key in ("run_id", "task_id", "tenant", "repo", "queue", "status", "priority",
-                "attempt_count", "reason_code", "outcome", "cost_usd", "created_at"):
+                "attempt_count", "reason_code", "message", "outcome", "cost_usd",
+                "estimated_cost_usd", "policy_version", "route_key", "parent_task_id",
+                "depends_on", "created_at"):
         out.print(f"[bold]{key}[/bold]: {document[key]}")
+    admission = document["admission"] or {}
+    if admission:
+        out.print(f"[bold]admission[/bold]: {admission.get('decision')} under policy "
+                  f"v{admission.get('policy_version')}"
+                  + (f" ({admission.get('reason_code')}: {admission.get('message')})"
+                     if admission.get("reason_code") else ""))
     attempts = Table("#", "status", "reason", "worker", "token", "lease", "started", "ended")
     for a in document["attempts"]:
         attempts.add_row(str(a["attempt_no"]), a["status"], a["reason_code"] or "",
@@ -278,7 +331,62 @@ def runs_show(run_id: str, as_json: bool) -> None:
     out.print(events)
 
 
+# --- policy -------------------------------------------------------------------------
+
+
+@app.group("policy")
+def policy_app() -> None:
+    """The scheduling policy: tenants, limits, budgets, rules (docs/policy.md)."""
+
+
+@policy_app.command("apply")
+@click.argument("file", type=click.Path(path_type=Path))
+@json_flag
+def policy_apply(file: Path, as_json: bool) -> None:
+    """Validate FILE and store it as a new numbered version (none if unchanged)."""
+    try:
+        policy = load_policy(file)
+    except PolicyInvalid as exc:
+        raise RunlaneError(str(exc)) from None
+    with _lane() as lane:
+        applied = lane.store.apply_policy(policy, source=str(file))
+    if as_json:
+        _print_json({"version": applied.version, "digest": applied.digest,
+                     "created": applied.created})
+    else:
+        out.print(f"policy v{applied.version} " + (
+            "applied" if applied.created else "unchanged (no new version)"))
+
+
+@policy_app.command("show")
+@json_flag
+def policy_show(as_json: bool) -> None:
+    """The policy in force, with its version."""
+    with _lane() as lane:
+        record = lane.store.policy_record()
+    if record is None:
+        record = {"version": 0, "digest": None, "source": None, "created_at": None,
+                  "policy": None}
+    if as_json:
+        _print_json(_times(record))
+        return
+    if record["version"] == 0:
+        out.print("no policy applied: every run is admitted, no limits")
+        return
+    out.print(f"policy v{record['version']} from {record['source']} "
+              f"({_iso(record['created_at'])}, sha256 {record['digest'][:12]})")
+    out.print_json(data=record["policy"])
+
+
 # --- worker / up / prs ----------------------------------------------------------------
+
+
+def _capabilities(values: tuple[str, ...]) -> dict[str, Any]:
+    """``--capability`` values as a JSON-able mapping (repeated keys gather a set)."""
+    try:
+        return dict(json.loads(canonical_capabilities(parse_capabilities(list(values))) or "{}"))
+    except ValueError as exc:
+        raise TaskInvalid("--capability", str(exc)) from None
 
 
 def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
@@ -318,7 +426,7 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
         runner = lane.worker(
             agent_command=agent_command, verify_command=verify_command,
             queues=list(queues) or ["default"], concurrency=concurrency,
-            capabilities=_pairs(capabilities, "--capability"), exit_when_idle=exit_when_idle,
+            capabilities=_capabilities(capabilities), exit_when_idle=exit_when_idle,
             limits=AttemptLimits(timeout_seconds, max_changed_files, max_diff_lines),
             keep_failed_workspaces=keep_failed_workspaces)
         # Started by `up` or the demo: drain when the supervisor dies. A SIGTERM that
@@ -352,7 +460,7 @@ def up(workers: int, agent_command: str, verify_command: str | None, queues: tup
         pool = WorkerPool(args, workers, database_url=lane.settings.database_url)
         stop = threading.Event()
         signals.signal(signals.SIGTERM, lambda *_: stop.set())
-        services = [lane.reaper(), lane.reconciler()]
+        services = [lane.reaper(), lane.reconciler(), lane.scheduler()]
         threads = [threading.Thread(target=svc.run_forever, args=(stop,), daemon=True)
                    for svc in services]
         for t in threads:
@@ -424,7 +532,7 @@ def maintain(once: bool, as_json: bool) -> None:
                 out.print(", ".join(f"{k}={v}" for k, v in counts.items()))
             return
         stop = threading.Event()
-        services = [lane.reaper(), lane.reconciler()]
+        services = [lane.reaper(), lane.reconciler(), lane.scheduler()]
         threads = [threading.Thread(target=s.run_forever, args=(stop,), daemon=True)
                    for s in services]
         for t in threads:

@@ -34,3 +34,15 @@ class CancelRequested(RunlaneError):
 
 class TransitionRefused(RunlaneError):
     """A compare-and-set status write lost: the run is not in the expected state."""
+
+
+class PolicyDenied(RunlaneError):
+    """The policy in force now forbids this run (checked before every side effect)."""
+
+    def __init__(self, message: str, reason_code: str = "POLICY_DENIED") -> None:
+        super().__init__(message)
+        self.reason_code = reason_code
+
+
+class CostLimitExceeded(RunlaneError):
+    """A run reported more cost than its limits snapshot allows."""

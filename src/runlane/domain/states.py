@@ -76,7 +76,8 @@ def _stage_targets(stage: RunStatus) -> frozenset[RunStatus]:
 
 TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
     S.ADMITTED: frozenset({S.QUEUED, S.WAITING_CAPACITY, S.POLICY_DENIED, S.CANCELLED}),
-    S.WAITING_CAPACITY: frozenset({S.QUEUED, S.POLICY_DENIED, S.CANCELLED, S.FAILED}),
+    S.WAITING_CAPACITY: frozenset(
+        {S.ADMITTED, S.QUEUED, S.POLICY_DENIED, S.CANCELLED, S.FAILED}),
     S.QUEUED: frozenset({S.CLAIMED, S.WAITING_CAPACITY, S.POLICY_DENIED, S.CANCELLED}),
     **{stage: _stage_targets(stage) for stage in STAGES},
     S.STALE_LEASE: frozenset({S.FAILED_RETRYABLE, S.FAILED, S.CANCELLED}),

@@ -11,6 +11,7 @@ from urllib.parse import urlparse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from runlane.domain.reasons import Reason
+from runlane.domain.routing import parse_requirements
 
 PRIORITY_CLASSES: dict[str, int] = {
     "critical": 0,
@@ -100,15 +101,24 @@ class TaskSpec(BaseModel):
     tenant: str
     repo: str
     prompt: str
-    queue: str = "default"
-    priority: int = PRIORITY_CLASSES["normal"]
+    # Unset queue/priority: the policy decides (a repository rule, else its defaults).
+    queue: str | None = None
+    priority: int | None = None
     idempotency_key: str | None = Field(default=None, max_length=255)
     max_attempts: int | None = Field(default=None, ge=1, le=100)
     context: dict[str, str] = Field(default_factory=dict)
+    # Required worker capabilities (routing.py syntax: "java", "git,maven", 12, ">=21").
+    requires: dict[str, Any] = Field(default_factory=dict)
+    depends_on: list[str] = Field(default_factory=list, max_length=100)
+    parent_task_id: str | None = None
+    user: str | None = None
+    estimated_cost_usd: float | None = Field(default=None, ge=0)
 
-    @field_validator("tenant", "queue")
+    @field_validator("tenant", "queue", "user")
     @classmethod
-    def _name(cls, value: str) -> str:
+    def _name(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         if not value:
             raise ValueError("must not be empty")
         if not _NAME.match(value):
@@ -131,8 +141,19 @@ class TaskSpec(BaseModel):
 
     @field_validator("priority", mode="before")
     @classmethod
-    def _priority(cls, value: Any) -> int:
-        return parse_priority(value)
+    def _priority(cls, value: Any) -> int | None:
+        return None if value is None else parse_priority(value)
+
+    @field_validator("requires")
+    @classmethod
+    def _requires(cls, value: dict[str, Any]) -> dict[str, Any]:
+        parse_requirements(value)  # raises ValueError naming the bad requirement
+        return value
+
+    @field_validator("depends_on")
+    @classmethod
+    def _depends_on(cls, value: list[str]) -> list[str]:
+        return sorted(set(value))
 
     @field_validator("context")
     @classmethod

@@ -139,3 +139,13 @@ def _ensure_sqlite_index(conn: Connection, spec: IndexSpec) -> Plan:
             f"  DROP INDEX {spec.name};\n  {spec.create_sql()};"
         )
     return Plan.KEEP
+
+
+def drop_index(op: Any, name: str) -> None:
+    """Drop an index without blocking writers: ``CONCURRENTLY`` on PostgreSQL."""
+    conn: Connection = op.get_bind()
+    if conn.dialect.name != "postgresql":
+        conn.execute(text(f"DROP INDEX IF EXISTS {name}"))
+        return
+    with op.get_context().autocommit_block():
+        op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {name}")

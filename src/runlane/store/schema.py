@@ -54,7 +54,21 @@ tasks = Table(
     Column("payload_bytes", Integer, nullable=False),
     Column("cancel_requested_at", Timestamp),
     Column("created_at", Timestamp, nullable=False),
+    # Added by 0004 (the scheduler): who asked, what the run needs, its lineage.
+    Column("user_id", String(128)),
+    Column("requires", Text, nullable=False, server_default=text("''")),  # canonical route key
+    Column("parent_task_id", ID),
+    Column("estimated_cost_usd", Float),
     UniqueConstraint("tenant", "idempotency_key", name="uq_tasks_tenant_idempotency_key"),
+)
+
+# A task waits for these tasks to succeed before its run is queued.
+task_dependencies = Table(
+    "task_dependencies",
+    metadata,
+    Column("task_id", ID, ForeignKey("tasks.task_id"), primary_key=True),
+    Column("depends_on", ID, ForeignKey("tasks.task_id"), primary_key=True),
+    Index("ix_task_dependencies_depends_on", "depends_on"),
 )
 
 runs = Table(
@@ -79,23 +93,109 @@ runs = Table(
     Column("message", Text),
     Column("outcome", String(64)),
     Column("cost_usd", Float, nullable=False, server_default="0"),
+    # Added by 0004 (the scheduler): the admission record and what the claim needs.
+    Column("user_id", String(128)),
+    Column("risk_class", String(64), nullable=False, server_default=text("''")),
+    Column("route_key", Text, nullable=False, server_default=text("''")),
+    Column("lane_id", Integer),
+    Column("policy_version", Integer, nullable=False, server_default="0"),
+    Column("admission", JSON),  # the decision, as recorded at admission
+    Column("limits", JSON),  # per-run limits snapshot (cost, wall clock, files, lines)
+    Column("estimated_cost_usd", Float),
     Index("ix_runs_task_id", "task_id"),
     Index("ix_runs_tenant_created", "tenant", "created_at"),
     Index("ix_runs_status_updated", "status", "updated_at"),
+    # The scheduler pass pages through waiting runs with a keyset on (created_at, id).
+    Index("ix_runs_waiting", "status", "created_at", "run_id",
+          postgresql_where=text("status IN ('ADMITTED', 'WAITING_CAPACITY')"),
+          sqlite_where=text("status IN ('ADMITTED', 'WAITING_CAPACITY')")),
 )
 
-# The dispatch index, created by migration 0002 through the online-index guard:
-# the claim's ``WHERE queue = :queue AND status = 'QUEUED' AND visible_at <= now
-# ORDER BY priority, visible_at, run_id`` walks this index in order, so a claim
-# reads about as many index entries as it takes rows, however long the queue.
-DISPATCH_INDEX_NAME = "ix_runs_dispatch"
-DISPATCH_INDEX_COLUMNS = ("queue", "priority", "visible_at", "run_id")
+# The dispatch index (migration 0004, through the online-index guard; it replaced
+# 0002's ``ix_runs_dispatch``). A lane is one (queue, route, priority, tenant); the
+# claim picks lanes fairly from ``lanes`` and then walks this index inside each
+# lane, oldest first, so it reads about as many entries as it takes runs.
+DISPATCH_INDEX_NAME = "ix_runs_lane_dispatch"
+DISPATCH_INDEX_COLUMNS = ("lane_id", "created_at", "run_id")
 DISPATCH_INDEX_WHERE = "status = 'QUEUED'"
 Index(
     DISPATCH_INDEX_NAME,
     *(runs.c[name] for name in DISPATCH_INDEX_COLUMNS),
     postgresql_where=text(DISPATCH_INDEX_WHERE),
     sqlite_where=text(DISPATCH_INDEX_WHERE),
+)
+
+# Lanes: the unit of fair sharing. ``queued_count`` says whether a lane has work;
+# ``pass`` is its stride-scheduling virtual time (advanced by 1/weight per claim);
+# ``tenant_at_limit`` hides every lane of a tenant that holds all its slots, so a
+# full tenant's backlog is never scanned by a claim.
+lanes = Table(
+    "lanes",
+    metadata,
+    Column("lane_id", Integer, primary_key=True, autoincrement=True),
+    Column("queue", String(128), nullable=False),
+    Column("route_key", Text, nullable=False),
+    Column("priority", Integer, nullable=False),
+    Column("tenant", String(128), nullable=False),
+    Column("weight", Float, nullable=False, server_default="1"),
+    Column("queued_count", Integer, nullable=False, server_default="0"),
+    Column("pass", Float, nullable=False, server_default="0"),
+    Column("tenant_at_limit", Integer, nullable=False, server_default="0"),
+    UniqueConstraint("queue", "route_key", "priority", "tenant", name="uq_lanes_key"),
+    Index("ix_lanes_tenant", "tenant"),
+    Index(
+        "ix_lanes_pick",
+        "queue", "priority", "pass", "lane_id",
+        postgresql_where=text("queued_count > 0 AND tenant_at_limit = 0"),
+        sqlite_where=text("queued_count > 0 AND tenant_at_limit = 0"),
+    ),
+)
+
+# One row per concurrency scope that has a limit (``global``, ``tenant:T``,
+# ``repo:R``, ``user:U``, ``risk:K``, ``queue:Q``). A claim takes a slot with a
+# guarded increment (``active < max_active``), so limits hold with any number of
+# claimers; the attempt's end gives it back.
+limit_counters = Table(
+    "limit_counters",
+    metadata,
+    Column("scope", String(400), primary_key=True),
+    Column("active", Integer, nullable=False, server_default="0"),
+    Column("max_active", Integer, nullable=False),
+    Index(
+        "ix_limit_counters_full",
+        "scope",
+        postgresql_where=text("active >= max_active"),
+        sqlite_where=text("active >= max_active"),
+    ),
+)
+
+# Every distinct set of required capabilities seen, so a worker can work out which
+# lanes it may serve without scanning runs.
+routes = Table(
+    "routes",
+    metadata,
+    Column("route_key", Text, primary_key=True),
+    Column("created_at", Timestamp, nullable=False),
+)
+
+# The scheduling policy, one row per distinct version (by digest).
+policy_versions = Table(
+    "policy_versions",
+    metadata,
+    Column("version", Integer, primary_key=True, autoincrement=False),
+    Column("digest", String(64), nullable=False, unique=True),
+    Column("document", JSON, nullable=False),
+    Column("source", Text, nullable=False),
+    Column("created_at", Timestamp, nullable=False),
+)
+
+# Model spend per tenant per UTC day, for the daily budget.
+tenant_spend = Table(
+    "tenant_spend",
+    metadata,
+    Column("tenant", String(128), primary_key=True),
+    Column("day", String(10), primary_key=True),  # YYYY-MM-DD, UTC
+    Column("usd", Float, nullable=False, server_default="0"),
 )
 
 attempts = Table(
@@ -118,6 +218,9 @@ attempts = Table(
     Column("cost_usd", Float, nullable=False, server_default="0"),
     Column("input_tokens", BigInteger, nullable=False, server_default="0"),
     Column("output_tokens", BigInteger, nullable=False, server_default="0"),
+    Column("estimated_cost_usd", Float),
+    # Concurrency scopes this attempt holds a slot in, given back when it ends (0004).
+    Column("limit_scopes", JSON),
     UniqueConstraint("run_id", "fencing_token", name="uq_attempts_run_fencing_token"),
     # Invariant 2: at most one ACTIVE lease per run, enforced by the database.
     Index(

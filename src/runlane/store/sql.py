@@ -15,78 +15,291 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Table, TextClause, bindparam, text
+from sqlalchemy import String, Table, TextClause, bindparam, text
 from sqlalchemy.types import TypeEngine
 
 NOW = {
     "postgresql": (
         "COALESCE(CAST(:now AS double precision), "
-        "CAST(EXTRACT(EPOCH FROM now()) AS double precision))"
+        "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS double precision))"
     ),
     "sqlite": "COALESCE(:now, (julianday('now') - 2440587.5) * 86400.0)",
 }
 LOCK_SKIP = {"postgresql": "FOR UPDATE OF {alias} SKIP LOCKED", "sqlite": ""}
+GREATEST = {"postgresql": "GREATEST", "sqlite": "MAX"}
 LOCK_WAIT = {"postgresql": "FOR UPDATE OF {alias}", "sqlite": ""}
 
-# --- claim -------------------------------------------------------------------------
+# --- claim (the dispatch path) -------------------------------------------------------
+#
+# A claim is a few short statements in one transaction (store/dispatch.py drives them):
+# the scopes at their limit, the lanes to serve (fair order), each lane's oldest
+# runnable runs (SKIP LOCKED), a slot in every limited scope, the compare-and-set,
+# the attempts. Rows that cannot run never fill a LIMIT: full tenants' lanes are
+# hidden by ``tenant_at_limit``, lanes a worker cannot serve are filtered by route,
+# full repositories/users/risk classes are excluded inside the lane scan, runs waiting
+# for dependencies or capacity are not QUEUED at all.
 
-_CLAIM_SET_AND_RETURN = """
+FULL_SCOPES = """
+SELECT scope FROM limit_counters WHERE active >= max_active
+"""
+
+# The lanes to serve, best first: priority, then the stride pass (weighted fair share
+# among the tenants of one priority), then age of the lane. Paged with a keyset: a
+# lane whose runs cannot run now (backoff, full repository) gives its turn to the next.
+PICK_LANES = """
+SELECT l.lane_id, l.tenant, l.priority, l.weight, l.pass AS pass_, l.queued_count
+FROM lanes l
+WHERE l.queue = :queue
+  AND l.queued_count > 0
+  AND l.tenant_at_limit = 0
+  AND l.route_key IN :routes
+  AND l.tenant NOT IN :full_tenants
+  AND (l.priority > :after_priority
+       OR (l.priority = :after_priority AND l.pass > :after_pass)
+       OR (l.priority = :after_priority AND l.pass = :after_pass AND l.lane_id > :after_lane))
+ORDER BY l.priority, l.pass, l.lane_id
+LIMIT :limit
+"""
+
+# One lane's oldest runnable runs after a keyset cursor (a claim that comes back to a
+# lane continues past the runs it already took). The task is re-read per candidate so a cancelled
+# task's run is never claimed even if its run row still says QUEUED (invariant 1).
+LANE_CANDIDATES = """
+SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.user_id, r.risk_class,
+       r.route_key, r.lane_id, r.created_at, r.max_attempts, r.limits, r.policy_version,
+       r.estimated_cost_usd, r.fencing_token
+FROM runs r
+WHERE r.lane_id = :lane_id
+  AND r.status = 'QUEUED'
+  AND r.visible_at <= {now}
+  AND r.repo NOT IN :full_repos
+  AND COALESCE(r.user_id, '') NOT IN :full_users
+  AND r.risk_class NOT IN :full_risks
+  AND (r.created_at > :after_created
+       OR (r.created_at = :after_created AND r.run_id > :after_id))
+  AND (SELECT t.cancel_requested_at FROM tasks t WHERE t.task_id = r.task_id) IS NULL
+ORDER BY r.created_at, r.run_id
+LIMIT :limit
+{lock_r_skip}
+"""
+
+# A named run (a delivery that names its run): the same re-validation.
+RUN_CANDIDATE = """
+SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.user_id, r.risk_class,
+       r.route_key, r.lane_id, r.created_at, r.max_attempts, r.limits, r.policy_version,
+       r.estimated_cost_usd, r.fencing_token
+FROM runs r
+WHERE r.run_id = :run_id
+  AND r.status = 'QUEUED'
+  AND r.visible_at <= {now}
+  AND (SELECT t.cancel_requested_at FROM tasks t WHERE t.task_id = r.task_id) IS NULL
+{lock_r_skip}
+"""
+
+# The compare-and-set of a claim: QUEUED -> CLAIMED with the next fencing token.
+CLAIM_RUNS = """
 UPDATE runs
 SET status = 'CLAIMED',
     fencing_token = runs.fencing_token + 1,
     attempt_count = runs.attempt_count + 1,
     updated_at = {now}
-FROM picked
-WHERE runs.run_id = picked.run_id
+WHERE runs.run_id IN :run_ids
   AND runs.status = 'QUEUED'
-RETURNING runs.run_id, runs.task_id, runs.tenant, runs.repo, runs.queue, runs.priority,
-          runs.visible_at, runs.fencing_token, runs.attempt_count, runs.max_attempts,
-          {now} AS now
+RETURNING runs.run_id, runs.fencing_token, runs.attempt_count, {now} AS now
 """
 
-# Claim up to :limit runs of one queue, best first. The candidate scan walks the
-# dispatch index in order; the task is re-read in the same statement so a cancelled
-# task's run is never claimed even if its run row still says QUEUED (invariant 1).
-# The task check is a scalar primary-key lookup per candidate, not NOT EXISTS: an
-# anti-join let the planner hash the whole tasks table on every claim.
-CLAIM_BATCH = (
-    """
-WITH picked AS (
-    SELECT r.run_id
-    FROM runs r
-    WHERE r.queue = :queue
-      AND r.status = 'QUEUED'
-      AND r.visible_at <= {now}
-      AND (SELECT t.cancel_requested_at FROM tasks t WHERE t.task_id = r.task_id) IS NULL
-    ORDER BY r.priority, r.visible_at, r.run_id
-    LIMIT :limit
-    {lock_r_skip}
-)"""
-    + _CLAIM_SET_AND_RETURN
-)
+# Slots: make sure a limited scope has its counter row with the policy's maximum ...
+ENSURE_COUNTER = """
+INSERT INTO limit_counters (scope, active, max_active) VALUES (:scope, 0, :max_active)
+ON CONFLICT (scope) DO UPDATE SET max_active = excluded.max_active
+WHERE limit_counters.max_active <> excluded.max_active
+"""
+# ... take one slot in each scope where one is free (row locks serialize claimers on
+# a scope; the guard is re-evaluated on the newest row version) ...
+TAKE_SLOTS = """
+UPDATE limit_counters SET active = active + 1
+WHERE scope IN :scopes AND active < max_active
+RETURNING scope, active, max_active
+"""
+# ... and give slots back (a claim that could not get all of them, or an attempt's end).
+GIVE_SLOTS = """
+UPDATE limit_counters SET active = active - 1
+WHERE scope IN :scopes AND active > 0
+RETURNING scope, active, max_active
+"""
+ATTEMPT_SLOTS = """
+SELECT limit_scopes FROM attempts
+WHERE run_id = :run_id AND fencing_token = :token AND limit_scopes IS NOT NULL
+"""
+CLEAR_ATTEMPT_SLOTS = """
+UPDATE attempts SET limit_scopes = NULL WHERE run_id = :run_id AND fencing_token = :token
+"""
+# A tenant at its limit hides (or, below it again, shows) all its lanes.
+MARK_TENANT_LANES = """
+UPDATE lanes SET tenant_at_limit = :at_limit
+WHERE tenant = :tenant AND tenant_at_limit <> :at_limit
+"""
 
-# Claim one named run (a delivery that names its run, e.g. a wake-up): the same
-# re-validation as the batch claim; a duplicate delivery finds nothing to claim.
-CLAIM_ONE = (
-    """
-WITH picked AS (
-    SELECT r.run_id
-    FROM runs r
-    WHERE r.run_id = :run_id
-      AND r.status = 'QUEUED'
-      AND r.visible_at <= {now}
-      AND (SELECT t.cancel_requested_at FROM tasks t WHERE t.task_id = r.task_id) IS NULL
-    {lock_r_skip}
-)"""
-    + _CLAIM_SET_AND_RETURN
-)
+# Lane bookkeeping. A lane that gains work after being empty joins at the current
+# virtual time of its (queue, priority), never before it: an idle tenant cannot bank
+# credit, and a new tenant waits at most one claim per free slot.
+LANE_VIRTUAL_TIME = """
+SELECT MIN(l.pass) FROM lanes l
+WHERE l.queue = :queue AND l.priority = :priority
+  AND l.queued_count > 0 AND l.tenant_at_limit = 0
+"""
+LANE_UPSERT = """
+INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, pass,
+                   tenant_at_limit)
+VALUES (:queue, :route_key, :priority, :tenant, :weight, :queued, :vtime,
+        (SELECT COUNT(*) FROM limit_counters c
+         WHERE c.scope = :tenant_scope AND c.active >= c.max_active))
+ON CONFLICT (queue, route_key, priority, tenant) DO UPDATE
+SET weight = excluded.weight,
+    pass = CASE WHEN lanes.queued_count = 0 AND excluded.queued_count > 0
+                THEN {greatest}(lanes.pass, excluded.pass) ELSE lanes.pass END,
+    queued_count = lanes.queued_count + excluded.queued_count
+RETURNING lane_id, queue, route_key, priority, tenant
+"""
+LANE_ENTER = """
+UPDATE lanes
+SET pass = CASE WHEN queued_count = 0 THEN {greatest}(pass, COALESCE(
+        (SELECT MIN(l2.pass) FROM lanes l2
+         WHERE l2.queue = lanes.queue AND l2.priority = lanes.priority
+           AND l2.queued_count > 0 AND l2.tenant_at_limit = 0), pass))
+           ELSE pass END,
+    queued_count = queued_count + :n
+WHERE lane_id = :lane_id
+"""
+LANE_LEAVE = """
+UPDATE lanes SET queued_count = queued_count - :n WHERE lane_id = :lane_id
+"""
+LANE_CLAIMED = """
+UPDATE lanes SET queued_count = queued_count - :n, pass = pass + :n / weight
+WHERE lane_id = :lane_id
+"""
+ROUTE_INSERT = """
+INSERT INTO routes (route_key, created_at) VALUES (:route_key, :now)
+ON CONFLICT (route_key) DO NOTHING
+"""
+ROUTES = "SELECT route_key FROM routes"
+LIVE_WORKERS = """
+SELECT worker_id, queues, capabilities FROM workers WHERE status IN ('STARTING', 'READY')
+"""
+WAITING_ROUTES = """
+SELECT DISTINCT queue, route_key FROM lanes WHERE queued_count > 0
+"""
+QUEUED_IN_ROUTE = """
+SELECT r.* FROM runs r JOIN lanes l ON l.lane_id = r.lane_id
+WHERE l.queue = :queue AND l.route_key = :route_key AND r.status = 'QUEUED'
+  AND (CAST(:tenant AS VARCHAR(128)) IS NULL OR r.tenant = :tenant)
+ORDER BY r.created_at, r.run_id
+LIMIT :limit
+"""
+
+# Repairs (reconciler): the counts the claim relies on, recomputed from the truth.
+LANE_COUNT_DRIFT = """
+SELECT l.lane_id, l.queued_count,
+       (SELECT COUNT(*) FROM runs r WHERE r.lane_id = l.lane_id AND r.status = 'QUEUED')
+         AS actual
+FROM lanes l
+WHERE l.queued_count <> (SELECT COUNT(*) FROM runs r
+                         WHERE r.lane_id = l.lane_id AND r.status = 'QUEUED')
+"""
+LANE_SET_COUNT = "UPDATE lanes SET queued_count = :n WHERE lane_id = :lane_id"
+# Slots held by live attempts (the truth the counters must match).
+ACTIVE_SLOTS = """
+SELECT limit_scopes FROM attempts WHERE lease_status = 'ACTIVE' AND limit_scopes IS NOT NULL
+"""
+# The repairs lock what they recount first, so that no claim or release is half-way.
+LOCK_COUNTERS = "SELECT scope, active FROM limit_counters ORDER BY scope {lock_for_update}"
+LOCK_LANES = "SELECT lane_id FROM lanes ORDER BY lane_id {lock_for_update}"
+COUNTER_SET = "UPDATE limit_counters SET active = :n WHERE scope = :scope"
+COUNTERS = "SELECT scope, active, max_active FROM limit_counters"
+COUNTER_SET_MAX = "UPDATE limit_counters SET max_active = :max_active WHERE scope = :scope"
+COUNTER_DELETE = "DELETE FROM limit_counters WHERE scope = :scope"
+RECOMPUTE_TENANT_FLAGS = """
+UPDATE lanes SET tenant_at_limit = CASE WHEN EXISTS (
+    SELECT 1 FROM limit_counters c
+    WHERE c.scope = 'tenant:' || lanes.tenant AND c.active >= c.max_active) THEN 1 ELSE 0 END
+"""
+
+# --- policy, admission, dependencies, budgets ----------------------------------------
+
+POLICY_LATEST = """
+SELECT version, digest, document, source, created_at FROM policy_versions
+ORDER BY version DESC LIMIT 1
+"""
+POLICY_VERSION = "SELECT MAX(version) FROM policy_versions"
+POLICY_BY_DIGEST = "SELECT version FROM policy_versions WHERE digest = :digest"
+POLICY_INSERT = """
+INSERT INTO policy_versions (version, digest, document, source, created_at)
+VALUES (:version, :digest, :document, :source, :now)
+"""
+RUN_FOR_POLICY = """
+SELECT run_id, tenant, repo, queue, priority, user_id, max_attempts, route_key, policy_version
+FROM runs WHERE run_id = :run_id
+"""
+TENANT_QUEUED = """
+SELECT tenant, SUM(queued_count) AS queued FROM lanes WHERE tenant IN :tenants
+GROUP BY tenant
+"""
+TENANT_SPEND = """
+SELECT tenant, usd FROM tenant_spend WHERE day = :day AND tenant IN :tenants
+"""
+ADD_TENANT_SPEND = """
+INSERT INTO tenant_spend (tenant, day, usd) VALUES (:tenant, :day, :usd)
+ON CONFLICT (tenant, day) DO UPDATE SET usd = tenant_spend.usd + excluded.usd
+"""
+TASKS_WITH_STATUS = """
+SELECT t.task_id, r.status FROM tasks t JOIN runs r ON r.task_id = t.task_id
+WHERE t.task_id IN :task_ids
+"""
+# Runs waiting for a task that just ended.
+DEPENDENT_RUNS = """
+SELECT r.run_id, r.task_id, r.fencing_token FROM task_dependencies d
+JOIN runs r ON r.task_id = d.task_id
+WHERE d.depends_on = :task_id AND r.status = 'ADMITTED'
+{lock_r}
+"""
+# How a task's dependencies stand: not yet succeeded, and ended without success.
+DEPENDENCY_STATE = """
+SELECT
+  SUM(CASE WHEN r.status <> 'SUCCEEDED' THEN 1 ELSE 0 END) AS pending,
+  SUM(CASE WHEN r.status IN ('FAILED', 'CANCELLED', 'POLICY_DENIED') THEN 1 ELSE 0 END)
+    AS failed
+FROM task_dependencies d JOIN runs r ON r.task_id = d.depends_on
+WHERE d.task_id = :task_id
+"""
+# The scheduler pass: waiting runs due for another look, paged by (created_at, id).
+DUE_WAITING = """
+SELECT r.run_id, r.task_id, r.status, r.fencing_token, r.tenant, r.repo, r.queue,
+       r.priority, r.user_id, r.route_key, r.max_attempts, r.created_at, r.lane_id
+FROM runs r
+WHERE r.status = :status
+  AND r.visible_at <= {now}
+  AND (r.created_at > :after_created
+       OR (r.created_at = :after_created AND r.run_id > :after_id))
+ORDER BY r.created_at, r.run_id
+LIMIT :limit
+{lock_r_skip}
+"""
+SET_VISIBLE = """
+UPDATE runs SET visible_at = :visible_at, reason_code = :reason_code, message = :message,
+                updated_at = {now}
+WHERE run_id = :run_id AND status = 'WAITING_CAPACITY'
+"""
+SET_ADMISSION = """
+UPDATE runs SET admission = :admission, policy_version = :policy_version
+WHERE run_id = :run_id
+"""
 
 INSERT_ATTEMPT = """
 INSERT INTO attempts (run_id, attempt_no, fencing_token, worker_id, status, lease_status,
                       lease_expires_at, heartbeat_at, started_at,
-                      cost_usd, input_tokens, output_tokens)
+                      cost_usd, input_tokens, output_tokens, estimated_cost_usd, limit_scopes)
 VALUES (:run_id, :attempt_no, :fencing_token, :worker_id, 'RUNNING', 'ACTIVE',
-        :lease_expires_at, :now, :now, 0, 0, 0)
+        :lease_expires_at, :now, :now, 0, 0, 0, :estimated_cost_usd, :limit_scopes)
 """
 
 # --- heartbeat ---------------------------------------------------------------------
@@ -129,9 +342,9 @@ _FENCE = """
               WHERE a.run_id = runs.run_id AND a.fencing_token = :token
                 AND a.lease_status = 'ACTIVE' AND a.lease_expires_at > {now})
 """
-SET_RUN_STATUS = _SET_RUN_STATUS + "RETURNING status"
+SET_RUN_STATUS = _SET_RUN_STATUS + "RETURNING status, lane_id, task_id"
 # A worker's write: also requires its lease to be the run's live lease (invariant 3).
-SET_RUN_STATUS_FENCED = _SET_RUN_STATUS + _FENCE + "RETURNING status"
+SET_RUN_STATUS_FENCED = _SET_RUN_STATUS + _FENCE + "RETURNING status, lane_id, task_id"
 
 # Read a run together with one of its attempts before deciding how that attempt
 # ends; locks the run row so the decision and the write see the same state.
@@ -176,6 +389,7 @@ WHERE run_id = :run_id
 ADD_RUN_COST = """
 UPDATE runs SET cost_usd = cost_usd + :usd, updated_at = {now}
 WHERE run_id = :run_id AND fencing_token = :token
+RETURNING cost_usd
 """
 
 # --- side-effect ledger -------------------------------------------------------------
@@ -390,8 +604,11 @@ class Statements:
             lock_r_skip=LOCK_SKIP[self.dialect].format(alias="r"),
             lock_a_skip=LOCK_SKIP[self.dialect].format(alias="a"),
             lock_ra_skip=LOCK_SKIP[self.dialect].format(alias="r, a"),
+            greatest=GREATEST[self.dialect],
+            lock_for_update="FOR UPDATE" if self.dialect == "postgresql" else "",
         )
         clause = text(rendered)
         if expanding:
-            clause = clause.bindparams(*(bindparam(name, expanding=True) for name in expanding))
+            clause = clause.bindparams(*(bindparam(name, expanding=True, type_=String())
+                                         for name in expanding))
         return clause

@@ -22,9 +22,12 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.exc import OperationalError
 
 from runlane.clock import Clock, DatabaseClock
+from runlane.domain.admission import AdmissionRequest, Decision, TenantUsage, admit
 from runlane.domain.ids import new_id
+from runlane.domain.policy import Policy
 from runlane.domain.reasons import Reason
 from runlane.domain.retry import RetryPolicy, RunBudget, decide
+from runlane.domain.routing import parse_requirements
 from runlane.domain.states import (
     LEASED,
     TERMINAL,
@@ -33,11 +36,23 @@ from runlane.domain.states import (
     check_path,
     is_allowed,
 )
-from runlane.domain.tasks import DEFAULT_PAYLOAD_CAP_BYTES, TaskSpec, enforce_payload_cap
-from runlane.errors import CancelRequested, LeaseLost, NotFound, TransitionRefused
+from runlane.domain.tasks import (
+    DEFAULT_PAYLOAD_CAP_BYTES,
+    TaskInvalid,
+    TaskSpec,
+    enforce_payload_cap,
+)
+from runlane.errors import (
+    CancelRequested,
+    CostLimitExceeded,
+    LeaseLost,
+    NotFound,
+    TransitionRefused,
+)
 from runlane.store import sql
 from runlane.store.engine import build_engine, dialect_of
-from runlane.store.schema import run_events, runs, tasks, workers
+from runlane.store.scheduling import SchedulingMixin, policy_needs_usage
+from runlane.store.schema import run_events, runs, task_dependencies, tasks, workers
 
 log = structlog.get_logger("runlane.store")
 T = TypeVar("T")
@@ -63,6 +78,7 @@ class Lease:
     queue: str
     priority: int
     max_attempts: int
+    limits: dict[str, Any] = field(default_factory=dict)  # the run's limits snapshot
     stage: RunStatus = S.CLAIMED
 
     @property
@@ -78,6 +94,7 @@ class Submission:
     created: bool
     truncated_sections: tuple[str, ...] = ()
     payload_bytes: int = 0
+    reason_code: str | None = None  # why a run was denied or deferred at admission
 
 
 @dataclass(frozen=True)
@@ -138,7 +155,7 @@ class _Snapshot:
         )
 
 
-class Store:
+class Store(SchedulingMixin):
     def __init__(
         self,
         url: str,
@@ -158,6 +175,8 @@ class Store:
         self.rng = rng or random.Random()
         self._sql = sql.Statements(self.dialect)
         self._cache: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self._policy_cache: dict[int, Policy] = {}
+        self._routes_cache: dict[str, tuple[float, frozenset[str]]] = {}
 
     @property
     def is_postgres(self) -> bool:
@@ -264,6 +283,7 @@ class Store:
         ).first()
         if row is None:
             return False
+        self._lane_moved(conn, row.lane_id, source, target)
         event_at = now if now is not None else self._now(conn)
         hops = [source, *path]
         self._record(
@@ -283,15 +303,21 @@ class Store:
                 for a, b in itertools.pairwise(hops)
             ],
         )
+        if target in TERMINAL:
+            self._resolve_dependents(conn, row.task_id, now)
         return True
 
     # --- submit -------------------------------------------------------------------
 
     def submit(self, specs: Sequence[TaskSpec], *, default_max_attempts: int = 3,
                actor: str = "api") -> list[Submission]:
-        """Create a task, its run and its delivery for each spec, all or nothing.
+        """Admit and create a task and its run for each spec, all or nothing.
 
-        The same (tenant, idempotency key) again returns the existing task and run.
+        Every run gets an admission decision under the policy in force (recorded on
+        the run with the policy version): ADMIT queues it (or leaves it ADMITTED
+        while its dependencies run), DENY ends it POLICY_DENIED, DEFER parks it in
+        WAITING_CAPACITY until the decision's retry-after. The same (tenant,
+        idempotency key) again returns the existing task and run.
         """
         fitted = [enforce_payload_cap(spec, self.payload_cap_bytes) for spec in specs]
         insert_task = sqlite_dialect.insert(tasks).on_conflict_do_nothing(
@@ -300,35 +326,63 @@ class Store:
 
         def work(conn: Connection) -> list[Submission]:
             now = self._now(conn)
+            version, policy = self._policy(conn)
+            usage = self._tenant_usage(conn, {spec.tenant for spec, _ in fitted}, now) \
+                if policy_needs_usage(policy) else {}
+            referenced = sorted({t for spec, _ in fitted
+                                 for t in [*spec.depends_on, spec.parent_task_id] if t})
+            known = {r.task_id: S(r.status) for r in conn.execute(
+                self._q(sql.TASKS_WITH_STATUS, "task_ids"), {"task_ids": referenced})
+            } if referenced else {}
             first_of_key: dict[tuple[str, str], int] = {}
             task_rows: list[dict[str, Any]] = []
-            plan: list[tuple[int, dict[str, Any], str]] = []  # index, task row, run id
+            plan: list[tuple[int, dict[str, Any], str, Decision]] = []
             results: list[Submission | None] = [None] * len(fitted)
             aliases: dict[int, int] = {}
             for i, (spec, report) in enumerate(fitted):
+                for field_name, task_id in [*(("depends_on", t) for t in spec.depends_on),
+                                            ("parent_task_id", spec.parent_task_id)]:
+                    if task_id and task_id not in known:
+                        raise TaskInvalid(field_name, f"no task {task_id!r}")
                 if spec.idempotency_key is not None:
                     key = (spec.tenant, spec.idempotency_key)
                     if key in first_of_key:
                         aliases[i] = first_of_key[key]
                         continue
                     first_of_key[key] = i
+                tenant_usage = usage.get(spec.tenant, TenantUsage())
+                decision = admit(
+                    AdmissionRequest(
+                        tenant=spec.tenant, repo=spec.repo, queue=spec.queue,
+                        priority=spec.priority, user=spec.user,
+                        max_attempts=spec.max_attempts,
+                        requires=parse_requirements(spec.requires)),
+                    policy, version, tenant_usage, now,
+                    default_max_attempts=default_max_attempts)
+                if decision.decision == "ADMIT":
+                    usage[spec.tenant] = replace(tenant_usage,
+                                                 queued_runs=tenant_usage.queued_runs + 1)
                 row = {
                     "task_id": new_id(),
                     "tenant": spec.tenant,
                     "repo": spec.repo,
                     "prompt": spec.prompt,
-                    "queue": spec.queue,
-                    "priority": spec.priority,
+                    "queue": decision.queue,
+                    "priority": decision.priority,
                     "idempotency_key": spec.idempotency_key,
-                    "max_attempts": spec.max_attempts or default_max_attempts,
+                    "max_attempts": decision.max_attempts,
                     "context": spec.context,
                     "truncated_sections": list(report.truncated_sections),
                     "payload_bytes": report.size_bytes,
                     "cancel_requested_at": None,
                     "created_at": now,
+                    "user_id": spec.user,
+                    "requires": decision.requires,
+                    "parent_task_id": spec.parent_task_id,
+                    "estimated_cost_usd": spec.estimated_cost_usd,
                 }
                 task_rows.append(row)
-                plan.append((i, row, new_id()))
+                plan.append((i, row, new_id(), decision))
             inserted: set[str] = set()
             if task_rows and self.is_postgres:
                 inserted = {r.task_id for r in self._bulk_insert(
@@ -336,31 +390,15 @@ class Store:
                     "ON CONFLICT (tenant, idempotency_key) DO NOTHING RETURNING task_id")}
             elif task_rows:
                 inserted = {r.task_id for r in conn.execute(insert_task, task_rows)}
-            run_rows: list[dict[str, Any]] = []
-            for i, row, run_id in plan:
+            dependencies = [{"task_id": row["task_id"], "depends_on": dep}
+                            for i, row, _, _ in plan if row["task_id"] in inserted
+                            for dep in fitted[i][0].depends_on]
+            if dependencies:
+                conn.execute(insert(task_dependencies), dependencies)
+            created: list[tuple[dict[str, Any], Decision, RunStatus]] = []
+            for i, row, run_id, decision in plan:
                 report = fitted[i][1]
-                if row["task_id"] in inserted:
-                    run_rows.append(
-                        {
-                            "run_id": run_id,
-                            "task_id": row["task_id"],
-                            "tenant": row["tenant"],
-                            "repo": row["repo"],
-                            "queue": row["queue"],
-                            "priority": row["priority"],
-                            "status": S.QUEUED.value,
-                            "attempt_count": 0,
-                            "max_attempts": row["max_attempts"],
-                            "fencing_token": 0,
-                            "visible_at": now,
-                            "created_at": now,
-                            "updated_at": now,
-                            "cost_usd": 0.0,
-                        }
-                    )
-                    results[i] = Submission(row["task_id"], run_id, S.QUEUED.value, True,
-                                            report.truncated_sections, report.size_bytes)
-                else:
+                if row["task_id"] not in inserted:
                     existing = conn.execute(
                         text(
                             "SELECT t.task_id, r.run_id, r.status FROM tasks t "
@@ -371,28 +409,31 @@ class Store:
                     ).one()
                     results[i] = Submission(existing.task_id, existing.run_id, existing.status,
                                             False)
-            if run_rows:
-                self._bulk_insert(conn, runs, run_rows)
-                assert is_allowed(None, S.QUEUED)
-                self._record(
-                    conn,
-                    [
-                        {
-                            "run_id": r["run_id"],
-                            "attempt_no": None,
-                            "at": now,
-                            "actor": actor,
-                            "from_status": None,
-                            "to_status": S.QUEUED.value,
-                            "reason_code": None,
-                            "fencing_token": None,
-                            "message": "submitted",
-                        }
-                        for r in run_rows
-                    ],
-                )
-                for queue in sorted({r["queue"] for r in run_rows}):
-                    self._notify(conn, WAKEUP_CHANNEL, queue)
+                    continue
+                status = {"DENY": S.POLICY_DENIED, "DEFER": S.WAITING_CAPACITY}.get(
+                    decision.decision, S.QUEUED)
+                if status is S.QUEUED and fitted[i][0].depends_on:
+                    status = S.ADMITTED  # released (or cancelled) below / when they end
+                created.append(({**row, "run_id": run_id}, decision, status))
+                results[i] = Submission(row["task_id"], run_id, status.value, True,
+                                        report.truncated_sections, report.size_bytes,
+                                        decision.reason_code)
+            if created:
+                self._insert_runs(conn, created, now, actor)
+            for run, _, status in created:
+                if status is S.ADMITTED:  # dependencies may all have ended already
+                    outcome = self._dependency_outcome(conn, run["task_id"])
+                    if outcome is not S.ADMITTED:
+                        self._set_status(
+                            conn, run_id=run["run_id"], source=S.ADMITTED, path=[outcome],
+                            run_token=0, actor=actor, now=now,
+                            reason_code=(Reason.DEPENDENCY_FAILED
+                                         if outcome is S.CANCELLED else None),
+                            message=("a dependency ended without success"
+                                     if outcome is S.CANCELLED else "dependencies succeeded"))
+                        for k, result in enumerate(results):
+                            if result is not None and result.run_id == run["run_id"]:
+                                results[k] = replace(result, status=outcome.value)
             for i, first in aliases.items():  # a repeat inside the batch creates nothing
                 original = results[first]
                 assert original is not None
@@ -404,56 +445,122 @@ class Store:
         log.info("submitted", tasks=len(submissions), created=created)
         return submissions
 
+    def _insert_runs(self, conn: Connection,
+                     created: list[tuple[dict[str, Any], Decision, RunStatus]],
+                     now: float, actor: str) -> None:
+        """Insert admitted runs into their lanes, with their admission record."""
+        lane_plan: dict[tuple[str, str, int, str], tuple[int, float]] = {}
+        for row, decision, status in created:
+            key = (row["queue"], decision.requires, row["priority"], row["tenant"])
+            entering, _ = lane_plan.get(key, (0, decision.weight))
+            lane_plan[key] = (entering + (status is S.QUEUED), decision.weight)
+        conn.execute(self._q(sql.ROUTE_INSERT),
+                     [{"route_key": k, "now": now} for k in sorted({k[1] for k in lane_plan})])
+        lane_ids = self._lane_ids(conn, lane_plan)
+        run_rows = []
+        for row, decision, status in created:
+            assert is_allowed(None, status)
+            run_rows.append({
+                "run_id": row["run_id"],
+                "task_id": row["task_id"],
+                "tenant": row["tenant"],
+                "repo": row["repo"],
+                "queue": row["queue"],
+                "priority": row["priority"],
+                "status": status.value,
+                "attempt_count": 0,
+                "max_attempts": row["max_attempts"],
+                "fencing_token": 0,
+                "visible_at": (decision.retry_after if status is S.WAITING_CAPACITY
+                               and decision.retry_after is not None else now),
+                "created_at": now,
+                "updated_at": now,
+                "ended_at": now if status is S.POLICY_DENIED else None,
+                "reason_code": decision.reason_code,
+                "message": decision.message,
+                "cost_usd": 0.0,
+                "user_id": row["user_id"],
+                "risk_class": decision.risk_class,
+                "route_key": decision.requires,
+                "lane_id": lane_ids[(row["queue"], decision.requires, row["priority"],
+                                     row["tenant"])],
+                "policy_version": decision.policy_version,
+                "admission": decision.to_json(),
+                "limits": decision.limits,
+                "estimated_cost_usd": row["estimated_cost_usd"],
+            })
+        self._bulk_insert(conn, runs, run_rows)
+        self._record(conn, [
+            {"run_id": r["run_id"], "attempt_no": None, "at": now, "actor": actor,
+             "from_status": None, "to_status": r["status"], "reason_code": r["reason_code"],
+             "fencing_token": None,
+             "message": f"admitted under policy v{d.policy_version}"
+             if d.decision == "ADMIT" else f"{d.decision} under policy v{d.policy_version}: "
+             f"{d.message}"}
+            for r, (_, d, _) in zip(run_rows, created, strict=True)
+        ])
+        for queue in sorted({r["queue"] for r in run_rows if r["status"] == S.QUEUED.value}):
+            self._notify(conn, WAKEUP_CHANNEL, queue)
+
     # --- claim --------------------------------------------------------------------
 
     def claim(self, worker_id: str, queue: str = "default", *, limit: int = 1,
-              lease_ttl: float = 60.0, run_id: str | None = None) -> list[Lease]:
-        """Claim up to ``limit`` runs in one transaction: CAS each run QUEUED -> CLAIMED,
-        bump its fencing token, and create the attempt that carries the new lease."""
+              lease_ttl: float = 60.0, run_id: str | None = None,
+              capabilities: dict[str, Any] | None = None) -> list[Lease]:
+        """Claim up to ``limit`` runs in one transaction.
+
+        Lanes are served by priority, then weighted fair share; inside a lane the
+        oldest runnable run first. Each candidate is re-admitted under the policy in
+        force and must get a slot in every limited scope; then each run is CAS'd
+        QUEUED -> CLAIMED with the next fencing token and gets the attempt that
+        carries its lease. ``capabilities`` are the worker's: it is only given runs
+        whose requirements they satisfy.
+        """
         check_path([S.QUEUED], [S.CLAIMED])
 
         def work(conn: Connection) -> list[Lease]:
-            if run_id is not None:
-                rows = list(conn.execute(self._q(sql.CLAIM_ONE),
-                                         {"run_id": run_id, "now": self.clock.now()}))
-            else:
-                rows = list(conn.execute(
-                    self._q(sql.CLAIM_BATCH),
-                    {"queue": queue, "limit": limit, "now": self.clock.now()},
-                ))
-            if not rows:
+            full = {r.scope for r in conn.execute(self._q(sql.FULL_SCOPES))}
+            if "global" in full or f"queue:{queue}" in full:
                 return []
-            # RETURNING has no order: hand the runs back in dispatch order.
-            rows.sort(key=lambda r: (r.priority, r.visible_at, r.run_id))
-            leases = [
-                Lease(
-                    run_id=r.run_id, task_id=r.task_id, attempt_no=r.attempt_count,
-                    fencing_token=r.fencing_token, worker_id=worker_id,
-                    expires_at=r.now + lease_ttl, tenant=r.tenant, repo=r.repo, queue=r.queue,
-                    priority=r.priority, max_attempts=r.max_attempts,
-                )
-                for r in rows
-            ]
+            candidates = self._claim_candidates(conn, queue, limit, capabilities, run_id, full)
+            passed = self._screen(conn, candidates, actor=worker_id)
+            if not passed:
+                return []
+            by_id = {c.run_id: (c, decision) for c, decision in passed}
+            rows = conn.execute(self._q(sql.CLAIM_RUNS, "run_ids"),
+                                {"run_ids": sorted(by_id), "now": self.clock.now()}).all()
+            if len(rows) != len(by_id):  # cannot happen: the candidates are locked
+                raise TransitionRefused("claimed runs changed while locked")
             now = rows[0].now
-            conn.execute(
-                self._q(sql.INSERT_ATTEMPT),
-                [
-                    {"run_id": lease.run_id, "attempt_no": lease.attempt_no,
-                     "fencing_token": lease.fencing_token, "worker_id": worker_id,
-                     "lease_expires_at": lease.expires_at, "now": now}
-                    for lease in leases
-                ],
-            )
-            self._record(
-                conn,
-                [
-                    {"run_id": lease.run_id, "attempt_no": lease.attempt_no, "at": now,
-                     "actor": worker_id, "from_status": S.QUEUED.value,
-                     "to_status": S.CLAIMED.value, "reason_code": None,
-                     "fencing_token": lease.fencing_token, "message": None}
-                    for lease in leases
-                ],
-            )
+            leases = []
+            for r in sorted(rows, key=lambda r: (by_id[r.run_id][0].priority,
+                                                 by_id[r.run_id][0].created_at, r.run_id)):
+                c = by_id[r.run_id][0]
+                limits = c.limits if isinstance(c.limits, dict) else json.loads(c.limits or "{}")
+                leases.append(Lease(
+                    run_id=r.run_id, task_id=c.task_id, attempt_no=r.attempt_count,
+                    fencing_token=r.fencing_token, worker_id=worker_id,
+                    expires_at=now + lease_ttl, tenant=c.tenant, repo=c.repo, queue=c.queue,
+                    priority=c.priority, max_attempts=c.max_attempts, limits=limits or {}))
+            conn.execute(self._q(sql.INSERT_ATTEMPT), [
+                {"run_id": lease.run_id, "attempt_no": lease.attempt_no,
+                 "fencing_token": lease.fencing_token, "worker_id": worker_id,
+                 "lease_expires_at": lease.expires_at, "now": now,
+                 "estimated_cost_usd": by_id[lease.run_id][0].estimated_cost_usd,
+                 "limit_scopes": (json.dumps(sorted(by_id[lease.run_id][1].concurrency))
+                                  if by_id[lease.run_id][1].concurrency else None)}
+                for lease in leases])
+            self._record(conn, [
+                {"run_id": lease.run_id, "attempt_no": lease.attempt_no, "at": now,
+                 "actor": worker_id, "from_status": S.QUEUED.value,
+                 "to_status": S.CLAIMED.value, "reason_code": None,
+                 "fencing_token": lease.fencing_token, "message": None}
+                for lease in leases])
+            per_lane: dict[int, int] = {}
+            for c, _ in passed:
+                per_lane[c.lane_id] = per_lane.get(c.lane_id, 0) + 1
+            conn.execute(self._q(sql.LANE_CLAIMED),
+                         [{"lane_id": lane_id, "n": n} for lane_id, n in sorted(per_lane.items())])
             return leases
 
         leases = self._transaction(work)
@@ -548,21 +655,28 @@ class Store:
                      "now": now if now is not None else self._now(conn),
                      "run_id": lease.run_id, "token": lease.fencing_token},
                 )
+                self._give_back_slots(conn, lease.run_id, lease.fencing_token)
 
         self._transaction(work)
         lease.stage = path[-1]
 
     def report_cost(self, lease: Lease, usd: float, *, input_tokens: int = 0,
                     output_tokens: int = 0) -> None:
-        def work(conn: Connection) -> None:
+        def work(conn: Connection) -> float:
             params = {"run_id": lease.run_id, "token": lease.fencing_token, "usd": usd,
                       "input_tokens": input_tokens, "output_tokens": output_tokens,
                       "now": self.clock.now()}
             if conn.execute(self._q(sql.ADD_ATTEMPT_COST), params).rowcount != 1:
                 raise LeaseLost(f"run {lease.run_id}: cost refused, lease not live")
-            conn.execute(self._q(sql.ADD_RUN_COST), params)
+            total = float(conn.execute(self._q(sql.ADD_RUN_COST), params).scalar_one())
+            self._add_tenant_spend(conn, lease.tenant, usd, self._now(conn))
+            return total
 
-        self._transaction(work)
+        total = self._transaction(work)
+        maximum = lease.limits.get("max_cost_usd")
+        if maximum is not None and total > float(maximum):
+            raise CostLimitExceeded(
+                f"run {lease.run_id} has cost ${total:.4f}, over its maximum ${maximum}")
 
     def fail(self, lease: Lease, reason: str, *, message: str | None = None,
              retry_after_seconds: float | None = None) -> RunStatus:
@@ -636,6 +750,8 @@ class Store:
             path = []  # an old lease of a run that has moved on: only the lease ends
         elif status in CANCELLING:
             path, attempt_status, run_reason = [S.CANCELLED], "CANCELLED", Reason.CANCELLED_BY_USER
+        elif reason == Reason.POLICY_DENIED and status in LEASED:
+            path = [S.POLICY_DENIED]  # the policy now forbids this run: never retried
         elif status in LEASED or status is S.STALE_LEASE:
             recovered = lease_status in ("EXPIRED", "REVOKED") and status in LEASED
             prefix = [S.STALE_LEASE] if recovered else []
@@ -657,6 +773,7 @@ class Store:
              "retry_after_seconds": retry_after, "lease_status": lease_status, "now": now,
              "run_id": snap.run_id, "token": snap.fencing_token},
         )
+        self._give_back_slots(conn, snap.run_id, snap.fencing_token)
         if path:
             won = self._set_status(
                 conn, run_id=snap.run_id, source=status, path=path, run_token=snap.run_token,
@@ -694,6 +811,7 @@ class Store:
         live or the run is being cancelled: no new side effect after a cancel."""
         def work(conn: Connection) -> SideEffect:
             snap = self._live_snapshot(conn, lease)
+            self._check_policy_before_effect(conn, lease.run_id, key)
             params = {"run_id": lease.run_id, "effect_key": key, "token": lease.fencing_token,
                       "attempt_no": lease.attempt_no, "now": snap.now}
             conn.execute(self._q(sql.EFFECT_INTENT_INSERT), params)
@@ -826,6 +944,7 @@ class Store:
                 conn.execute(self._q(sql.REVOKE_LEASE),
                              {"now": now, "run_id": r.run_id, "token": r.fencing_token,
                               "reason_code": Reason.RECONCILED_TERMINAL_LEASE})
+                self._give_back_slots(conn, r.run_id, r.fencing_token)
             counts["terminal_leases_revoked"] = len(rows)
             # 3. Waiting runs of a cancelled task (the cancel write was lost): cancel them.
             rows = conn.execute(self._q(sql.QUEUED_OF_CANCELLED_TASK, "waiting"),
@@ -918,6 +1037,10 @@ class Store:
             run = dict(row._mapping)
             task = conn.execute(select(tasks).where(tasks.c.task_id == run["task_id"])).one()
             run["task"] = dict(task._mapping)
+            run["depends_on"] = [r.depends_on for r in conn.execute(
+                select(task_dependencies.c.depends_on)
+                .where(task_dependencies.c.task_id == run["task_id"])
+                .order_by(task_dependencies.c.depends_on))]
             run["attempts"] = [
                 dict(a._mapping) for a in conn.execute(
                     text("SELECT * FROM attempts WHERE run_id = :r ORDER BY attempt_no"),

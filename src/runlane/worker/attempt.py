@@ -20,7 +20,7 @@ from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, Stop
 from runlane.codehost.base import CodeHost, CodeHostError, PullRequestExists
 from runlane.domain.reasons import WORKER_ONLY, Reason
 from runlane.domain.states import RunStatus
-from runlane.errors import CancelRequested, LeaseLost
+from runlane.errors import CancelRequested, CostLimitExceeded, LeaseLost, PolicyDenied
 from runlane.store.store import Lease, Store
 from runlane.worker.effects import perform_effect
 from runlane.worker.finalizer import Finalizer
@@ -64,6 +64,7 @@ class AttemptState:
     cancel: threading.Event = field(default_factory=threading.Event)
     lost: threading.Event = field(default_factory=threading.Event)
     drain: threading.Event = field(default_factory=threading.Event)
+    over_budget: threading.Event = field(default_factory=threading.Event)
 
     def extended(self, sent_at: float, ttl: float) -> None:
         self.local_deadline = sent_at + ttl - min(ttl * 0.2, 5.0) - self.stop_grace
@@ -76,6 +77,8 @@ class AttemptState:
             return StopReason.LEASE_LOST
         if self.cancel.is_set():
             return StopReason.CANCELLED
+        if self.over_budget.is_set():
+            return StopReason.LIMIT_EXCEEDED
         if self.drain.is_set():
             return StopReason.DRAINING
         return None
@@ -86,6 +89,9 @@ class AttemptState:
                                    output_tokens=output_tokens)
         except LeaseLost:
             self.lost.set()
+        except CostLimitExceeded as exc:
+            log.warning("cost_limit_exceeded", run_id=self.lease.run_id, message=str(exc))
+            self.over_budget.set()
 
     def progress(self, message: str) -> None:
         log.info("agent_progress", run_id=self.lease.run_id, attempt_id=self.lease.attempt_id,
@@ -160,7 +166,7 @@ class AttemptDriver:
             self.store.advance(lease, S.RUNNING)
             env = self._env(lease, task, workspace.path, artifacts)
             result = self.agent.run(workspace=workspace.path, artifacts_dir=artifacts, env=env,
-                                    control=state, limits=self.settings.limits)
+                                    control=state, limits=self._limits(lease))
             ended = self._after_agent(state, workspace, artifacts, env, task, result)
             return ended
         except Stop as stop:
@@ -179,6 +185,9 @@ class AttemptDriver:
             return ended
         except PullRequestExists as exc:  # the host's list lags its create: look again later
             ended = self._fail(state, Reason.CODE_HOST_FAILED_TRANSIENT, str(exc))
+            return ended
+        except PolicyDenied as exc:  # the policy changed under the run: no side effect
+            ended = self._fail(state, Reason.POLICY_DENIED, str(exc))
             return ended
         except DBAPIError as exc:
             # The database is unreachable: write nothing; the lease expires and the
@@ -211,14 +220,14 @@ class AttemptDriver:
         if result.exit_code != 0:
             return self._fail(state, Reason.AGENT_FAILED,
                               f"agent exited with status {result.exit_code}")
-        over = workspace.check_limits(self.settings.limits)
+        over = workspace.check_limits(self._limits(lease))
         if over:
             return self._fail(state, Reason.LIMIT_EXCEEDED, over)
         if self.verifier is not None:
             state.check()
             self.store.advance(lease, S.VERIFYING)
             verdict = self.verifier.run(workspace=workspace.path, artifacts_dir=artifacts,
-                                        env=env, control=state, limits=self.settings.limits,
+                                        env=env, control=state, limits=self._limits(lease),
                                         log_name="verify.log")
             if verdict.stopped is not None:
                 return self._stopped(state, verdict.stopped)
@@ -273,6 +282,22 @@ class AttemptDriver:
         except LeaseLost:
             return "lease_lost"
         return str(reason)
+
+    def _limits(self, lease: Lease) -> AttemptLimits:
+        """The worker's limits, tightened by the run's limits snapshot (policy)."""
+        own, run = self.settings.limits, lease.limits
+
+        def tighter(mine: float | None, theirs: Any) -> Any:
+            if theirs is None:
+                return mine
+            return theirs if mine is None else min(mine, theirs)
+
+        minutes = run.get("max_wall_clock_minutes")
+        return AttemptLimits(
+            wall_clock_seconds=tighter(own.wall_clock_seconds,
+                                       None if minutes is None else float(minutes) * 60),
+            max_changed_files=tighter(own.max_changed_files, run.get("max_changed_files")),
+            max_diff_lines=tighter(own.max_diff_lines, run.get("max_diff_lines")))
 
     @staticmethod
     def _env(lease: Lease, task: dict[str, Any], workspace: Path, artifacts: Path

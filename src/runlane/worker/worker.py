@@ -128,7 +128,8 @@ class Worker:
                 break
             sent_at = time.monotonic()
             leases = self.store.claim(self.worker_id, queue, limit=free,
-                                      lease_ttl=self.config.lease_ttl_seconds)
+                                      lease_ttl=self.config.lease_ttl_seconds,
+                                      capabilities=self.config.capabilities)
             for lease in leases:
                 state = AttemptState(lease, self.store,
                                      stop_grace=self.config.agent_term_grace_seconds)

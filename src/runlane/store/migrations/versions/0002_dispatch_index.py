@@ -6,14 +6,16 @@ Revision ID: 0002
 from alembic import op
 
 from runlane.store.online_index import IndexSpec, ensure_index
-from runlane.store.schema import DISPATCH_INDEX_COLUMNS, DISPATCH_INDEX_NAME, DISPATCH_INDEX_WHERE
 
 revision = "0002"
 down_revision = "0001"
 branch_labels = None
 depends_on = None
 
-DISPATCH = IndexSpec(DISPATCH_INDEX_NAME, "runs", DISPATCH_INDEX_COLUMNS, DISPATCH_INDEX_WHERE)
+# Frozen as it shipped: 0004 replaced it with ix_runs_lane_dispatch (schema.py).
+DISPATCH_INDEX_NAME = "ix_runs_dispatch"
+DISPATCH = IndexSpec(DISPATCH_INDEX_NAME, "runs", ("queue", "priority", "visible_at", "run_id"),
+                     "status = 'QUEUED'")
 
 
 def upgrade() -> None:

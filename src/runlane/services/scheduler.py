@@ -1,0 +1,83 @@
+"""The scheduler service: passes over waiting runs, event-driven and periodic.
+
+Admission itself happens in the submitting transaction; what is left for a pass is
+the work that waits on time or on other runs: deferred runs whose retry-after has
+come, and (as a repair) admitted runs whose dependencies all ended. Passes are
+single-flight per process (seed 003): a trigger that arrives while a pass runs
+folds into exactly one follow-up pass, never a queue of them and never dropped,
+and a caller that finds a pass running returns at once instead of waiting (no
+caller ever waits on a pass, so no wait cycle can form). Across processes the
+pass takes rows with SKIP LOCKED and writes with compare-and-set, so several
+schedulers are safe and never wait on each other.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from runlane.services.maintenance import MaintenanceService
+from runlane.store.store import Store
+
+
+class PassTrigger:
+    """Single-flight passes with coalesced demand."""
+
+    def __init__(self, run_pass: Callable[[], dict[str, int]]) -> None:
+        self._run_pass = run_pass
+        self._lock = threading.Lock()
+        self._pending = False
+        self._running = False
+
+    def request(self) -> None:
+        """Record demand for a pass (cheap; callable from any thread)."""
+        with self._lock:
+            self._pending = True
+
+    def run_pending(self) -> bool:
+        """Run passes while demand is pending; False when a pass is already running
+        (this demand folds into it) or there was none."""
+        with self._lock:
+            if self._running or not self._pending:
+                return False
+            self._running = True
+        try:
+            while True:
+                with self._lock:
+                    if not self._pending:
+                        return True
+                    self._pending = False
+                self._run_pass()
+        finally:
+            with self._lock:
+                self._running = False
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    interval_seconds: float = 5.0
+    page_size: int = 200
+
+
+class Scheduler(MaintenanceService):
+    """Re-admits deferred runs when their retry-after comes; resolves dependencies."""
+
+    name = "scheduler"
+
+    def __init__(self, store: Store, config: SchedulerConfig | None = None) -> None:
+        self.store = store
+        self.config = config or SchedulerConfig()
+        self.interval_seconds = self.config.interval_seconds
+        self.trigger = PassTrigger(self._pass)
+        self._last: dict[str, int] = {}
+
+    def _pass(self) -> dict[str, int]:
+        self._last = self.store.schedule_pass(page_size=self.config.page_size)
+        return self._last
+
+    def run_once(self) -> dict[str, int]:
+        self.trigger.request()
+        if not self.trigger.run_pending():
+            return {}
+        return dict(self._last)

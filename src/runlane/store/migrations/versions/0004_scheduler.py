@@ -1,0 +1,130 @@
+"""The scheduler: policy versions, admission records, lanes, limit counters, routes,
+dependencies, budgets; the lane dispatch index replaces ``ix_runs_dispatch``.
+
+Revision ID: 0004
+"""
+
+import sqlalchemy as sa
+from alembic import op
+
+from runlane.store.online_index import IndexSpec, drop_index, ensure_index
+from runlane.store.schema import DISPATCH_INDEX_COLUMNS, DISPATCH_INDEX_NAME, DISPATCH_INDEX_WHERE
+
+revision = "0004"
+down_revision = "0003"
+branch_labels = None
+depends_on = None
+
+LANE_DISPATCH = IndexSpec(DISPATCH_INDEX_NAME, "runs", DISPATCH_INDEX_COLUMNS,
+                          DISPATCH_INDEX_WHERE)
+WAITING_WHERE = "status IN ('ADMITTED', 'WAITING_CAPACITY')"
+WAITING = IndexSpec("ix_runs_waiting", "runs", ("status", "created_at", "run_id"),
+                    WAITING_WHERE)
+PICK_WHERE = "queued_count > 0 AND tenant_at_limit = 0"
+
+
+def upgrade() -> None:
+    for column in (
+        sa.Column("user_id", sa.String(128)),
+        sa.Column("requires", sa.Text, nullable=False, server_default=sa.text("''")),
+        sa.Column("parent_task_id", sa.String(36)),
+        sa.Column("estimated_cost_usd", sa.Float),
+    ):
+        op.add_column("tasks", column)
+    for column in (
+        sa.Column("user_id", sa.String(128)),
+        sa.Column("risk_class", sa.String(64), nullable=False, server_default=sa.text("''")),
+        sa.Column("route_key", sa.Text, nullable=False, server_default=sa.text("''")),
+        sa.Column("lane_id", sa.Integer),
+        sa.Column("policy_version", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("admission", sa.JSON),
+        sa.Column("limits", sa.JSON),
+        sa.Column("estimated_cost_usd", sa.Float),
+    ):
+        op.add_column("runs", column)
+    op.add_column("attempts", sa.Column("estimated_cost_usd", sa.Float))
+    op.add_column("attempts", sa.Column("limit_scopes", sa.JSON))
+    ensure_index(op, WAITING)
+    op.create_table(
+        "task_dependencies",
+        sa.Column("task_id", sa.String(36), sa.ForeignKey("tasks.task_id"), primary_key=True),
+        sa.Column("depends_on", sa.String(36), sa.ForeignKey("tasks.task_id"),
+                  primary_key=True),
+    )
+    op.create_index("ix_task_dependencies_depends_on", "task_dependencies", ["depends_on"])
+    op.create_table(
+        "lanes",
+        sa.Column("lane_id", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("queue", sa.String(128), nullable=False),
+        sa.Column("route_key", sa.Text, nullable=False),
+        sa.Column("priority", sa.Integer, nullable=False),
+        sa.Column("tenant", sa.String(128), nullable=False),
+        sa.Column("weight", sa.Float, nullable=False, server_default="1"),
+        sa.Column("queued_count", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("pass", sa.Float, nullable=False, server_default="0"),
+        sa.Column("tenant_at_limit", sa.Integer, nullable=False, server_default="0"),
+        sa.UniqueConstraint("queue", "route_key", "priority", "tenant", name="uq_lanes_key"),
+    )
+    op.create_index("ix_lanes_tenant", "lanes", ["tenant"])
+    op.create_index("ix_lanes_pick", "lanes", ["queue", "priority", "pass", "lane_id"],
+                    postgresql_where=sa.text(PICK_WHERE), sqlite_where=sa.text(PICK_WHERE))
+    op.create_table(
+        "limit_counters",
+        sa.Column("scope", sa.String(400), primary_key=True),
+        sa.Column("active", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("max_active", sa.Integer, nullable=False),
+    )
+    op.create_index("ix_limit_counters_full", "limit_counters", ["scope"],
+                    postgresql_where=sa.text("active >= max_active"),
+                    sqlite_where=sa.text("active >= max_active"))
+    op.create_table(
+        "routes",
+        sa.Column("route_key", sa.Text, primary_key=True),
+        sa.Column("created_at", sa.Float, nullable=False),
+    )
+    op.create_table(
+        "policy_versions",
+        sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("digest", sa.String(64), nullable=False, unique=True),
+        sa.Column("document", sa.JSON, nullable=False),
+        sa.Column("source", sa.Text, nullable=False),
+        sa.Column("created_at", sa.Float, nullable=False),
+    )
+    op.create_table(
+        "tenant_spend",
+        sa.Column("tenant", sa.String(128), primary_key=True),
+        sa.Column("day", sa.String(10), primary_key=True),
+        sa.Column("usd", sa.Float, nullable=False, server_default="0"),
+    )
+    # Existing runs: one lane per (queue, priority, tenant), no requirements.
+    op.execute("INSERT INTO routes (route_key, created_at) VALUES ('', 0)")
+    op.execute(
+        "INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, pass, "
+        "tenant_at_limit) SELECT queue, '', priority, tenant, 1, "
+        "SUM(CASE WHEN status = 'QUEUED' THEN 1 ELSE 0 END), 0, 0 "
+        "FROM runs GROUP BY queue, priority, tenant"
+    )
+    op.execute(
+        "UPDATE runs SET lane_id = (SELECT l.lane_id FROM lanes l WHERE l.queue = runs.queue "
+        "AND l.route_key = '' AND l.priority = runs.priority AND l.tenant = runs.tenant)"
+    )
+    ensure_index(op, LANE_DISPATCH)
+    drop_index(op, "ix_runs_dispatch")
+
+
+def downgrade() -> None:
+    op.create_index("ix_runs_dispatch", "runs", ["queue", "priority", "visible_at", "run_id"],
+                    postgresql_where=sa.text("status = 'QUEUED'"),
+                    sqlite_where=sa.text("status = 'QUEUED'"))
+    op.drop_index(DISPATCH_INDEX_NAME, table_name="runs")
+    for table in ("tenant_spend", "policy_versions", "routes", "limit_counters", "lanes",
+                  "task_dependencies"):
+        op.drop_table(table)
+    op.drop_index("ix_runs_waiting", table_name="runs")
+    op.drop_column("attempts", "estimated_cost_usd")
+    op.drop_column("attempts", "limit_scopes")
+    for column in ("user_id", "risk_class", "route_key", "lane_id", "policy_version",
+                   "admission", "limits", "estimated_cost_usd"):
+        op.drop_column("runs", column)
+    for column in ("user_id", "requires", "parent_task_id", "estimated_cost_usd"):
+        op.drop_column("tasks", column)

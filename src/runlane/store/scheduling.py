@@ -1,0 +1,514 @@
+"""The scheduler's half of the store: policy versions, admission records, lanes,
+concurrency slots, routing, dependencies and budgets.
+
+``Store`` inherits this mixin; every method here runs inside a transaction the
+store opened (``conn``) except the public ones, which open their own. The SQL is
+in ``sql.py`` under "claim" and "policy, admission, dependencies, budgets".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import structlog
+from sqlalchemy import Connection
+
+from runlane.domain.admission import AdmissionRequest, Decision, TenantUsage, admit
+from runlane.domain.fairness import LaneState, share_slots
+from runlane.domain.policy import Policy, policy_digest, policy_document, policy_from_document
+from runlane.domain.reasons import Reason
+from runlane.domain.routing import (
+    parse_capabilities,
+    requirements_from_canonical,
+    satisfies,
+    unmet,
+)
+from runlane.domain.states import RunStatus
+from runlane.errors import PolicyDenied
+from runlane.store import sql
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from runlane.clock import Clock
+
+log = structlog.get_logger("runlane.store")
+S = RunStatus
+T = TypeVar("T")
+ROUTES_TTL_SECONDS = 2.0
+LANE_PAGE = 16  # lanes read per page of a claim
+
+
+@dataclass(frozen=True)
+class PolicyVersion:
+    version: int
+    digest: str
+    created: bool
+
+
+def utc_day(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d")
+
+
+def has_budgets(policy: Policy) -> bool:
+    return any(t.daily_model_budget_usd is not None for t in policy.tenants.values())
+
+
+def policy_needs_usage(policy: Policy) -> bool:
+    """Whether admission needs the tenants' queued counts and spend at all."""
+    return has_budgets(policy) or any(t.max_queued is not None for t in policy.tenants.values())
+
+
+def scope_limit(policy: Policy, scope: str) -> int | None:
+    """The current maximum of one concurrency scope, from the one function that
+    knows the policy's limits (``concurrency_limits_for``)."""
+    kind, _, name = scope.partition(":")
+    probe = {"tenant": "\0", "repo": "\0", "user": None, "risk_class": "\0", "queue": "\0"}
+    key = {"tenant": "tenant", "repo": "repo", "user": "user", "risk": "risk_class",
+           "queue": "queue"}.get(kind)
+    if key is not None:
+        probe[key] = name
+    elif kind != "global":
+        return None
+    limits = policy.concurrency_limits_for(
+        tenant=str(probe["tenant"]), repo=str(probe["repo"]), user=probe["user"],
+        risk_class=str(probe["risk_class"]), queue=str(probe["queue"]))
+    return limits.get(scope)
+
+
+class SchedulingMixin:
+    if TYPE_CHECKING:
+        engine: Engine
+        clock: Clock
+        dialect: str
+        _policy_cache: dict[int, Policy]
+        _routes_cache: dict[str, tuple[float, frozenset[str]]]
+
+        def _q(self, statement: str, *expanding: str) -> Any: ...
+        def _now(self, conn: Connection) -> float: ...
+        def _transaction(self, work: Callable[[Connection], T]) -> T: ...
+        def _set_status(self, conn: Connection, *, run_id: str, source: RunStatus,
+                        path: Sequence[RunStatus], run_token: int, actor: str,
+                        now: float | None, fenced: bool = False,
+                        attempt_no: int | None = None, reason_code: str | None = None,
+                        message: str | None = None, outcome: str | None = None,
+                        visible_at: float | None = None) -> bool: ...
+
+    # --- policy -------------------------------------------------------------------
+
+    def _policy(self, conn: Connection) -> tuple[int, Policy]:
+        """The policy in force now (version 0 is the empty default)."""
+        version = conn.execute(self._q(sql.POLICY_VERSION)).scalar()
+        if version is None:
+            return 0, Policy.default()
+        version = int(version)
+        policy = self._policy_cache.get(version)
+        if policy is None:
+            row = conn.execute(self._q(sql.POLICY_LATEST)).one()
+            document = row.document if isinstance(row.document, dict) else json.loads(
+                row.document)
+            policy = policy_from_document(document, source=f"policy v{row.version}")
+            self._policy_cache[int(row.version)] = policy
+            version = int(row.version)
+        return version, policy
+
+    def apply_policy(self, policy: Policy, *, source: str) -> PolicyVersion:
+        """Store ``policy`` as a new numbered version unless it is unchanged, then
+        bring every concurrency counter to the new maxima."""
+        digest = policy_digest(policy)
+
+        def work(conn: Connection) -> PolicyVersion:
+            current = conn.execute(self._q(sql.POLICY_LATEST)).first()
+            if current is not None and current.digest == digest:
+                return PolicyVersion(int(current.version), digest, False)
+            version = (int(current.version) if current is not None else 0) + 1
+            conn.execute(self._q(sql.POLICY_INSERT), {
+                "version": version, "digest": digest,
+                "document": json.dumps(policy_document(policy)), "source": source,
+                "now": self._now(conn)})
+            for row in conn.execute(self._q(sql.COUNTERS)).all():
+                limit = scope_limit(policy, row.scope)
+                if limit is None:
+                    conn.execute(self._q(sql.COUNTER_DELETE), {"scope": row.scope})
+                elif limit != row.max_active:
+                    conn.execute(self._q(sql.COUNTER_SET_MAX),
+                                 {"scope": row.scope, "max_active": limit})
+            conn.execute(self._q(sql.RECOMPUTE_TENANT_FLAGS))
+            self._policy_cache[version] = policy
+            return PolicyVersion(version, digest, True)
+
+        applied = self._transaction(work)
+        log.info("policy_applied", version=applied.version, created=applied.created,
+                 source=source)
+        return applied
+
+    def current_policy(self) -> tuple[int, Policy]:
+        with self.engine.connect() as conn:
+            return self._policy(conn)
+
+    def policy_record(self) -> dict[str, Any] | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(self._q(sql.POLICY_LATEST)).first()
+        if row is None:
+            return None
+        document = row.document if isinstance(row.document, dict) else json.loads(row.document)
+        return {"version": row.version, "digest": row.digest, "source": row.source,
+                "created_at": row.created_at, "policy": document}
+
+    # --- admission ----------------------------------------------------------------
+
+    def _tenant_usage(self, conn: Connection, tenants: Iterable[str], now: float
+                      ) -> dict[str, TenantUsage]:
+        names = sorted(set(tenants))
+        if not names:
+            return {}
+        queued = {r.tenant: int(r.queued or 0) for r in conn.execute(
+            self._q(sql.TENANT_QUEUED, "tenants"), {"tenants": names})}
+        spent = {r.tenant: float(r.usd) for r in conn.execute(
+            self._q(sql.TENANT_SPEND, "tenants"), {"tenants": names, "day": utc_day(now)})}
+        return {t: TenantUsage(queued_runs=queued.get(t, 0), spent_today_usd=spent.get(t, 0.0))
+                for t in names}
+
+    @staticmethod
+    def _request_of(row: Any) -> AdmissionRequest:
+        return AdmissionRequest(
+            tenant=row.tenant, repo=row.repo, queue=row.queue, priority=row.priority,
+            user=row.user_id, max_attempts=row.max_attempts,
+            requires=requirements_from_canonical(row.route_key or ""))
+
+    # --- lanes --------------------------------------------------------------------
+
+    def _lane_ids(self, conn: Connection, lanes: dict[tuple[str, str, int, str],
+                                                       tuple[int, float]]) -> dict[
+                                                           tuple[str, str, int, str], int]:
+        """Create or update the lanes runs are going into; ``lanes`` maps a lane key
+        (queue, route, priority, tenant) to (runs entering QUEUED, weight)."""
+        ids: dict[tuple[str, str, int, str], int] = {}
+        vtimes: dict[tuple[str, int], float] = {}
+        for key, (entering, weight) in sorted(lanes.items()):
+            queue, route_key, priority, tenant = key
+            if (queue, priority) not in vtimes:
+                vtimes[(queue, priority)] = float(conn.execute(
+                    self._q(sql.LANE_VIRTUAL_TIME), {"queue": queue, "priority": priority}
+                ).scalar() or 0.0)
+            row = conn.execute(self._q(sql.LANE_UPSERT), {
+                "queue": queue, "route_key": route_key, "priority": priority,
+                "tenant": tenant, "weight": weight, "queued": entering,
+                "vtime": vtimes[(queue, priority)], "tenant_scope": f"tenant:{tenant}",
+            }).one()
+            ids[key] = int(row.lane_id)
+        return ids
+
+    def _lane_moved(self, conn: Connection, lane_id: int | None, source: RunStatus,
+                    target: RunStatus) -> None:
+        """Keep a lane's queued count in step with a run's status change."""
+        if lane_id is None or (source is S.QUEUED) == (target is S.QUEUED):
+            return
+        if target is S.QUEUED:
+            conn.execute(self._q(sql.LANE_ENTER), {"lane_id": lane_id, "n": 1})
+        else:
+            conn.execute(self._q(sql.LANE_LEAVE), {"lane_id": lane_id, "n": 1})
+
+    # --- routing ------------------------------------------------------------------
+
+    def _servable_routes(self, conn: Connection, capabilities: dict[str, Any] | None
+                         ) -> frozenset[str]:
+        """Route keys whose requirements these capabilities satisfy (cached briefly:
+        new requirement sets are rare)."""
+        cache_key = json.dumps(capabilities or {}, sort_keys=True)
+        cached = self._routes_cache.get(cache_key)
+        if cached is not None and time.monotonic() - cached[0] < ROUTES_TTL_SECONDS:
+            return cached[1]
+        caps = parse_capabilities(capabilities or {})
+        keys = frozenset(
+            r.route_key for r in conn.execute(self._q(sql.ROUTES))
+            if satisfies(requirements_from_canonical(r.route_key), caps)) | {""}
+        self._routes_cache[cache_key] = (time.monotonic(), keys)
+        return keys
+
+    def unroutable_runs(self, *, tenant: str | None = None, limit: int = 1000
+                        ) -> list[dict[str, Any]]:
+        """Queued runs that no live worker can serve: none claims from their queue, or
+        none has the capabilities they require. Each says why."""
+        with self.engine.connect() as conn:
+            live = [(set(w.queues if isinstance(w.queues, list) else json.loads(w.queues)),
+                     parse_capabilities(w.capabilities if isinstance(w.capabilities, dict)
+                                        else json.loads(w.capabilities)))
+                    for w in conn.execute(self._q(sql.LIVE_WORKERS))]
+            why: dict[tuple[str, str], str] = {}
+            for lane in conn.execute(self._q(sql.WAITING_ROUTES)).all():
+                serving = [caps for queues, caps in live if lane.queue in queues]
+                reqs = requirements_from_canonical(lane.route_key)
+                if not serving:
+                    why[(lane.queue, lane.route_key)] = f"no live worker claims from queue " \
+                                                        f"{lane.queue!r}"
+                elif not any(satisfies(reqs, caps) for caps in serving):
+                    closest = min((unmet(reqs, caps) for caps in serving), key=len)
+                    why[(lane.queue, lane.route_key)] = "no live worker has " + "; ".join(
+                        closest)
+            found: list[dict[str, Any]] = []
+            for (queue, route_key), reason in sorted(why.items()):
+                for r in conn.execute(self._q(sql.QUEUED_IN_ROUTE),
+                                      {"queue": queue, "route_key": route_key,
+                                       "tenant": tenant, "limit": limit - len(found)}):
+                    found.append({**dict(r._mapping), "unroutable_because": reason})
+                if len(found) >= limit:
+                    break
+            return found
+
+    # --- slots (concurrency limits) ----------------------------------------------
+
+    def _take_slots(self, conn: Connection, limits: dict[str, int]) -> bool:
+        """One slot in every limited scope, or none at all."""
+        if not limits:
+            return True
+        scopes = sorted(limits)
+        conn.execute(self._q(sql.ENSURE_COUNTER),
+                     [{"scope": s, "max_active": limits[s]} for s in scopes])
+        taken = conn.execute(self._q(sql.TAKE_SLOTS, "scopes"), {"scopes": scopes}).all()
+        if len(taken) < len(scopes):
+            if taken:
+                conn.execute(self._q(sql.GIVE_SLOTS, "scopes"),
+                             {"scopes": [r.scope for r in taken]})
+            return False
+        for r in taken:
+            if r.scope.startswith("tenant:") and r.active >= r.max_active:
+                conn.execute(self._q(sql.MARK_TENANT_LANES),
+                             {"tenant": r.scope.removeprefix("tenant:"), "at_limit": 1})
+        return True
+
+    def _give_back_slots(self, conn: Connection, run_id: str, token: int) -> None:
+        """An attempt ended: free the slots it held (once)."""
+        raw = conn.execute(self._q(sql.ATTEMPT_SLOTS),
+                           {"run_id": run_id, "token": token}).scalar()
+        if raw is None:
+            return
+        scopes = raw if isinstance(raw, list) else json.loads(raw)
+        conn.execute(self._q(sql.CLEAR_ATTEMPT_SLOTS), {"run_id": run_id, "token": token})
+        if not scopes:
+            return
+        for r in conn.execute(self._q(sql.GIVE_SLOTS, "scopes"), {"scopes": sorted(scopes)}):
+            if r.scope.startswith("tenant:") and r.active == r.max_active - 1:
+                conn.execute(self._q(sql.MARK_TENANT_LANES),
+                             {"tenant": r.scope.removeprefix("tenant:"), "at_limit": 0})
+
+    # --- the claim ------------------------------------------------------------------
+
+    def _claim_candidates(self, conn: Connection, queue: str, limit: int,
+                          capabilities: dict[str, Any] | None, run_id: str | None,
+                          full: set[str]) -> list[Any]:
+        now = self.clock.now()
+        if run_id is not None:
+            return list(conn.execute(self._q(sql.RUN_CANDIDATE),
+                                     {"run_id": run_id, "now": now}))
+
+        def names(prefix: str) -> list[str]:
+            return sorted(s.removeprefix(prefix) for s in full if s.startswith(prefix))
+
+        routes = sorted(self._servable_routes(conn, capabilities))
+        exclusions = {"full_repos": names("repo:"), "full_users": names("user:"),
+                      "full_risks": names("risk:")}
+        candidates: list[Any] = []
+        cursors: dict[int, tuple[float, str]] = {}
+        wanted = limit
+        after: tuple[int, float, int] = (-(2**31), float("-inf"), -1)
+        while wanted > 0:
+            page = [
+                LaneState(r.lane_id, r.priority, r.weight, r.pass_, r.queued_count)
+                for r in conn.execute(
+                    self._q(sql.PICK_LANES, "routes", "full_tenants"),
+                    {"queue": queue, "routes": routes, "full_tenants": names("tenant:"),
+                     "limit": max(wanted, LANE_PAGE), "after_priority": after[0],
+                     "after_pass": after[1], "after_lane": after[2]})
+            ]
+            if not page:
+                break
+            after = (page[-1].priority, page[-1].pass_, page[-1].lane_id)
+            # Share the free slots among this page's lanes; a lane that comes up short
+            # (its runs are in backoff or blocked) drops out and its share goes round.
+            while wanted > 0 and page:
+                short: set[int] = set()
+                taken: dict[int, int] = {}
+                for lane_id, runs_wanted in share_slots(page, wanted):
+                    after_created, after_id = cursors.get(lane_id, (float("-inf"), ""))
+                    got = conn.execute(
+                        self._q(sql.LANE_CANDIDATES, "full_repos", "full_users", "full_risks"),
+                        {"lane_id": lane_id, "limit": runs_wanted, "now": now,
+                         "after_created": after_created, "after_id": after_id,
+                         **exclusions}).all()
+                    if got:
+                        cursors[lane_id] = (got[-1].created_at, got[-1].run_id)
+                    candidates.extend(got)
+                    wanted -= len(got)
+                    taken[lane_id] = len(got)
+                    if len(got) < runs_wanted:
+                        short.add(lane_id)
+                if not short:
+                    break
+                page = [replace(lane, queued=lane.queued - taken.get(lane.lane_id, 0),
+                                pass_=lane.pass_ + taken.get(lane.lane_id, 0) / lane.weight)
+                        for lane in page if lane.lane_id not in short]
+        return candidates
+
+    def _screen(self, conn: Connection, candidates: list[Any], *, actor: str
+                ) -> list[tuple[Any, Decision]]:
+        """Policy at claim (invariant 7) and slots (invariant 9): each candidate is
+        re-admitted under the policy in force now; a denied run ends POLICY_DENIED,
+        a deferred one waits for capacity, one without a free slot stays queued."""
+        if not candidates:
+            return []
+        version, policy = self._policy(conn)
+        now = self._now(conn)
+        usage = self._tenant_usage(conn, {c.tenant for c in candidates}, now) \
+            if has_budgets(policy) else {}
+        passed: list[tuple[Any, Decision]] = []
+        for c in candidates:
+            spent = usage.get(c.tenant)
+            decision = admit(self._request_of(c), policy, version,
+                             TenantUsage(0, spent.spent_today_usd if spent else 0.0), now)
+            if decision.decision == "DENY":
+                self._set_status(
+                    conn, run_id=c.run_id, source=S.QUEUED, path=[S.POLICY_DENIED],
+                    run_token=c.fencing_token, actor=actor, now=now,
+                    reason_code=decision.reason_code,
+                    message=(f"denied at claim by policy v{version} (admitted under "
+                             f"v{c.policy_version}): {decision.message}"))
+                continue
+            if decision.decision == "DEFER":
+                self._set_status(
+                    conn, run_id=c.run_id, source=S.QUEUED, path=[S.WAITING_CAPACITY],
+                    run_token=c.fencing_token, actor=actor, now=now,
+                    reason_code=decision.reason_code, message=decision.message,
+                    visible_at=decision.retry_after)
+                continue
+            if self._take_slots(conn, decision.concurrency):
+                passed.append((c, decision))
+        return passed
+
+    def _check_policy_before_effect(self, conn: Connection, run_id: str, effect: str) -> None:
+        """Invariant 7, third check: a side effect is refused when the policy in force
+        now denies the run, whatever the policy it was admitted under."""
+        version, policy = self._policy(conn)
+        row = conn.execute(self._q(sql.RUN_FOR_POLICY), {"run_id": run_id}).one()
+        if version == row.policy_version and version == 0:
+            return
+        decision = admit(self._request_of(row), policy, version, TenantUsage(), self._now(conn))
+        if decision.decision == "DENY":
+            raise PolicyDenied(
+                f"{effect} refused: policy v{version} denies run {run_id} (admitted under "
+                f"v{row.policy_version}): {decision.reason_code}: {decision.message}",
+                reason_code=decision.reason_code or Reason.POLICY_DENIED)
+
+    # --- dependencies -------------------------------------------------------------
+
+    def _dependency_outcome(self, conn: Connection, task_id: str) -> RunStatus:
+        """QUEUED when every dependency succeeded, CANCELLED when one ended without
+        success, ADMITTED while any is still on its way."""
+        row = conn.execute(self._q(sql.DEPENDENCY_STATE), {"task_id": task_id}).one()
+        if row.failed:
+            return S.CANCELLED
+        return S.ADMITTED if row.pending else S.QUEUED
+
+    def _resolve_dependents(self, conn: Connection, task_id: str, now: float | None) -> None:
+        """A task's run just ended: release or cancel the runs waiting for it."""
+        for r in conn.execute(self._q(sql.DEPENDENT_RUNS), {"task_id": task_id}).all():
+            outcome = self._dependency_outcome(conn, r.task_id)
+            if outcome is S.ADMITTED:
+                continue
+            self._set_status(
+                conn, run_id=r.run_id, source=S.ADMITTED, path=[outcome],
+                run_token=r.fencing_token, actor="scheduler", now=now,
+                reason_code=Reason.DEPENDENCY_FAILED if outcome is S.CANCELLED else None,
+                message=(f"dependency {task_id} ended without success"
+                         if outcome is S.CANCELLED else "dependencies succeeded"))
+
+    # --- the scheduler pass --------------------------------------------------------
+
+    def schedule_pass(self, *, page_size: int = 200) -> dict[str, int]:
+        """One pass over waiting runs, each page its own short transaction.
+
+        Deferred runs whose retry-after passed are re-admitted under the policy in
+        force (queued, denied, or deferred again); admitted runs whose dependencies
+        all ended are released or cancelled (a repair: that normally happens in the
+        transaction that ends the dependency). Pages are keyset-paged on
+        (created_at, run_id), so a pass neither skips nor repeats a run however many
+        share a timestamp, and rows are taken with SKIP LOCKED, so several schedulers
+        never wait on each other.
+        """
+        counts = {"readmitted": 0, "denied": 0, "deferred": 0, "dependencies_resolved": 0}
+        for status in (S.WAITING_CAPACITY, S.ADMITTED):
+            cursor: tuple[float, str] = (float("-inf"), "")
+            while True:
+                def page(conn: Connection, s: RunStatus = status, c: tuple[float, str] = cursor
+                         ) -> tuple[tuple[float, str], dict[str, int], int]:
+                    return self._schedule_page(conn, s, c, page_size)
+
+                cursor, page_counts, seen = self._transaction(page)
+                for key, n in page_counts.items():
+                    counts[key] += n
+                if seen < page_size:
+                    break
+        return counts
+
+    def _schedule_page(self, conn: Connection, status: RunStatus, after: tuple[float, str],
+                       page_size: int) -> tuple[tuple[float, str], dict[str, int], int]:
+        now = self._now(conn)
+        rows = conn.execute(self._q(sql.DUE_WAITING), {
+            "status": status.value, "now": now, "after_created": after[0],
+            "after_id": after[1], "limit": page_size}).all()
+        counts = {"readmitted": 0, "denied": 0, "deferred": 0, "dependencies_resolved": 0}
+        if not rows:
+            return after, counts, 0
+        if status is S.ADMITTED:
+            for r in rows:
+                outcome = self._dependency_outcome(conn, r.task_id)
+                if outcome is not S.ADMITTED and self._set_status(
+                        conn, run_id=r.run_id, source=S.ADMITTED, path=[outcome],
+                        run_token=r.fencing_token, actor="scheduler", now=now,
+                        reason_code=(Reason.DEPENDENCY_FAILED
+                                     if outcome is S.CANCELLED else None),
+                        message="dependencies ended (scheduler pass)"):
+                    counts["dependencies_resolved"] += 1
+            return (rows[-1].created_at, rows[-1].run_id), counts, len(rows)
+        version, policy = self._policy(conn)
+        usage = self._tenant_usage(conn, {r.tenant for r in rows}, now)
+        for r in rows:
+            decision = admit(self._request_of(r), policy, version,
+                             usage.get(r.tenant, TenantUsage()), now)
+            conn.execute(self._q(sql.SET_ADMISSION), {
+                "run_id": r.run_id, "admission": json.dumps(decision.to_json()),
+                "policy_version": version})
+            if decision.decision == "DEFER":
+                conn.execute(self._q(sql.SET_VISIBLE), {
+                    "run_id": r.run_id, "visible_at": decision.retry_after,
+                    "reason_code": decision.reason_code, "message": decision.message,
+                    "now": now})
+                counts["deferred"] += 1
+                continue
+            if decision.decision == "DENY":
+                target, key = S.POLICY_DENIED, "denied"
+            else:
+                target, key = self._dependency_outcome(conn, r.task_id), "readmitted"
+            if self._set_status(conn, run_id=r.run_id, source=S.WAITING_CAPACITY, path=[target],
+                                run_token=r.fencing_token, actor="scheduler", now=now,
+                                reason_code=(Reason.DEPENDENCY_FAILED if target is S.CANCELLED
+                                             else decision.reason_code),
+                                message=f"{decision.decision} under policy v{version}"):
+                counts[key] += 1
+                if target is S.QUEUED:
+                    current = usage.get(r.tenant, TenantUsage())
+                    usage[r.tenant] = TenantUsage(current.queued_runs + 1,
+                                                  current.spent_today_usd)
+        return (rows[-1].created_at, rows[-1].run_id), counts, len(rows)
+
+    # --- budgets ------------------------------------------------------------------
+
+    def _add_tenant_spend(self, conn: Connection, tenant: str, usd: float, now: float) -> None:
+        if usd:
+            conn.execute(self._q(sql.ADD_TENANT_SPEND),
+                         {"tenant": tenant, "day": utc_day(now), "usd": usd})

@@ -1,0 +1,321 @@
+"""The scheduler on both engines: admission, policy at claim, limits, fairness,
+priority, routing, budgets, dependencies, and the seed 003 starvation cases."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from runlane.clock import ManualClock
+from runlane.domain.policy import parse_policy
+from runlane.domain.reasons import Reason
+from runlane.domain.states import RunStatus
+from runlane.errors import CostLimitExceeded, PolicyDenied
+from runlane.services.scheduler import PassTrigger
+from runlane.store.store import Store
+
+from .support import events_of, execute, run_row, spec, submit
+
+S = RunStatus
+TTL = 30.0
+
+
+def apply(store: Store, text_: str) -> int:
+    return store.apply_policy(parse_policy(text_), source="test").version
+
+
+def statuses(store: Store) -> Counter[str]:
+    with store.engine.connect() as conn:
+        return Counter(r.status for r in conn.execute(text("SELECT status FROM runs")))
+
+
+# --- policy versions and admission ---------------------------------------------------
+
+
+def test_policy_versions_are_numbered_and_unchanged_files_make_none(store: Store) -> None:
+    assert store.current_policy()[0] == 0
+    first = store.apply_policy(parse_policy("[concurrency]\nglobal_max_active = 5\n"),
+                               source="a.toml")
+    again = store.apply_policy(parse_policy("[concurrency]\n\nglobal_max_active=5\n"),
+                               source="b.toml")
+    changed = store.apply_policy(parse_policy("[concurrency]\nglobal_max_active = 6\n"),
+                                 source="a.toml")
+    assert (first.version, first.created) == (1, True)
+    assert (again.version, again.created) == (1, False)
+    assert (changed.version, changed.created) == (2, True)
+    record = store.policy_record()
+    assert record is not None and record["version"] == 2
+    assert record["policy"]["concurrency"]["global_max_active"] == 6
+
+
+def test_admission_decisions_are_recorded_on_the_run(store: Store, clock: ManualClock) -> None:
+    version = apply(store, """
+[[repositories]]
+match = "*/payments*"
+autonomous_agents = false
+message = "analysis only"
+
+[tenants.broke]
+daily_model_budget_usd = 1.0
+""")
+    admitted = submit(store, repo="/srv/git/app.git")[0]
+    denied = submit(store, repo="/srv/git/payments.git")[0]
+    execute(store, "INSERT INTO tenant_spend (tenant, day, usd) VALUES ('broke', :d, 2.0)",
+            d="2027-01-15")
+    deferred = submit(store, tenant="broke")[0]
+
+    assert admitted.status == S.QUEUED.value
+    row = run_row(store, admitted.run_id)
+    assert row.policy_version == version
+    assert denied.status == S.POLICY_DENIED.value
+    assert denied.reason_code == Reason.REPOSITORY_POLICY_BLOCKS_AUTONOMOUS_AGENT
+    assert run_row(store, denied.run_id).message == "analysis only"
+    assert deferred.status == S.WAITING_CAPACITY.value
+    assert deferred.reason_code == Reason.TENANT_DAILY_MODEL_BUDGET_EXCEEDED
+    # Deferred until the next UTC day; the run records the decision.
+    shown = store.get_run(deferred.run_id)
+    assert run_row(store, deferred.run_id).visible_at == 1800057600.0
+    assert shown["admission"]["decision"] == "DEFER"
+    assert shown["admission"]["policy_version"] == version
+    # A deferred run is never claimed before its retry-after, and a scheduler pass
+    # after it re-admits it (the spend belongs to the day before).
+    assert store.claim("w1", limit=10, lease_ttl=TTL)[0].run_id == admitted.run_id
+    assert store.schedule_pass() == {"readmitted": 0, "denied": 0, "deferred": 0,
+                                     "dependencies_resolved": 0}
+    clock.set(1800057600.0 + 1)
+    assert store.schedule_pass()["readmitted"] == 1
+    assert run_row(store, deferred.run_id).status == S.QUEUED.value
+
+
+def test_drill_6_policy_denies_while_queued_the_run_never_executes(store: Store) -> None:
+    """Policy checked at claim: the run admitted under v1 is refused under v2, and its
+    record names both versions."""
+    v1 = apply(store, "[defaults]\nqueue = 'default'\n")
+    run = submit(store)[0]
+    v2 = apply(store, "[[rules]]\nwhen = { tenant = 'acme' }\naction = 'deny'\n"
+                      "reason_code = 'TENANT_SUSPENDED'\nmessage = 'suspended'\n")
+    assert store.claim("w1", limit=1, lease_ttl=TTL) == []
+    row = run_row(store, run.run_id)
+    assert (row.status, row.reason_code) == (S.POLICY_DENIED.value, "TENANT_SUSPENDED")
+    assert f"policy v{v2}" in row.message and f"v{v1}" in row.message
+    assert row.attempt_count == 0  # never executed
+
+
+def test_policy_checked_before_a_side_effect(store: Store) -> None:
+    apply(store, "[defaults]\nqueue = 'default'\n")
+    submit(store)
+    [lease] = store.claim("w1", limit=1, lease_ttl=TTL)
+    apply(store, "[[rules]]\nwhen = { repo = '*app*' }\naction = 'deny'\n")
+    with pytest.raises(PolicyDenied, match="push refused"):
+        store.effect_intent(lease, "push")
+    assert store.side_effects(lease.run_id) == []
+    assert store.fail(lease, Reason.POLICY_DENIED, message="denied") is S.POLICY_DENIED
+
+
+# --- concurrency limits ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy, fields, cap", [
+    ("[concurrency]\nglobal_max_active = 2\n", [{}], 2),
+    ("[concurrency]\nper_tenant_max_active = 2\n", [{}], 2),
+    ("[concurrency]\nper_repository_max_active = 2\n", [{}], 2),
+    ("[concurrency]\nper_user_max_active = 2\n", [{"user": "ann"}], 2),
+    ("[concurrency.per_queue_max_active]\ndefault = 2\n", [{}], 2),
+    ("[concurrency.per_risk_class_max_active]\nlow = 2\n", [{}], 2),
+])
+def test_each_limit_holds_and_frees_its_slot(store: Store, policy: str,
+                                             fields: list[dict[str, Any]], cap: int) -> None:
+    apply(store, policy)
+    submit(store, 5, **fields[0])
+    leases = store.claim("w1", limit=5, lease_ttl=TTL)
+    assert len(leases) == cap
+    assert store.claim("w2", limit=5, lease_ttl=TTL) == []
+    store.fail(leases[0], Reason.AGENT_FAILED)  # its slot comes back
+    assert len(store.claim("w2", limit=5, lease_ttl=TTL)) == 1
+    assert store.audit() == []
+
+
+def test_a_full_tenant_does_not_block_another(store: Store) -> None:
+    apply(store, "[concurrency]\nper_tenant_max_active = 1\n")
+    submit(store, 50, tenant="big")
+    small = submit(store, tenant="small")[0]
+    first = store.claim("w1", limit=1, lease_ttl=TTL)
+    second = store.claim("w1", limit=5, lease_ttl=TTL)
+    claimed = [lease.tenant for lease in first + second]
+    assert sorted(claimed) == ["big", "small"]
+    assert small.run_id in {lease.run_id for lease in first + second}
+    # The full tenant's lanes are hidden from the claim's lane scan.
+    with store.engine.connect() as conn:
+        hidden = conn.execute(text("SELECT tenant_at_limit FROM lanes WHERE tenant = 'big'"))
+        assert {r.tenant_at_limit for r in hidden} == {1}
+
+
+# --- priority, fairness, starvation (seed 003) -------------------------------------------
+
+
+def test_critical_row_behind_210_older_low_priority_rows_is_claimed_first(
+        store: Store, clock: ManualClock) -> None:
+    submit(store, 210, priority="low")
+    clock.advance(1)
+    critical = submit(store, priority="critical", tenant="other")[0]
+    [first] = store.claim("w1", limit=1, lease_ttl=TTL)
+    assert first.run_id == critical.run_id
+
+
+@pytest.mark.parametrize("blocker", ["repository_limit", "backoff", "dependency"])
+def test_2010_blocked_rows_ahead_of_one_runnable_row(store: Store, clock: ManualClock,
+                                                      blocker: str) -> None:
+    """Rows that cannot run never crowd out a runnable one, however many are ahead."""
+    if blocker == "repository_limit":
+        apply(store, "[concurrency]\nper_repository_max_active = 1\n")
+        submit(store, 2011, repo="/srv/git/mono.git")
+        assert len(store.claim("w0", limit=1, lease_ttl=TTL)) == 1  # mono is now full
+    elif blocker == "backoff":
+        submit(store, 2010)
+        execute(store, "UPDATE runs SET visible_at = :later", later=clock.now() + 3600)
+    else:
+        parent = submit(store, tenant="other")[0]
+        store.submit([spec(depends_on=[parent.task_id]) for _ in range(2010)])
+        execute(store, "UPDATE runs SET status = 'RUNNING' WHERE run_id = :r", r=parent.run_id)
+    clock.advance(1)
+    runnable = submit(store, repo="/srv/git/other.git")[0]
+    leases = store.claim("w1", limit=1, lease_ttl=TTL)
+    assert [lease.run_id for lease in leases] == [runnable.run_id]
+
+
+def test_equal_created_at_at_a_page_boundary_neither_skipped_nor_repeated(
+        store: Store, clock: ManualClock) -> None:
+    """Keyset paging on (created_at, run_id): 250 deferred runs stamped the same instant,
+    re-admitted in pages of 100, each exactly once."""
+    apply(store, "[[rules]]\nwhen = { tenant = 'acme' }\naction = 'defer'\n"
+                 "retry_after_seconds = 60\n")
+    runs = submit(store, 250)
+    assert {r.status for r in runs} == {S.WAITING_CAPACITY.value}
+    apply(store, "[defaults]\nqueue = 'default'\n")
+    clock.advance(61)
+    assert store.schedule_pass(page_size=100)["readmitted"] == 250
+    claimed = [lease.run_id for _ in range(3)
+               for lease in store.claim("w1", limit=100, lease_ttl=TTL)]
+    assert sorted(claimed) == sorted(r.run_id for r in runs)
+    for r in runs[:5]:
+        assert events_of(store, r.run_id).count(("WAITING_CAPACITY", "QUEUED")) == 1
+
+
+def test_a_new_tenant_waits_at_most_one_claim_behind_a_10000_run_backlog(
+        store: Store, clock: ManualClock) -> None:
+    store.submit([spec(tenant="flood") for _ in range(2000)])
+    store.claim("w0", limit=3, lease_ttl=TTL)  # the flood is being served
+    clock.advance(1)
+    late = submit(store, tenant="late")[0]
+    order = [lease.run_id for _ in range(2) for lease in store.claim("w1", lease_ttl=TTL)]
+    assert late.run_id in order
+
+
+def test_weighted_fair_share_between_tenants(store: Store) -> None:
+    apply(store, "[tenants.gold]\nweight = 3.0\n[tenants.tin]\nweight = 1.0\n")
+    store.submit([spec(tenant="gold") for _ in range(40)] +
+                 [spec(tenant="tin") for _ in range(40)])
+    served = Counter(lease.tenant for _ in range(10)
+                     for lease in store.claim("w1", limit=4, lease_ttl=TTL))
+    assert served == {"gold": 30, "tin": 10}
+
+
+# --- routing -------------------------------------------------------------------------
+
+
+def test_capability_routing_and_unroutable_runs(store: Store) -> None:
+    java = submit(store, requires={"jdk": ">=21", "tools": ["git", "maven"]})[0]
+    big = submit(store, requires={"workspace_gb": 50})[0]
+    plain = submit(store)[0]
+    store.register_worker("old-jdk", version="t", queues=["default"],
+                          capabilities={"jdk": "17.0.2", "tools": ["git", "maven"]})
+    caps17 = {"jdk": "17.0.2", "tools": ["git", "maven"], "workspace_gb": 100}
+    got = {lease.run_id for lease in store.claim("old-jdk", limit=5, lease_ttl=TTL,
+                                                  capabilities=caps17)}
+    assert got == {big.run_id, plain.run_id}
+    unroutable = store.unroutable_runs()
+    assert [r["run_id"] for r in unroutable] == [java.run_id]
+    assert "jdk>=21" in unroutable[0]["unroutable_because"]
+    caps21 = {"jdk": "21.0.1", "tools": ["git", "maven", "rg"]}
+    store._routes_cache.clear()
+    assert [lease.run_id for lease in store.claim("new-jdk", limit=5, lease_ttl=TTL,
+                                                   capabilities=caps21)] == [java.run_id]
+
+
+# --- budgets and cost ------------------------------------------------------------------
+
+
+def test_per_run_cost_limit_and_tenant_spend(store: Store) -> None:
+    apply(store, "[defaults.limits]\nmax_cost_usd = 1.0\n")
+    run = submit(store, estimated_cost_usd=0.4)[0]
+    [lease] = store.claim("w1", limit=1, lease_ttl=TTL)
+    assert lease.limits["max_cost_usd"] == 1.0
+    store.report_cost(lease, 0.6)
+    with pytest.raises(CostLimitExceeded):
+        store.report_cost(lease, 0.6)
+    shown = store.get_run(run.run_id)
+    assert shown["cost_usd"] == pytest.approx(1.2)
+    assert shown["estimated_cost_usd"] == 0.4
+    assert shown["attempts"][0]["estimated_cost_usd"] == 0.4
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT usd FROM tenant_spend")).scalar() == pytest.approx(1.2)
+
+
+# --- dependencies and lineage -----------------------------------------------------------
+
+
+def test_dependencies_release_on_success_and_cancel_on_failure(store: Store) -> None:
+    a, b = submit(store, 2)
+    child = store.submit([spec(depends_on=[a.task_id, b.task_id], parent_task_id=a.task_id)])[0]
+    doomed = store.submit([spec(depends_on=[b.task_id])])[0]
+    assert (child.status, doomed.status) == (S.ADMITTED.value, S.ADMITTED.value)
+    assert store.get_run(child.run_id)["task"]["parent_task_id"] == a.task_id
+    leases = {lease.run_id: lease for lease in store.claim("w1", limit=2, lease_ttl=TTL)}
+    la, lb = leases[a.run_id], leases[b.run_id]
+    for stage in (S.PREPARING_SANDBOX, S.RUNNING, S.FINALIZING):
+        store.advance(la, stage)
+    store.complete(la)
+    assert run_row(store, child.run_id).status == S.ADMITTED.value  # b still running
+    store.fail(lb, Reason.AGENT_FAILED)
+    assert run_row(store, doomed.run_id).status == S.CANCELLED.value
+    assert run_row(store, doomed.run_id).reason_code == Reason.DEPENDENCY_FAILED
+    assert run_row(store, child.run_id).status == S.CANCELLED.value
+    assert store.audit() == []
+
+
+def test_unknown_dependency_is_refused(store: Store) -> None:
+    from runlane.domain.tasks import TaskInvalid
+    with pytest.raises(TaskInvalid, match="depends_on"):
+        store.submit([spec(depends_on=["no-such-task"])])
+    assert statuses(store) == Counter()
+
+
+# --- the pass trigger -------------------------------------------------------------------
+
+
+def test_triggers_during_a_pass_fold_into_exactly_one_follow_up() -> None:
+    started, release = threading.Event(), threading.Event()
+    passes: list[int] = []
+
+    def one_pass() -> dict[str, int]:
+        passes.append(len(passes))
+        if len(passes) == 1:
+            started.set()
+            release.wait(5)
+        return {}
+
+    trigger = PassTrigger(one_pass)
+    runner = threading.Thread(target=trigger.run_pending)
+    trigger.request()
+    runner.start()
+    assert started.wait(5)
+    for _ in range(10):
+        trigger.request()  # arrives while the first pass runs
+    assert trigger.run_pending() is False  # single flight: this caller does not run one
+    release.set()
+    runner.join(5)
+    assert passes == [0, 1]  # the first pass and exactly one follow-up
