@@ -60,3 +60,26 @@ def hold_a_lease_forever(url: str, ttl: float) -> None:
 
 if __name__ == "__main__":
     hold_a_lease_forever(sys.argv[1], float(sys.argv[2]))
+
+
+def claim_hold_complete(url: str, worker_id: str, batch: int, start: Any, results: Any) -> None:
+    """Claim in batches, hold each lease a few milliseconds, complete it; until the
+    queue stays empty. For the concurrency-limit test (invariant 9)."""
+    configure_logging("WARNING")
+    store = Store(url, rng=random.Random(worker_id))
+    rng = random.Random(worker_id)
+    start.wait()
+    empty = claimed = 0
+    while empty < 20:
+        leases = store.claim(worker_id, limit=batch, lease_ttl=60)
+        if not leases:
+            empty += 1
+            time.sleep(0.01)
+            continue
+        empty = 0
+        for lease in leases:
+            time.sleep(rng.uniform(0.0, 0.004))
+            store.complete(lease)
+            claimed += 1
+    store.close()
+    results.put((worker_id, claimed))

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
 from runlane.domain.tasks import parse_task
 from runlane.store.store import Store
@@ -83,5 +84,71 @@ def test_sigkilled_worker_is_recovered_within_ttl_plus_reaper_pass(db_url: str) 
     assert (run.status, run.reason_code) == ("QUEUED", "WORKER_LOST")
     [attempt] = attempts_of(store, sub.run_id)
     assert (attempt.lease_status, attempt.reason_code) == ("EXPIRED", "WORKER_LOST")
+    assert store.audit() == []
+    store.close()
+
+
+LIMITS_POLICY = """
+[concurrency]
+global_max_active = 6
+per_tenant_max_active = 3
+per_repository_max_active = 2
+per_user_max_active = 2
+"""
+
+
+def _peak_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals open at one instant; an end at t comes before a start at t."""
+    points = sorted([(end, -1) for _, end in intervals] + [(start, 1) for start, _ in intervals])
+    peak = open_now = 0
+    for _, step in points:
+        open_now += step
+        peak = max(peak, open_now)
+    return peak
+
+
+@pytest.mark.slow
+def test_8_claimer_processes_never_exceed_any_concurrency_limit(db_url: str) -> None:
+    """Invariant 9 with real concurrency: 8 processes claim 400 runs under global,
+    tenant, repository and user limits; the lease intervals, reconstructed from the
+    attempts, never put more runs in any scope at one instant than its limit."""
+    from runlane.domain.policy import parse_policy
+
+    from .procs import claim_hold_complete
+
+    store = Store(db_url)
+    store.apply_policy(parse_policy(LIMITS_POLICY), source="test")
+    store.submit([parse_task({"tenant": f"t{i % 4}", "repo": f"/srv/git/r{i % 5}.git",
+                              "user": f"u{i % 3}", "prompt": f"run {i}"}) for i in range(400)])
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Event()
+    results = ctx.Queue()
+    procs = [ctx.Process(target=claim_hold_complete,
+                         args=(db_url, f"w{i}", 1 + i % 3, start, results)) for i in range(8)]
+    for p in procs:
+        p.start()
+    start.set()
+    total = sum(results.get(timeout=240)[1] for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert total == 400
+    with store.engine.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT r.tenant, r.repo, r.user_id, a.started_at, a.lease_ended_at "
+            "FROM attempts a JOIN runs r ON r.run_id = a.run_id")).all()
+    assert len(rows) == 400 and all(r.lease_ended_at is not None for r in rows)
+    scopes: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        for scope in ("global", f"tenant:{r.tenant}", f"repo:{r.repo}", f"user:{r.user_id}"):
+            scopes.setdefault(scope, []).append((r.started_at, r.lease_ended_at))
+    limit = {"global": 6, "tenant": 3, "repo": 2, "user": 2}
+    peaks = {scope: _peak_overlap(spans) for scope, spans in scopes.items()}
+    for scope, peak in peaks.items():
+        assert peak <= limit[scope.split(":")[0]], f"{scope} had {peak} runs at once"
+    assert any(peak == limit[scope.split(":")[0]] for scope, peak in peaks.items()), \
+        f"no limit was ever reached, the test proves nothing: {peaks}"
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT SUM(active) FROM limit_counters")).scalar() == 0
     assert store.audit() == []
     store.close()

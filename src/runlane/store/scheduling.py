@@ -263,13 +263,20 @@ class SchedulingMixin:
 
     # --- slots (concurrency limits) ----------------------------------------------
 
+    def _lock_counters(self, conn: Connection, limits: dict[str, int]) -> None:
+        """Create (or update the maximum of) and lock every counter a claim may touch,
+        in one global order (by scope), before it touches any: two claims whose runs
+        share scopes then queue on the first shared one instead of deadlocking."""
+        if limits:
+            conn.execute(self._q(sql.ENSURE_COUNTER),
+                         [{"scope": s, "max_active": limits[s]} for s in sorted(limits)])
+            conn.execute(self._q(sql.LOCK_SCOPES, "scopes"), {"scopes": sorted(limits)})
+
     def _take_slots(self, conn: Connection, limits: dict[str, int]) -> bool:
-        """One slot in every limited scope, or none at all."""
+        """One slot in every limited scope, or none at all (counters locked first)."""
         if not limits:
             return True
         scopes = sorted(limits)
-        conn.execute(self._q(sql.ENSURE_COUNTER),
-                     [{"scope": s, "max_active": limits[s]} for s in scopes])
         taken = conn.execute(self._q(sql.TAKE_SLOTS, "scopes"), {"scopes": scopes}).all()
         if len(taken) < len(scopes):
             if taken:
@@ -292,6 +299,7 @@ class SchedulingMixin:
         conn.execute(self._q(sql.CLEAR_ATTEMPT_SLOTS), {"run_id": run_id, "token": token})
         if not scopes:
             return
+        conn.execute(self._q(sql.LOCK_SCOPES, "scopes"), {"scopes": sorted(scopes)})
         for r in conn.execute(self._q(sql.GIVE_SLOTS, "scopes"), {"scopes": sorted(scopes)}):
             if r.scope.startswith("tenant:") and r.active == r.max_active - 1:
                 conn.execute(self._q(sql.MARK_TENANT_LANES),
@@ -366,11 +374,17 @@ class SchedulingMixin:
         now = self._now(conn)
         usage = self._tenant_usage(conn, {c.tenant for c in candidates}, now) \
             if has_budgets(policy) else {}
-        passed: list[tuple[Any, Decision]] = []
+        decisions = []
         for c in candidates:
             spent = usage.get(c.tenant)
-            decision = admit(self._request_of(c), policy, version,
-                             TenantUsage(0, spent.spent_today_usd if spent else 0.0), now)
+            decisions.append(admit(self._request_of(c), policy, version,
+                                   TenantUsage(0, spent.spent_today_usd if spent else 0.0),
+                                   now))
+        # Lock order, everywhere: run rows, then counters (by scope), then lanes.
+        self._lock_counters(conn, {scope: limit for d in decisions if d.decision == "ADMIT"
+                                   for scope, limit in d.concurrency.items()})
+        passed: list[tuple[Any, Decision]] = []
+        for c, decision in zip(candidates, decisions, strict=True):
             if decision.decision == "DENY":
                 self._set_status(
                     conn, run_id=c.run_id, source=S.QUEUED, path=[S.POLICY_DENIED],

@@ -114,6 +114,11 @@ INSERT INTO limit_counters (scope, active, max_active) VALUES (:scope, 0, :max_a
 ON CONFLICT (scope) DO UPDATE SET max_active = excluded.max_active
 WHERE limit_counters.max_active <> excluded.max_active
 """
+# ... lock them in one global order (a plain UPDATE locks in whatever order its scan
+# meets the rows, and two claims, or a claim and a release, would deadlock) ...
+LOCK_SCOPES = """
+SELECT scope FROM limit_counters WHERE scope IN :scopes ORDER BY scope {lock_for_update}
+"""
 # ... take one slot in each scope where one is free (row locks serialize claimers on
 # a scope; the guard is re-evaluated on the newest row version) ...
 TAKE_SLOTS = """
