@@ -96,6 +96,12 @@ def test_batch_submit_is_all_or_nothing(cli: CLI, tmp_path: Path) -> None:
          "priority"),
         (("submit", "--tenant", "a", "--repo", "/x"), 2, "--prompt"),
         (("submit", "--batch", "/no/such/file"), 2, "cannot read"),
+        (("submit", "--tenant", "a", "--repo", "/x", "--prompt", "p", "--require", "jdk>=x"),
+         2, "--require"),
+        (("submit", "--tenant", "a", "--repo", "/x", "--prompt", "p", "--depends-on", "nope"),
+         2, "no task 'nope'"),
+        (("policy", "apply", "/no/such/policy.toml"), 2, "/no/such/policy.toml"),
+        (("worker", "--agent-command", "true", "--capability", "=x"), 2, "--capability"),
     ],
 )
 def test_errors_are_one_line_with_a_trustworthy_exit_code(cli: CLI, args: tuple[str, ...],
@@ -150,3 +156,43 @@ def test_settings_come_from_env_and_file(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "runlane", "runs", "list"], cwd=tmp_path,
                          env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "at most a third of LEASE_TTL_SECONDS" in bad.stderr
+
+
+def test_policy_apply_show_and_admission_on_the_cli(cli: CLI, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[tenants.acme]\nweight = -1\n")
+    error = cli("policy", "apply", str(bad), code=2).stderr
+    assert f"{bad}: tenants.acme.weight:" in error and "Traceback" not in error
+    assert cli.json("policy", "show")["version"] == 0
+    good = tmp_path / "policy.toml"
+    good.write_text('''
+[[repositories]]
+match = "*/payments*"
+autonomous_agents = false
+message = "analysis only"
+[concurrency]
+per_tenant_max_active = 2
+''')
+    assert cli.json("policy", "apply", str(good)) == {
+        "version": 1, "digest": cli.json("policy", "show")["digest"], "created": True}
+    assert cli.json("policy", "apply", str(good))["created"] is False
+    shown = cli.json("policy", "show")
+    assert shown["version"] == 1 and shown["policy"]["concurrency"]["per_tenant_max_active"] == 2
+    denied = cli.json("submit", "--tenant", "acme", "--repo", "/srv/git/payments.git",
+                      "--prompt", "p")
+    assert (denied["status"], denied["reason_code"]) == (
+        "POLICY_DENIED", "REPOSITORY_POLICY_BLOCKS_AUTONOMOUS_AGENT")
+    parent = cli.json("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p",
+                      "--require", "jdk>=21", "--require", "tools=git,maven",
+                      "--user", "ann", "--estimated-cost", "0.5")
+    child = cli.json("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "r",
+                     "--depends-on", parent["task_id"], "--parent", parent["task_id"])
+    assert child["status"] == "ADMITTED"
+    shown = cli.json("runs", "show", child["run_id"])
+    assert shown["depends_on"] == [parent["task_id"]]
+    assert shown["parent_task_id"] == parent["task_id"]
+    assert shown["admission"]["decision"] == "ADMIT" and shown["policy_version"] == 1
+    unroutable = cli.json("runs", "list", "--unroutable")
+    assert [r["run_id"] for r in unroutable] == [parent["run_id"]]
+    assert "no live worker" in unroutable[0]["unroutable_because"]
+    assert json.loads(unroutable[0]["route_key"]) == {"jdk": ">=21", "tools": ["git", "maven"]}

@@ -319,3 +319,24 @@ def test_triggers_during_a_pass_fold_into_exactly_one_follow_up() -> None:
     release.set()
     runner.join(5)
     assert passes == [0, 1]  # the first pass and exactly one follow-up
+
+
+# --- audit and repair of the scheduler's bookkeeping -----------------------------------
+
+
+def test_audit_catches_and_reconciler_repairs_drifted_counts(store: Store) -> None:
+    apply(store, "[concurrency]\nper_tenant_max_active = 1\n")
+    submit(store, 3)
+    [lease] = store.claim("w1", limit=3, lease_ttl=TTL)
+    assert store.audit() == []
+    execute(store, "UPDATE lanes SET queued_count = 0")  # the lane looks empty
+    execute(store, "UPDATE limit_counters SET active = 0")  # the slot looks free
+    found = {v.check for v in store.audit()}
+    assert found == {"lane_count_drift", "slot_count_drift"}
+    assert store.claim("w2", limit=3, lease_ttl=TTL) == []  # hidden lane: starved
+    counts = store.reconcile()
+    assert (counts["lane_counts_repaired"], counts["slot_counters_repaired"]) == (1, 1)
+    assert store.audit() == []
+    assert store.claim("w2", limit=3, lease_ttl=TTL) == []  # the tenant's one slot is held
+    store.complete(lease)
+    assert len(store.claim("w2", limit=3, lease_ttl=TTL)) == 1

@@ -563,3 +563,59 @@ def test_logs_carry_the_task_run_attempt_lease_and_worker_ids(lane: Runlane, rem
     effects = [e for e in logs if e["event"] == "side_effect_done"]
     assert {e["effect"] for e in effects} == {"push_branch", "pull_request"}
     assert all(e["fencing_token"] == 1 and e["attempt_id"] == f"{run_id}/1" for e in effects)
+
+
+# --- the scheduler's checks inside a worker ------------------------------------------------
+
+
+def test_a_run_over_its_cost_limit_is_stopped_with_limit_exceeded(
+        lane: Runlane, remote: Path, forge_dir: Path) -> None:
+    from runlane.domain.policy import parse_policy
+
+    lane.store.apply_policy(parse_policy("[defaults.limits]\nmax_cost_usd = 0.5\n"),
+                            source="test")
+    run_id = submit_one(lane, remote, max_attempts=1)
+    cost = "echo '{\"runlane\": \"cost\", \"usd\": 0.4}'"
+    run_worker(lane, forge_dir, f"{cost}; {cost}; sleep 10")
+    run = lane.run(run_id)
+    assert (run["status"], run["reason_code"]) == ("FAILED", "LIMIT_EXCEEDED")
+    assert run["cost_usd"] == pytest.approx(0.8)
+    assert agent_branches(remote) == [] and pull_requests(forge_dir, remote) == []
+
+
+def test_policy_denies_after_the_agent_ran_nothing_is_pushed(
+        lane: Runlane, remote: Path, forge_dir: Path) -> None:
+    """Invariant 7, third check: the policy changes while the agent works; the push
+    is refused, the run ends POLICY_DENIED, and no branch or pull request appears."""
+    from runlane.domain.policy import parse_policy
+
+    lane.store.apply_policy(parse_policy("[defaults]\nqueue = 'default'\n"), source="v1")
+    run_id = submit_one(lane, remote)
+
+    def agent(ctx: AgentContext) -> None:
+        (ctx.workspace / "notes.md").write_text("change")
+        lane.store.apply_policy(parse_policy(
+            "[[rules]]\nwhen = { tenant = 'acme' }\naction = 'deny'\n"
+            "reason_code = 'TENANT_SUSPENDED'\n"), source="v2")
+
+    worker = lane.worker(agent=PythonAgentRunner(agent), exit_when_idle=True,
+                         code_host_for=lambda repo: LocalForge(forge_dir))
+    worker.run()
+    run = lane.run(run_id)
+    assert (run["status"], run["reason_code"]) == ("POLICY_DENIED", "POLICY_DENIED")
+    assert "policy v2" in run["attempts"][0]["message"]
+    assert "v1" in run["attempts"][0]["message"]
+    assert agent_branches(remote) == [] and pull_requests(forge_dir, remote) == []
+    assert lane.store.side_effects(run_id) == []
+
+
+def test_a_worker_only_claims_runs_its_capabilities_satisfy(
+        lane: Runlane, remote: Path, forge_dir: Path) -> None:
+    needs_java = submit_one(lane, remote, requires={"jdk": ">=21"})
+    plain = submit_one(lane, remote)
+    outcomes = run_worker(lane, forge_dir, "true", capabilities={"jdk": "17.0.9"})
+    assert outcomes == ["no_changes"]
+    assert lane.run(plain)["status"] == "SUCCEEDED"
+    assert lane.run(needs_java)["status"] == "QUEUED"
+    run_worker(lane, forge_dir, "true", capabilities={"jdk": "21.0.1"})
+    assert lane.run(needs_java)["status"] == "SUCCEEDED"

@@ -273,14 +273,18 @@ def runs_list(status: str | None, tenant: str | None, limit: int, unroutable: bo
             rows = lane.store.unroutable_runs(tenant=tenant, limit=limit)
         else:
             rows = lane.runs(status=status, tenant=tenant, limit=limit)
+    documents = [run_document(r) | ({"unroutable_because": r["unroutable_because"]}
+                                     if unroutable else {}) for r in rows]
     if as_json:
-        _print_json([run_document(r) for r in rows])
+        _print_json(documents)
         return
     table = Table("run", "tenant", "status", "prio", "attempts", "reason", "updated")
-    for r in rows:
+    if unroutable:
+        table.add_column("why unroutable")
+    for r in documents:
         table.add_row(r["run_id"], r["tenant"], r["status"], str(r["priority"]),
                       f"{r['attempt_count']}/{r['max_attempts']}", r["reason_code"] or "",
-                      _iso(r["updated_at"]))
+                      r["updated_at"], *([r["unroutable_because"]] if unroutable else []))
     out.print(table)
 
 
@@ -344,10 +348,7 @@ def policy_app() -> None:
 @json_flag
 def policy_apply(file: Path, as_json: bool) -> None:
     """Validate FILE and store it as a new numbered version (none if unchanged)."""
-    try:
-        policy = load_policy(file)
-    except PolicyInvalid as exc:
-        raise RunlaneError(str(exc)) from None
+    policy = load_policy(file)  # PolicyInvalid names the file, the field and the problem
     with _lane() as lane:
         applied = lane.store.apply_policy(policy, source=str(file))
     if as_json:
@@ -571,7 +572,7 @@ def main() -> None:
         sys.exit(2)
     except click.Abort:
         sys.exit(130)
-    except TaskInvalid as exc:
+    except (TaskInvalid, PolicyInvalid) as exc:
         err.print(f"error: {exc}", markup=False, highlight=False)
         sys.exit(2)
     except RunlaneError as exc:

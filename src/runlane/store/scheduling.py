@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -304,6 +305,45 @@ class SchedulingMixin:
             if r.scope.startswith("tenant:") and r.active == r.max_active - 1:
                 conn.execute(self._q(sql.MARK_TENANT_LANES),
                              {"tenant": r.scope.removeprefix("tenant:"), "at_limit": 0})
+
+    def _audit_slots(self, conn: Connection) -> list[Any]:
+        """Each counter must equal the slots live attempts hold in its scope."""
+        from runlane.store.store import Violation
+
+        counters: dict[str, int] = {}
+        held: Counter[str] = Counter()
+        for r in conn.execute(self._q(sql.AUDIT_SLOTS)):
+            if r.scope is not None:
+                counters[r.scope] = int(r.active)
+            else:
+                held.update(json.loads(r.held))
+        return [Violation("slot_count_drift", f"scope {scope}",
+                          f"counter {counters.get(scope, 0)} but {held[scope]} held")
+                for scope in sorted(set(counters) | set(held))
+                if counters.get(scope, 0) != held[scope]]
+
+    def _repair_scheduling_counts(self, conn: Connection) -> dict[str, int]:
+        """Recount lanes' queued runs and counters' slots, and re-derive the tenant
+        flags. Each locks what it recounts first, in the order every writer uses (run
+        rows, counters, lanes), so no claim or release is half-way through."""
+        counters = {r.scope: int(r.active) for r in conn.execute(self._q(sql.LOCK_COUNTERS))}
+        held: Counter[str] = Counter()
+        for r in conn.execute(self._q(sql.ACTIVE_SLOTS)):
+            held.update(r.limit_scopes if isinstance(r.limit_scopes, list)
+                        else json.loads(r.limit_scopes))
+        fixed = 0
+        for scope, active in counters.items():
+            if held[scope] != active:
+                conn.execute(self._q(sql.COUNTER_SET), {"scope": scope, "n": held[scope]})
+                fixed += 1
+        conn.execute(self._q(sql.LOCK_LANES)).all()
+        drift = conn.execute(self._q(sql.LANE_COUNT_DRIFT)).all()
+        for r in drift:
+            conn.execute(self._q(sql.LANE_SET_COUNT), {"lane_id": r.lane_id, "n": r.actual})
+        if drift or fixed:
+            conn.execute(self._q(sql.RECOMPUTE_TENANT_FLAGS))
+            log.warning("scheduling_counts_repaired", lanes=len(drift), counters=fixed)
+        return {"lane_counts_repaired": len(drift), "slot_counters_repaired": fixed}
 
     # --- the claim ------------------------------------------------------------------
 

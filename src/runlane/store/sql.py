@@ -191,6 +191,9 @@ ROUTES = "SELECT route_key FROM routes"
 LIVE_WORKERS = """
 SELECT worker_id, queues, capabilities FROM workers WHERE status IN ('STARTING', 'READY')
 """
+WAITING_IN_ROUTES = """
+SELECT SUM(queued_count) FROM lanes WHERE queue IN :queues AND route_key IN :routes
+"""
 WAITING_ROUTES = """
 SELECT DISTINCT queue, route_key FROM lanes WHERE queued_count > 0
 """
@@ -561,11 +564,27 @@ AUDIT_CHECKS: dict[str, str] = {
               AND e.completed_at <= CASE
                   WHEN a.lease_ended_at IS NOT NULL AND a.lease_ended_at < a.lease_expires_at
                   THEN a.lease_ended_at ELSE a.lease_expires_at END)""",
+    "lane_count_drift": """
+        SELECT 'lane ' || CAST(l.lane_id AS TEXT) AS run_id,
+               'queued_count ' || CAST(l.queued_count AS TEXT) || ' but '
+               || CAST(COUNT(r.run_id) AS TEXT) || ' queued runs' AS detail
+        FROM lanes l LEFT JOIN runs r ON r.lane_id = l.lane_id AND r.status = 'QUEUED'
+        GROUP BY l.lane_id, l.queued_count HAVING COUNT(r.run_id) <> l.queued_count""",
+    "queued_run_without_lane": """
+        SELECT run_id, 'QUEUED with no lane: no claim can reach it' AS detail
+        FROM runs WHERE status = 'QUEUED' AND lane_id IS NULL""",
     "failed_attempt_without_reason": """
         SELECT run_id, 'attempt ' || CAST(attempt_no AS TEXT) || ' ' || status
                || ' without a reason code' AS detail
         FROM attempts WHERE status IN ('FAILED', 'CANCELLED') AND reason_code IS NULL""",
 }
+# Slot counters against the slots live attempts hold: one statement, one snapshot.
+AUDIT_SLOTS = """
+SELECT scope, active, CAST(NULL AS TEXT) AS held FROM limit_counters
+UNION ALL
+SELECT NULL, NULL, CAST(limit_scopes AS TEXT) FROM attempts
+WHERE lease_status = 'ACTIVE' AND limit_scopes IS NOT NULL
+"""
 # Transitions are checked in Python against the one table.
 AUDIT_TRANSITIONS = """
 SELECT from_status, to_status, MIN(run_id) AS run_id, COUNT(*) AS n

@@ -984,6 +984,8 @@ class Store(SchedulingMixin):
                                       lease_status="REVOKED",
                                       message=f"attempt ran over {max_attempt_seconds:.0f}s")
             counts["overlong_attempts_timed_out"] = len(rows)
+            # 7. The scheduler's bookkeeping, recounted from the truth.
+            counts.update(self._repair_scheduling_counts(conn))
             return counts
 
         counts = self._transaction(work)
@@ -1053,12 +1055,14 @@ class Store(SchedulingMixin):
             ]
             return run
 
-    def waiting_count(self, queues: Sequence[str]) -> int:
-        """Runs queued in these queues, visible now or later (backoff)."""
+    def waiting_count(self, queues: Sequence[str],
+                      capabilities: dict[str, Any] | None = None) -> int:
+        """Runs queued in these queues that these capabilities may serve, visible now
+        or later (backoff)."""
         with self.engine.connect() as conn:
-            return int(conn.execute(
-                self._q("SELECT COUNT(*) FROM runs WHERE status = 'QUEUED' AND queue IN :q",
-                        "q"), {"q": list(queues)}).scalar_one())
+            routes = sorted(self._servable_routes(conn, capabilities))
+            return int(conn.execute(self._q(sql.WAITING_IN_ROUTES, "queues", "routes"),
+                                    {"queues": list(queues), "routes": routes}).scalar() or 0)
 
     def get_task(self, task_id: str) -> dict[str, Any]:
         with self.engine.connect() as conn:
@@ -1076,6 +1080,7 @@ class Store(SchedulingMixin):
             for check, statement in sql.AUDIT_CHECKS.items():
                 for r in conn.execute(text(statement)):
                     found.append(Violation(check, r.run_id, r.detail))
+            found.extend(self._audit_slots(conn))
             for r in conn.execute(text(sql.AUDIT_TRANSITIONS)):
                 source = S(r.from_status) if r.from_status else None
                 if not is_allowed(source, S(r.to_status)):

@@ -109,7 +109,8 @@ class Worker:
             try:
                 claimed = self._claim_once()
                 if (self.config.exit_when_idle and claimed == 0 and self._active_count() == 0
-                        and self.store.waiting_count(self.config.queues) == 0):
+                        and self.store.waiting_count(self.config.queues,
+                                                     self.config.capabilities) == 0):
                     return
             except Exception as exc:  # keep the worker alive; its attempts keep running
                 self.log.error("claim_loop_error", error=f"{type(exc).__name__}: {exc}")
