@@ -43,6 +43,9 @@ S = RunStatus
 T = TypeVar("T")
 ROUTES_TTL_SECONDS = 2.0
 LANE_PAGE = 16  # lanes read per page of a claim
+# A lane that gains work joins this far ahead of the head of its (queue, priority),
+# far below one stride (1 / weight; weights are at most 1,000).
+JOIN_AHEAD = 1e-6
 
 
 @dataclass(frozen=True)
@@ -194,9 +197,9 @@ class SchedulingMixin:
         for key, (entering, weight) in sorted(lanes.items()):
             queue, route_key, priority, tenant = key
             if (queue, priority) not in vtimes:
-                vtimes[(queue, priority)] = float(conn.execute(
-                    self._q(sql.LANE_VIRTUAL_TIME), {"queue": queue, "priority": priority}
-                ).scalar() or 0.0)
+                head = conn.execute(self._q(sql.LANE_VIRTUAL_TIME),
+                                    {"queue": queue, "priority": priority}).scalar()
+                vtimes[(queue, priority)] = 0.0 if head is None else float(head) - JOIN_AHEAD
             row = conn.execute(self._q(sql.LANE_UPSERT), {
                 "queue": queue, "route_key": route_key, "priority": priority,
                 "tenant": tenant, "weight": weight, "queued": entering,
@@ -211,7 +214,8 @@ class SchedulingMixin:
         if lane_id is None or (source is S.QUEUED) == (target is S.QUEUED):
             return
         if target is S.QUEUED:
-            conn.execute(self._q(sql.LANE_ENTER), {"lane_id": lane_id, "n": 1})
+            conn.execute(self._q(sql.LANE_ENTER),
+                         {"lane_id": lane_id, "n": 1, "ahead": JOIN_AHEAD})
         else:
             conn.execute(self._q(sql.LANE_LEAVE), {"lane_id": lane_id, "n": 1})
 
@@ -369,8 +373,8 @@ class SchedulingMixin:
             page = [
                 LaneState(r.lane_id, r.priority, r.weight, r.pass_, r.queued_count)
                 for r in conn.execute(
-                    self._q(sql.PICK_LANES, "routes", "full_tenants"),
-                    {"queue": queue, "routes": routes, "full_tenants": names("tenant:"),
+                    self._q(sql.PICK_LANES, "routes"),
+                    {"queue": queue, "routes": routes,
                      "limit": max(wanted, LANE_PAGE), "after_priority": after[0],
                      "after_pass": after[1], "after_lane": after[2]})
             ]

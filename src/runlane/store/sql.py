@@ -53,7 +53,6 @@ WHERE l.queue = :queue
   AND l.queued_count > 0
   AND l.tenant_at_limit = 0
   AND l.route_key IN :routes
-  AND l.tenant NOT IN :full_tenants
   AND (l.priority > :after_priority
        OR (l.priority = :after_priority AND l.pass > :after_pass)
        OR (l.priority = :after_priority AND l.pass = :after_pass AND l.lane_id > :after_lane))
@@ -145,9 +144,9 @@ UPDATE lanes SET tenant_at_limit = :at_limit
 WHERE tenant = :tenant AND tenant_at_limit <> :at_limit
 """
 
-# Lane bookkeeping. A lane that gains work after being empty joins at the current
-# virtual time of its (queue, priority), never before it: an idle tenant cannot bank
-# credit, and a new tenant waits at most one claim per free slot.
+# Lane bookkeeping. A lane that gains work after being empty joins just ahead of the
+# current virtual time of its (queue, priority), never further: an idle tenant cannot
+# bank credit, and a new tenant's first run is the next one claimed in its priority.
 LANE_VIRTUAL_TIME = """
 SELECT MIN(l.pass) FROM lanes l
 WHERE l.queue = :queue AND l.priority = :priority
@@ -169,7 +168,7 @@ RETURNING lane_id, queue, route_key, priority, tenant
 LANE_ENTER = """
 UPDATE lanes
 SET pass = CASE WHEN queued_count = 0 THEN {greatest}(pass, COALESCE(
-        (SELECT MIN(l2.pass) FROM lanes l2
+        (SELECT MIN(l2.pass) - :ahead FROM lanes l2
          WHERE l2.queue = lanes.queue AND l2.priority = lanes.priority
            AND l2.queued_count > 0 AND l2.tenant_at_limit = 0), pass))
            ELSE pass END,
