@@ -107,19 +107,21 @@ class SchedulingMixin:
 
     def _policy(self, conn: Connection) -> tuple[int, Policy]:
         """The policy in force now (version 0 is the empty default)."""
-        version = conn.execute(self._q(sql.POLICY_VERSION)).scalar()
-        if version is None:
-            return 0, Policy.default()
-        version = int(version)
+        version = int(conn.execute(self._q(sql.POLICY_VERSION)).scalar() or 0)
+        return version, self._policy_version(conn, version)
+
+    def _policy_version(self, conn: Connection, version: int) -> Policy:
+        """One version of the policy, parsed once per store."""
+        if version == 0:
+            return Policy.default()
         policy = self._policy_cache.get(version)
         if policy is None:
-            row = conn.execute(self._q(sql.POLICY_LATEST)).one()
+            row = conn.execute(self._q(sql.POLICY_BY_VERSION), {"version": version}).one()
             document = row.document if isinstance(row.document, dict) else json.loads(
                 row.document)
-            policy = policy_from_document(document, source=f"policy v{row.version}")
-            self._policy_cache[int(row.version)] = policy
-            version = int(row.version)
-        return version, policy
+            policy = policy_from_document(document, source=f"policy v{version}")
+            self._policy_cache[version] = policy
+        return policy
 
     def apply_policy(self, policy: Policy, *, source: str) -> PolicyVersion:
         """Store ``policy`` as a new numbered version unless it is unchanged, then
@@ -294,10 +296,9 @@ class SchedulingMixin:
                              {"tenant": r.scope.removeprefix("tenant:"), "at_limit": 1})
         return True
 
-    def _give_back_slots(self, conn: Connection, run_id: str, token: int) -> None:
-        """An attempt ended: free the slots it held (once)."""
-        raw = conn.execute(self._q(sql.ATTEMPT_SLOTS),
-                           {"run_id": run_id, "token": token}).scalar()
+    def _give_back_slots(self, conn: Connection, run_id: str, token: int, raw: Any) -> None:
+        """An attempt ended (``raw``: the scopes its row held, as the ending statement
+        returned them): free its slots, once."""
         if raw is None:
             return
         scopes = raw if isinstance(raw, list) else json.loads(raw)
@@ -407,15 +408,25 @@ class SchedulingMixin:
                         for lane in page if lane.lane_id not in short]
         return candidates
 
-    def _screen(self, conn: Connection, candidates: list[Any], *, actor: str
-                ) -> list[tuple[Any, Decision]]:
+    def _claim_context(self, conn: Connection) -> tuple[set[str], int, float]:
+        """The scopes at their limit, the policy version in force, and now."""
+        full: set[str] = set()
+        version, now = 0, 0.0
+        for r in conn.execute(self._q(sql.CLAIM_CONTEXT), {"now": self.clock.now()}):
+            if r.scope is not None:
+                full.add(r.scope)
+            else:
+                version, now = int(r.version or 0), float(r.now)
+        return full, version, now
+
+    def _screen(self, conn: Connection, candidates: list[Any], *, actor: str, version: int,
+                now: float) -> list[tuple[Any, Decision]]:
         """Policy at claim (invariant 7) and slots (invariant 9): each candidate is
         re-admitted under the policy in force now; a denied run ends POLICY_DENIED,
         a deferred one waits for capacity, one without a free slot stays queued."""
         if not candidates:
             return []
-        version, policy = self._policy(conn)
-        now = self._now(conn)
+        policy = self._policy_version(conn, version)
         usage = self._tenant_usage(conn, {c.tenant for c in candidates}, now) \
             if has_budgets(policy) else {}
         decisions = []

@@ -39,8 +39,15 @@ LOCK_WAIT = {"postgresql": "FOR UPDATE OF {alias}", "sqlite": ""}
 # full repositories/users/risk classes are excluded inside the lane scan, runs waiting
 # for dependencies or capacity are not QUEUED at all.
 
+# What a claim needs first, in one round trip: the scopes at their limit, the policy
+# version in force and the time.
 FULL_SCOPES = """
 SELECT scope FROM limit_counters WHERE active >= max_active
+"""
+CLAIM_CONTEXT = """
+SELECT scope, NULL AS version, NULL AS now FROM limit_counters WHERE active >= max_active
+UNION ALL
+SELECT NULL, (SELECT MAX(version) FROM policy_versions), {now}
 """
 
 # The lanes to serve, best first: priority, then the stride pass (weighted fair share
@@ -130,10 +137,6 @@ GIVE_SLOTS = """
 UPDATE limit_counters SET active = active - 1
 WHERE scope IN :scopes AND active > 0
 RETURNING scope, active, max_active
-"""
-ATTEMPT_SLOTS = """
-SELECT limit_scopes FROM attempts
-WHERE run_id = :run_id AND fencing_token = :token AND limit_scopes IS NOT NULL
 """
 CLEAR_ATTEMPT_SLOTS = """
 UPDATE attempts SET limit_scopes = NULL WHERE run_id = :run_id AND fencing_token = :token
@@ -238,6 +241,7 @@ SELECT version, digest, document, source, created_at FROM policy_versions
 ORDER BY version DESC LIMIT 1
 """
 POLICY_VERSION = "SELECT MAX(version) FROM policy_versions"
+POLICY_BY_VERSION = "SELECT document FROM policy_versions WHERE version = :version"
 POLICY_BY_DIGEST = "SELECT version FROM policy_versions WHERE digest = :digest"
 POLICY_INSERT = """
 INSERT INTO policy_versions (version, digest, document, source, created_at)
@@ -349,9 +353,13 @@ _FENCE = """
               WHERE a.run_id = runs.run_id AND a.fencing_token = :token
                 AND a.lease_status = 'ACTIVE' AND a.lease_expires_at > {now})
 """
-SET_RUN_STATUS = _SET_RUN_STATUS + "RETURNING status, lane_id, task_id"
+_SET_RETURNING = """RETURNING status, lane_id, task_id,
+    EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
+      AS has_dependents
+"""
+SET_RUN_STATUS = _SET_RUN_STATUS + _SET_RETURNING
 # A worker's write: also requires its lease to be the run's live lease (invariant 3).
-SET_RUN_STATUS_FENCED = _SET_RUN_STATUS + _FENCE + "RETURNING status, lane_id, task_id"
+SET_RUN_STATUS_FENCED = _SET_RUN_STATUS + _FENCE + _SET_RETURNING
 
 # Read a run together with one of its attempts before deciding how that attempt
 # ends; locks the run row so the decision and the write see the same state.
@@ -381,6 +389,7 @@ SET status = :status,
 WHERE run_id = :run_id
   AND fencing_token = :token
   AND ended_at IS NULL
+RETURNING limit_scopes
 """
 
 ADD_ATTEMPT_COST = """
@@ -472,6 +481,7 @@ SET lease_status = 'REVOKED', lease_ended_at = {now}, ended_at = COALESCE(ended_
     status = CASE WHEN status = 'RUNNING' THEN 'FAILED' ELSE status END,
     reason_code = COALESCE(reason_code, :reason_code)
 WHERE run_id = :run_id AND fencing_token = :token AND lease_status = 'ACTIVE'
+RETURNING limit_scopes
 """
 QUEUED_OF_CANCELLED_TASK = """
 SELECT r.run_id FROM runs r JOIN tasks t ON t.task_id = r.task_id

@@ -303,7 +303,7 @@ class Store(SchedulingMixin):
                 for a, b in itertools.pairwise(hops)
             ],
         )
-        if target in TERMINAL:
+        if target in TERMINAL and row.has_dependents:
             self._resolve_dependents(conn, row.task_id, now)
         return True
 
@@ -519,11 +519,11 @@ class Store(SchedulingMixin):
         check_path([S.QUEUED], [S.CLAIMED])
 
         def work(conn: Connection) -> list[Lease]:
-            full = {r.scope for r in conn.execute(self._q(sql.FULL_SCOPES))}
+            full, version, now = self._claim_context(conn)
             if "global" in full or f"queue:{queue}" in full:
                 return []
             candidates = self._claim_candidates(conn, queue, limit, capabilities, run_id, full)
-            passed = self._screen(conn, candidates, actor=worker_id)
+            passed = self._screen(conn, candidates, actor=worker_id, version=version, now=now)
             if not passed:
                 return []
             by_id = {c.run_id: (c, decision) for c, decision in passed}
@@ -648,14 +648,14 @@ class Store(SchedulingMixin):
             if not won:
                 raise self._refusal(conn, lease, path[-1])
             if end_attempt:
-                conn.execute(
+                held = conn.execute(
                     self._q(sql.END_ATTEMPT),
                     {"status": end_attempt, "reason_code": None, "message": None,
                      "retry_after_seconds": None, "lease_status": "RELEASED",
                      "now": now if now is not None else self._now(conn),
                      "run_id": lease.run_id, "token": lease.fencing_token},
-                )
-                self._give_back_slots(conn, lease.run_id, lease.fencing_token)
+                ).scalar()
+                self._give_back_slots(conn, lease.run_id, lease.fencing_token, held)
 
         self._transaction(work)
         lease.stage = path[-1]
@@ -767,13 +767,13 @@ class Store(SchedulingMixin):
             else:
                 path = [*prefix, S.FAILED]
                 run_reason = decision.final_reason or reason
-        conn.execute(
+        held = conn.execute(
             self._q(sql.END_ATTEMPT),
             {"status": attempt_status, "reason_code": reason, "message": message,
              "retry_after_seconds": retry_after, "lease_status": lease_status, "now": now,
              "run_id": snap.run_id, "token": snap.fencing_token},
-        )
-        self._give_back_slots(conn, snap.run_id, snap.fencing_token)
+        ).scalar()
+        self._give_back_slots(conn, snap.run_id, snap.fencing_token, held)
         if path:
             won = self._set_status(
                 conn, run_id=snap.run_id, source=status, path=path, run_token=snap.run_token,
@@ -941,10 +941,11 @@ class Store(SchedulingMixin):
             rows = conn.execute(self._q(sql.TERMINAL_WITH_LEASE, "terminal"),
                                 {**p, "terminal": [s.value for s in TERMINAL]}).all()
             for r in rows:
-                conn.execute(self._q(sql.REVOKE_LEASE),
-                             {"now": now, "run_id": r.run_id, "token": r.fencing_token,
-                              "reason_code": Reason.RECONCILED_TERMINAL_LEASE})
-                self._give_back_slots(conn, r.run_id, r.fencing_token)
+                held = conn.execute(
+                    self._q(sql.REVOKE_LEASE),
+                    {"now": now, "run_id": r.run_id, "token": r.fencing_token,
+                     "reason_code": Reason.RECONCILED_TERMINAL_LEASE}).scalar()
+                self._give_back_slots(conn, r.run_id, r.fencing_token, held)
             counts["terminal_leases_revoked"] = len(rows)
             # 3. Waiting runs of a cancelled task (the cancel write was lost): cancel them.
             rows = conn.execute(self._q(sql.QUEUED_OF_CANCELLED_TASK, "waiting"),
