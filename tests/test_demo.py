@@ -24,7 +24,12 @@ def test_demo_summary_agrees_with_its_database(tmp_path: Path) -> None:
     lane = Runlane(summary["database"])
     runs = lane.runs()
     assert dict(Counter(r["status"] for r in runs)) == summary["runs_by_state"]
-    assert summary["runs_by_state"] == {"SUCCEEDED": 11, "CANCELLED": 1}
+    assert summary["runs_by_state"] == {"SUCCEEDED": 11, "CANCELLED": 1, "POLICY_DENIED": 1}
+    assert summary["admission"] == {"ADMIT": 12,
+                                    "DENY REPOSITORY_POLICY_BLOCKS_AUTONOMOUS_AGENT": 1}
+    # The policy's per-tenant limit held (and was reached) while workers raced.
+    assert max(summary["peak_active_per_tenant"].values()) <= 3
+    assert 3 in summary["peak_active_per_tenant"].values()
     attempts = [a for r in runs for a in lane.run(r["run_id"])["attempts"]]
     assert len(attempts) == summary["attempts"]
     reasons = Counter(a["reason_code"] for a in attempts if a["reason_code"])

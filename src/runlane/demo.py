@@ -5,7 +5,10 @@ remotes), submits tasks for two tenants, and runs three real ``runlane worker``
 processes with the bundled scripted agent (``runlane.demo_agent``), which edits
 files, sometimes reports PROVIDER_RATE_LIMIT and is sometimes slow. Midway it
 SIGKILLs the worker process running one run (the reaper recovers the run and
-another worker finishes it) and cancels one task while its agent runs. A live
+another worker finishes it) and cancels one task while its agent runs. A policy is
+applied first: acme weighs twice globex in the fair share, each tenant may run 3
+runs at once, and the legal repository is closed to autonomous agents (its task
+is denied at admission). A live
 table shows runs by state; the summary counts runs, attempts by reason, branches
 and pull requests, and says how to look further. The database stays.
 """
@@ -30,12 +33,14 @@ from rich.table import Table
 
 from runlane.api import Runlane
 from runlane.domain.states import TERMINAL, RunStatus
+from runlane.domain.policy import parse_policy
 from runlane.services.maintenance import Reaper, ReaperConfig, Reconciler, ReconcilerConfig
+from runlane.services.scheduler import Scheduler, SchedulerConfig
 from runlane.services.supervisor import WorkerPool
 from runlane.settings import Settings
 
 S = RunStatus
-REPOS = ("acme-api", "acme-web", "globex-shop")
+REPOS = ("acme-api", "acme-web", "globex-shop", "acme-legal")
 KILL_PROMPT = "slow: migrate the build to the new toolchain"
 CANCEL_PROMPT = "slow: rewrite the search indexer"
 TASKS: list[tuple[str, str, str]] = [
@@ -51,7 +56,23 @@ TASKS: list[tuple[str, str, str]] = [
     ("globex", "globex-shop", "rate-limit: regenerate the API client"),
     ("globex", "globex-shop", "fix the timezone bug in reports"),
     ("globex", "globex-shop", "add a health check endpoint"),
+    ("acme", "acme-legal", "reword the privacy policy"),
 ]
+DEMO_POLICY = """
+[concurrency]
+per_tenant_max_active = 3
+
+[tenants.acme]
+weight = 2.0
+
+[tenants.globex]
+weight = 1.0
+
+[[repositories]]
+match = "*/acme-legal.git"
+autonomous_agents = false
+message = "legal documents are edited by people only"
+"""
 WORKER_ENV = {
     "RUNLANE_LEASE_TTL_SECONDS": "3",
     "RUNLANE_HEARTBEAT_SECONDS": "0.4",
@@ -114,6 +135,7 @@ def run_demo(directory: Path, console: Console | None = None, *, workers: int = 
                                      retry_base_seconds=0.5,
                                      retry_max_seconds=2))
     lane.upgrade_schema()
+    lane.store.apply_policy(parse_policy(DEMO_POLICY, source="demo policy"), source="demo")
     rows = [{"tenant": tenant, "repo": str(fleet[repo]), "prompt": prompt,
              "idempotency_key": f"demo-{i}",
              "priority": "high" if prompt.startswith("fix") else "normal"}
@@ -124,7 +146,8 @@ def run_demo(directory: Path, console: Console | None = None, *, workers: int = 
 
     stop = threading.Event()
     services = [Reaper(lane.store, ReaperConfig(interval_seconds=0.25)),
-                Reconciler(lane.store, ReconcilerConfig(interval_seconds=1.0))]
+                Reconciler(lane.store, ReconcilerConfig(interval_seconds=1.0)),
+                Scheduler(lane.store, SchedulerConfig(interval_seconds=1.0))]
     threads = [threading.Thread(target=s.run_forever, args=(stop,), daemon=True)
                for s in services]
     for t in threads:
@@ -192,6 +215,11 @@ def _summary(lane: Runlane, submissions: list[Any], again: list[Any], fleet: dic
         "database": url,
         "tasks": len(submissions),
         "duplicate_submits_ignored": sum(1 for s in again if not s.created),
+        "admission": dict(Counter(
+            f"{(r['admission'] or {}).get('decision')}"
+            + (f" {r['reason_code']}" if (r["admission"] or {}).get("decision") != "ADMIT"
+               else "") for r in runs)),
+        "peak_active_per_tenant": _peak_active(lane),
         "runs_by_state": dict(Counter(r["status"] for r in runs)),
         "outcomes": dict(Counter(r["outcome"] for r in runs if r["outcome"])),
         "attempts": len(attempts),
@@ -209,6 +237,23 @@ def _summary(lane: Runlane, submissions: list[Any], again: list[Any], fleet: dic
     }
 
 
+def _peak_active(lane: Runlane) -> dict[str, int]:
+    """The most runs each tenant had leased at one instant (its limit is 3)."""
+    spans: dict[str, list[tuple[float, int]]] = {}
+    for r in lane.runs():
+        for a in lane.run(r["run_id"])["attempts"]:
+            end = a["lease_ended_at"] or a["ended_at"] or a["lease_expires_at"]
+            spans.setdefault(r["tenant"], []).extend([(a["started_at"], 1), (end, -1)])
+    peaks: dict[str, int] = {}
+    for tenant, points in spans.items():
+        active = peak = 0
+        for _, step in sorted(points):
+            active += step
+            peak = max(peak, active)
+        peaks[tenant] = peak
+    return peaks
+
+
 def _print_summary(console: Console, summary: dict[str, Any], url: str) -> None:
     def line(label: str, counts: dict[str, int]) -> None:
         text = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
@@ -217,6 +262,8 @@ def _print_summary(console: Console, summary: dict[str, Any], url: str) -> None:
     console.print(f"\n[bold]{summary['tasks']} tasks, {summary['attempts']} attempts, "
                   f"{summary['retries']} retries in {summary['wall_seconds']}s[/bold] "
                   f"({summary['duplicate_submits_ignored']} duplicate submits ignored)")
+    line("admission:", summary["admission"])
+    line("peak active:", summary["peak_active_per_tenant"])
     line("runs by state:", summary["runs_by_state"])
     line("outcomes:", summary["outcomes"])
     line("attempts ended by:", summary["attempts_by_reason"])
