@@ -4,6 +4,7 @@ priority, routing, budgets, dependencies, and the seed 003 starvation cases."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -351,3 +352,37 @@ def test_audit_catches_and_reconciler_repairs_drifted_counts(store: Store) -> No
     assert store.claim("w2", limit=3, lease_ttl=TTL) == []  # the tenant's one slot is held
     store.complete(lease)
     assert len(store.claim("w2", limit=3, lease_ttl=TTL)) == 1
+
+
+def test_a_new_policy_readmits_deferred_runs_at_once(store: Store, db_url: str) -> None:
+    """Event-driven: applying a policy wakes the scheduler (NOTIFY on PostgreSQL; the
+    next pass elsewhere), which then looks at deferred runs before their retry-after."""
+    from runlane.services.scheduler import Scheduler, SchedulerConfig
+
+    apply(store, "[[rules]]\nwhen = { tenant = 'acme' }\naction = 'defer'\n"
+                 "retry_after_seconds = 3600\n")
+    run = submit(store)[0]
+    assert run.status == S.WAITING_CAPACITY.value
+    live = Store(db_url)  # the service on the database clock, as in `runlane maintain`
+    scheduler = Scheduler(live, SchedulerConfig(interval_seconds=60.0))
+    scheduler.run_once()  # sees the current version; nothing is due
+    assert run_row(store, run.run_id).status == S.WAITING_CAPACITY.value
+    stop = threading.Event()
+    loop = threading.Thread(target=scheduler.run_forever, args=(stop,))
+    loop.start()
+    try:
+        deadline = time.monotonic() + 10
+        while scheduler.passes < 2:  # the loop's first pass is done: it now waits
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        apply(store, "[defaults]\nqueue = 'default'\n")  # the rule is gone
+        if not live.is_postgres:
+            scheduler.run_once()
+        deadline = time.monotonic() + 10
+        while run_row(store, run.run_id).status != S.QUEUED.value:
+            assert time.monotonic() < deadline, "the deferred run was not re-admitted"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        loop.join(timeout=10)
+        live.close()

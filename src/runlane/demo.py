@@ -32,8 +32,8 @@ from rich.live import Live
 from rich.table import Table
 
 from runlane.api import Runlane
-from runlane.domain.states import TERMINAL, RunStatus
 from runlane.domain.policy import parse_policy
+from runlane.domain.states import TERMINAL, RunStatus
 from runlane.services.maintenance import Reaper, ReaperConfig, Reconciler, ReconcilerConfig
 from runlane.services.scheduler import Scheduler, SchedulerConfig
 from runlane.services.supervisor import WorkerPool

@@ -14,11 +14,19 @@ schedulers are safe and never wait on each other.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+import structlog
 
 from runlane.services.maintenance import MaintenanceService
+from runlane.store.scheduling import SCHEDULE_CHANNEL
 from runlane.store.store import Store
+from runlane.store.wakeup import Listener
+
+log = structlog.get_logger("runlane.scheduler")
 
 
 class PassTrigger:
@@ -72,8 +80,17 @@ class Scheduler(MaintenanceService):
         self.trigger = PassTrigger(self._pass)
         self._last: dict[str, int] = {}
 
+        self._policy_seen: int | None = None
+        self.passes = 0
+
     def _pass(self) -> dict[str, int]:
-        self._last = self.store.schedule_pass(page_size=self.config.page_size)
+        self.passes += 1
+        # A new policy may admit deferred runs before their retry-after: look at all.
+        version = self.store.current_policy()[0]
+        changed = self._policy_seen is not None and version != self._policy_seen
+        self._policy_seen = version
+        self._last = self.store.schedule_pass(page_size=self.config.page_size,
+                                              not_yet_due=changed)
         return self._last
 
     def run_once(self) -> dict[str, int]:
@@ -81,3 +98,23 @@ class Scheduler(MaintenanceService):
         if not self.trigger.run_pending():
             return {}
         return dict(self._last)
+
+    def run_forever(self, stop: threading.Event) -> None:
+        """Periodic passes, and on PostgreSQL an immediate one when a policy is
+        applied anywhere (NOTIFY); a burst of notifications folds into one pass."""
+        if not self.store.is_postgres:
+            super().run_forever(stop)
+            return
+        with Listener(self.store.url, channels=(SCHEDULE_CHANNEL,)).start() as listener:
+            due = 0.0
+            woken: list[Any] = []
+            while not stop.is_set():
+                if woken or time.monotonic() >= due:
+                    due = time.monotonic() + self.interval_seconds
+                    try:
+                        counts = self.run_once()
+                        if any(counts.values()):
+                            log.info("maintenance_pass", service=self.name, **counts)
+                    except Exception as exc:  # keep looping: the next pass may succeed
+                        log.error("maintenance_failed", service=self.name, error=str(exc))
+                woken = listener.wait(min(1.0, max(0.0, due - time.monotonic())))

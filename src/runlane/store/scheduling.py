@@ -42,6 +42,7 @@ log = structlog.get_logger("runlane.store")
 S = RunStatus
 T = TypeVar("T")
 ROUTES_TTL_SECONDS = 2.0
+SCHEDULE_CHANNEL = "runlane_schedule"  # payload: the new policy version
 LANE_PAGE = 16  # lanes read per page of a claim
 # A lane that gains work joins this far ahead of the head of its (queue, priority),
 # far below one stride (1 / weight; weights are at most 1,000).
@@ -94,6 +95,7 @@ class SchedulingMixin:
         _routes_cache: dict[str, tuple[float, frozenset[str]]]
 
         def _q(self, statement: str, *expanding: str) -> Any: ...
+        def _notify(self, conn: Connection, channel: str, payload: str) -> None: ...
         def _now(self, conn: Connection) -> float: ...
         def _transaction(self, work: Callable[[Connection], T]) -> T: ...
         def _set_status(self, conn: Connection, *, run_id: str, source: RunStatus,
@@ -146,6 +148,7 @@ class SchedulingMixin:
                                  {"scope": row.scope, "max_active": limit})
             conn.execute(self._q(sql.RECOMPUTE_TENANT_FLAGS))
             self._policy_cache[version] = policy
+            self._notify(conn, SCHEDULE_CHANNEL, str(version))
             return PolicyVersion(version, digest, True)
 
         applied = self._transaction(work)
@@ -498,7 +501,8 @@ class SchedulingMixin:
 
     # --- the scheduler pass --------------------------------------------------------
 
-    def schedule_pass(self, *, page_size: int = 200) -> dict[str, int]:
+    def schedule_pass(self, *, page_size: int = 200, not_yet_due: bool = False
+                      ) -> dict[str, int]:
         """One pass over waiting runs, each page its own short transaction.
 
         Deferred runs whose retry-after passed are re-admitted under the policy in
@@ -507,7 +511,8 @@ class SchedulingMixin:
         transaction that ends the dependency). Pages are keyset-paged on
         (created_at, run_id), so a pass neither skips nor repeats a run however many
         share a timestamp, and rows are taken with SKIP LOCKED, so several schedulers
-        never wait on each other.
+        never wait on each other. ``not_yet_due`` looks at every deferred run (after a
+        policy change: a raised budget or a lifted rule admits them now).
         """
         counts = {"readmitted": 0, "denied": 0, "deferred": 0, "dependencies_resolved": 0}
         for status in (S.WAITING_CAPACITY, S.ADMITTED):
@@ -515,7 +520,7 @@ class SchedulingMixin:
             while True:
                 def page(conn: Connection, s: RunStatus = status, c: tuple[float, str] = cursor
                          ) -> tuple[tuple[float, str], dict[str, int], int]:
-                    return self._schedule_page(conn, s, c, page_size)
+                    return self._schedule_page(conn, s, c, page_size, not_yet_due)
 
                 cursor, page_counts, seen = self._transaction(page)
                 for key, n in page_counts.items():
@@ -525,10 +530,12 @@ class SchedulingMixin:
         return counts
 
     def _schedule_page(self, conn: Connection, status: RunStatus, after: tuple[float, str],
-                       page_size: int) -> tuple[tuple[float, str], dict[str, int], int]:
+                       page_size: int, not_yet_due: bool
+                       ) -> tuple[tuple[float, str], dict[str, int], int]:
         now = self._now(conn)
         rows = conn.execute(self._q(sql.DUE_WAITING), {
-            "status": status.value, "now": now, "after_created": after[0],
+            "status": status.value, "now": float("inf") if not_yet_due else now,
+            "after_created": after[0],
             "after_id": after[1], "limit": page_size}).all()
         counts = {"readmitted": 0, "denied": 0, "deferred": 0, "dependencies_resolved": 0}
         if not rows:
