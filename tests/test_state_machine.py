@@ -559,6 +559,9 @@ class StoreMachine(RuleBasedStateMachine):
             "active_without_lease_recovered": 0,
             "workers_marked_dead": len(dead),
             "overlong_attempts_timed_out": len(overlong),
+            # The store keeps its lanes and slot counters exact: nothing to repair.
+            "lane_counts_repaired": 0,
+            "slot_counters_repaired": 0,
         }
         for h in overlong:
             event(f"reconcile timeout: {self.attempt_ended(h, Reason.TIMEOUT, None)}")
