@@ -386,3 +386,13 @@ def test_a_new_policy_readmits_deferred_runs_at_once(store: Store, db_url: str) 
         stop.set()
         loop.join(timeout=10)
         live.close()
+
+
+def test_the_reconciler_leaves_runs_waiting_for_dependencies_alone(
+        store: Store, clock: ManualClock) -> None:
+    parent = submit(store)[0]
+    child = store.submit([spec(depends_on=[parent.task_id])])[0]
+    clock.advance(3600)
+    assert store.reconcile(admitted_grace=0)["admitted_requeued"] == 0
+    assert run_row(store, child.run_id).status == S.ADMITTED.value
+    assert store.schedule_pass()["dependencies_resolved"] == 0

@@ -463,9 +463,12 @@ LIMIT :limit
 
 # --- reconciler (seed 000 §25) -----------------------------------------------------
 
+# Admitted runs of tasks without dependencies (those wait in ADMITTED on purpose; the
+# scheduler pass resolves them).
 ADMITTED_NOT_QUEUED = """
 SELECT r.run_id FROM runs r
 WHERE r.status = 'ADMITTED' AND r.updated_at <= {now} - :grace
+  AND NOT EXISTS (SELECT 1 FROM task_dependencies d WHERE d.task_id = r.task_id)
 ORDER BY r.updated_at LIMIT :limit
 {lock_r_skip}
 """
