@@ -396,3 +396,20 @@ def test_the_reconciler_leaves_runs_waiting_for_dependencies_alone(
     assert store.reconcile(admitted_grace=0)["admitted_requeued"] == 0
     assert run_row(store, child.run_id).status == S.ADMITTED.value
     assert store.schedule_pass()["dependencies_resolved"] == 0
+
+
+def test_a_tenant_over_its_daily_budget_starts_nothing_more_today(
+        store: Store, clock: ManualClock) -> None:
+    apply(store, "[tenants.acme]\ndaily_model_budget_usd = 1.0\n")
+    first, second = submit(store, 2)
+    [lease] = store.claim("w1", limit=1, lease_ttl=TTL)
+    store.report_cost(lease, 1.5)  # the day's budget is spent by the first run
+    assert store.claim("w1", limit=1, lease_ttl=TTL) == []
+    row = run_row(store, second.run_id)
+    assert (row.status, row.reason_code) == (S.WAITING_CAPACITY.value,
+                                             Reason.TENANT_DAILY_MODEL_BUDGET_EXCEEDED)
+    assert row.visible_at == 1800057600.0  # the next UTC midnight
+    clock.set(1800057600.0 + 1)
+    assert store.schedule_pass()["readmitted"] == 1
+    assert [x.run_id for x in store.claim("w1", limit=1, lease_ttl=TTL)] == [second.run_id]
+    assert first.run_id == lease.run_id
