@@ -413,3 +413,35 @@ def test_a_tenant_over_its_daily_budget_starts_nothing_more_today(
     assert store.schedule_pass()["readmitted"] == 1
     assert [x.run_id for x in store.claim("w1", limit=1, lease_ttl=TTL)] == [second.run_id]
     assert first.run_id == lease.run_id
+
+
+def test_two_schedulers_at_once_readmit_each_run_exactly_once(
+        store: Store, clock: ManualClock, db_url: str) -> None:
+    apply(store, "[[rules]]\nwhen = { tenant = 'acme' }\naction = 'defer'\n"
+                 "retry_after_seconds = 60\n")
+    runs = store.submit([spec() for _ in range(300)])
+    apply(store, "[defaults]\nqueue = 'default'\n")
+    clock.advance(61)
+    stores = [Store(db_url, clock=clock) for _ in range(2)]
+    results: list[dict[str, int]] = []
+    go = threading.Barrier(2)
+
+    def one(s: Store) -> None:
+        go.wait()
+        results.append(s.schedule_pass(page_size=25))
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for s in stores:
+        s.close()
+    assert sum(r["readmitted"] for r in results) == 300
+    with store.engine.connect() as conn:
+        moved = conn.execute(text(
+            "SELECT run_id, COUNT(*) AS n FROM run_events WHERE from_status = 'WAITING_CAPACITY'"
+            " AND to_status = 'QUEUED' GROUP BY run_id")).all()
+    assert len(moved) == 300 and {r.n for r in moved} == {1}
+    assert {r.run_id for r in moved} == {r.run_id for r in runs}
+    assert store.audit() == []
