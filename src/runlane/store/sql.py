@@ -60,16 +60,18 @@ WHERE l.queue = :queue
   AND l.queued_count > 0
   AND l.tenant_at_limit = 0
   AND l.route_key IN :routes
-  AND (l.priority > :after_priority
-       OR (l.priority = :after_priority AND l.pass > :after_pass)
-       OR (l.priority = :after_priority AND l.pass = :after_pass AND l.lane_id > :after_lane))
+  AND (l.priority, l.pass, l.lane_id) > (:after_priority, :after_pass, :after_lane)
 ORDER BY l.priority, l.pass, l.lane_id
 LIMIT :limit
 """
 
 # One lane's oldest runnable runs after a keyset cursor (a claim that comes back to a
-# lane continues past the runs it already took). The task is re-read per candidate so a cancelled
-# task's run is never claimed even if its run row still says QUEUED (invariant 1).
+# lane continues past the runs it already took; a row comparison, so it is an index
+# bound, not a filter). The task is re-checked per candidate, so a cancelled task's
+# run is never claimed even if its run row still says QUEUED (invariant 1). NOT EXISTS
+# over the partial index of cancelled tasks keeps the plan an ordered walk of the
+# lane: a scalar subquery got a default selectivity that made PostgreSQL read and sort
+# the whole lane (tests/test_dispatch_explain.py).
 LANE_CANDIDATES = """
 SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.user_id, r.risk_class,
        r.route_key, r.lane_id, r.created_at, r.max_attempts, r.limits, r.policy_version,
@@ -81,9 +83,9 @@ WHERE r.lane_id = :lane_id
   AND r.repo NOT IN :full_repos
   AND COALESCE(r.user_id, '') NOT IN :full_users
   AND r.risk_class NOT IN :full_risks
-  AND (r.created_at > :after_created
-       OR (r.created_at = :after_created AND r.run_id > :after_id))
-  AND (SELECT t.cancel_requested_at FROM tasks t WHERE t.task_id = r.task_id) IS NULL
+  AND (r.created_at, r.run_id) > (:after_created, :after_id)
+  AND NOT EXISTS (SELECT 1 FROM tasks t
+                  WHERE t.task_id = r.task_id AND t.cancel_requested_at IS NOT NULL)
 ORDER BY r.created_at, r.run_id
 LIMIT :limit
 {lock_r_skip}
@@ -98,7 +100,8 @@ FROM runs r
 WHERE r.run_id = :run_id
   AND r.status = 'QUEUED'
   AND r.visible_at <= {now}
-  AND (SELECT t.cancel_requested_at FROM tasks t WHERE t.task_id = r.task_id) IS NULL
+  AND NOT EXISTS (SELECT 1 FROM tasks t
+                  WHERE t.task_id = r.task_id AND t.cancel_requested_at IS NOT NULL)
 {lock_r_skip}
 """
 
@@ -289,8 +292,7 @@ SELECT r.run_id, r.task_id, r.status, r.fencing_token, r.tenant, r.repo, r.queue
 FROM runs r
 WHERE r.status = :status
   AND r.visible_at <= {now}
-  AND (r.created_at > :after_created
-       OR (r.created_at = :after_created AND r.run_id > :after_id))
+  AND (r.created_at, r.run_id) > (:after_created, :after_id)
 ORDER BY r.created_at, r.run_id
 LIMIT :limit
 {lock_r_skip}

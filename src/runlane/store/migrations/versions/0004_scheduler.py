@@ -8,15 +8,18 @@ import sqlalchemy as sa
 from alembic import op
 
 from runlane.store.online_index import IndexSpec, drop_index, ensure_index
-from runlane.store.schema import DISPATCH_INDEX_COLUMNS, DISPATCH_INDEX_NAME, DISPATCH_INDEX_WHERE
 
 revision = "0004"
 down_revision = "0003"
 branch_labels = None
 depends_on = None
 
-LANE_DISPATCH = IndexSpec(DISPATCH_INDEX_NAME, "runs", DISPATCH_INDEX_COLUMNS,
-                          DISPATCH_INDEX_WHERE)
+# Frozen here, as every migration's definitions are (schema.py may move on).
+DISPATCH_INDEX_NAME = "ix_runs_lane_dispatch"
+LANE_DISPATCH = IndexSpec(DISPATCH_INDEX_NAME, "runs", ("lane_id", "created_at", "run_id"),
+                          "status = 'QUEUED'")
+TASKS_CANCELLED = IndexSpec("ix_tasks_cancelled", "tasks", ("task_id",),
+                            "cancel_requested_at IS NOT NULL")
 WAITING_WHERE = "status IN ('ADMITTED', 'WAITING_CAPACITY')"
 WAITING = IndexSpec("ix_runs_waiting", "runs", ("status", "created_at", "run_id"),
                     WAITING_WHERE)
@@ -109,6 +112,7 @@ def upgrade() -> None:
         "AND l.route_key = '' AND l.priority = runs.priority AND l.tenant = runs.tenant)"
     )
     ensure_index(op, LANE_DISPATCH)
+    ensure_index(op, TASKS_CANCELLED)
     drop_index(op, "ix_runs_dispatch")
 
 
@@ -117,6 +121,7 @@ def downgrade() -> None:
                     postgresql_where=sa.text("status = 'QUEUED'"),
                     sqlite_where=sa.text("status = 'QUEUED'"))
     op.drop_index(DISPATCH_INDEX_NAME, table_name="runs")
+    op.drop_index("ix_tasks_cancelled", table_name="tasks")
     for table in ("tenant_spend", "policy_versions", "routes", "limit_counters", "lanes",
                   "task_dependencies"):
         op.drop_table(table)
