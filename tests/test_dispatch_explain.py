@@ -1,89 +1,180 @@
-"""Query-plan evidence that a claim walks ix_runs_dispatch, on a million queued runs.
+"""Query-plan evidence for the claim path on a million queued runs (PostgreSQL).
 
-The claim (``sql.CLAIM_BATCH``) must cost about as much as the runs it takes,
-however long the queue: PostgreSQL has to walk ``ix_runs_dispatch`` in
-``(priority, visible_at, run_id)`` order for one queue and stop after ``:limit``
-rows, with no Sort and no scan of the queue. EXPLAIN (ANALYZE, BUFFERS) of the full
-claim statement, in a transaction that is rolled back, shows whether it does.
+A claim is a few short statements (``sql.py``, "claim"): CLAIM_CONTEXT, PICK_LANES,
+LANE_CANDIDATES per chosen lane, ENSURE_COUNTER / LOCK_SCOPES / TAKE_SLOTS,
+CLAIM_RUNS, LANE_CLAIMED; submit adds LANE_VIRTUAL_TIME. Each must use its index,
+sort nothing and read rows bounded by the batch (plus the unrunnable rows planted
+ahead in the lane it walks), never in proportion to the queue, the tenants or the
+repositories. EXPLAIN (ANALYZE, BUFFERS) runs in transactions that are rolled back;
+``Store.claim`` runs end to end inside a rolled-back transaction too.
 
-The data set (one dedicated database, built once for the module):
+Tests marked ``xfail(strict=True)`` pin scans that DO grow with the data today (their
+reasons say what); a fix turns them into XPASS, which fails until the mark goes.
 
-* 1,000,000 QUEUED runs with their tasks, in two queues (``default``, ``batch``) and
-  three priorities (0 first), nearly all visible, 2% not yet visible;
-* at the head of ``default`` (priority 0, the oldest): ``CANCELLED_AHEAD`` runs whose
-  task was cancelled (still QUEUED: the race the claim re-checks the task for), then
-  ``VISIBLE_P0`` claimable runs, then ``FUTURE_P0`` runs not visible for an hour, so a
-  claim of 50 must step over both kinds before it reaches priority 1.
+The data set (one database, built once for the module, set-based):
+
+* 1,000,000 QUEUED runs with tasks: 1,000 tenants (``tenant-0000``..), 10,000
+  repositories (each a tenant's), 5,000 users, queues ``default``/``batch``,
+  priorities 50/100/150, ~6,600 lanes built by GROUP BY, ``runs.lane_id`` set;
+* 16,001 ``limit_counters`` (global, every tenant, repository and user), of which the
+  50 tenants ``tenant-0900..0949`` and 20 repositories are full; the full tenants'
+  lanes have ``tenant_at_limit = 1`` and the lowest pass;
+* at the head of the fair order in (default, priority 50): tenant-0001's lane starts
+  with runs of cancelled tasks, tenant-0002's with runs in backoff for an hour,
+  tenant-0003's with runs of a full repository, tenant-0004's lane is all of a full
+  repository; then the lanes of runs that require a GPU (stale: nobody served them);
+* tenant-0998 has one big lane of 50,000 runs in (batch, priority 50).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import pytest
-from sqlalchemy import Connection, Engine, create_engine, text
+from psycopg.sql import Literal
+from sqlalchemy import Connection, Engine, TextClause, create_engine, text
 from sqlalchemy.engine import make_url
 
-from runlane.store import migrate
-from runlane.store.engine import normalize_url
+from runlane.domain.policy import policy_from_document
+from runlane.domain.routing import canonical_requirements, parse_requirements
+from runlane.store import migrate, sql
+from runlane.store.engine import build_engine, normalize_url
 from runlane.store.schema import DISPATCH_INDEX_NAME
-from runlane.store.sql import CLAIM_BATCH, Statements
+from runlane.store.store import Lease, Store
 
 from .conftest import ADMIN_URL, RUN_TAG, create_pg_database
 
 pytestmark = [pytest.mark.xdist_group("explain"), pytest.mark.slow]
 
-WORKER = RUN_TAG
 N_RUNS = 1_000_000
-CANCELLED_AHEAD = 10  # g = 1..10
-VISIBLE_P0 = 30  # g = 11..40
-FUTURE_P0 = 200  # g = 41..240
-HEAD = CANCELLED_AHEAD + VISIBLE_P0 + FUTURE_P0
+N_TENANTS = 1_000
+N_REPOS = 10_000
+N_USERS = 5_000
+BIG_LANE = 50_000  # the newest runs: tenant-0998's one lane in (batch, 50)
+BEST = 50  # the best of the three priorities
+CANCELLED_HEAD, BACKOFF_HEAD, FULL_REPO_HEAD = 20, 50, 40
+FULL_TENANTS = [f"tenant-{i:04d}" for i in range(900, 950)]
+FULL_REPOS = ["acme/repo-00003", "acme/repo-00004",
+              *(f"acme/repo-{i:05d}" for i in range(5000, 5018))]
+TENANT_MAX, REPO_MAX, USER_MAX, GLOBAL_MAX = 5, 2, 5, 100_000
+GPU = {"gpu": "a100"}
+GPU_ROUTE = canonical_requirements(parse_requirements(GPU))
+ALL_ROUTES, PLAIN_ROUTES = sorted(["", GPU_ROUTE]), [""]
+LANE_PAGE = 16  # scheduling.LANE_PAGE
+PG = sql.Statements("postgresql")
+BIG_TABLES = ("runs", "tasks", "lanes", "limit_counters")
 
-# One row per g: the run r<g> of task t<g>. ``:t`` is the database clock at population.
+# One row per g: run r<g> of task t<g>. ``:t`` is the database clock at population.
 SOURCE = f"""
-SELECT '10000000-0000-4000-8000-' || lpad(g::text, 12, '0') AS run_id,
-       '00000000-0000-4000-8000-' || lpad(g::text, 12, '0') AS task_id,
-       'tenant-' || (g % 7) AS tenant,
-       CASE WHEN g <= {HEAD} OR g % 2 = 0 THEN 'default' ELSE 'batch' END AS queue,
-       CASE WHEN g <= {HEAD} THEN 0
-            WHEN g % 2 = 0 THEN 1 + (g / 2) % 2          -- default: 1 and 2 (0 is the head)
-            ELSE g % 3 END AS priority,                   -- batch: 0, 1 and 2
-       CASE WHEN g <= {CANCELLED_AHEAD} THEN :t - 864000 + g
-            WHEN g <= {CANCELLED_AHEAD + VISIBLE_P0} THEN :t - 432000 + g
-            WHEN g <= {HEAD} OR g % 100 IN (50, 51) THEN :t + 3600 + g  -- not yet visible
-            ELSE :t - 86400 + g * 0.05 END AS visible_at,
-       CASE WHEN g <= {CANCELLED_AHEAD} THEN :t - 60 END AS cancel_requested_at,
-       :t - 90000 + g * 0.05 AS created_at
-FROM generate_series(1, {N_RUNS}) g
+SELECT '10000000-0000-7000-8000-' || lpad(g::text, 12, '0') AS run_id,
+       '00000000-0000-7000-8000-' || lpad(g::text, 12, '0') AS task_id,
+       'tenant-' || lpad(tn::text, 4, '0') AS tenant,
+       'acme/repo-' || lpad(rn::text, 5, '0') AS repo,
+       'dev-' || (g % {N_USERS}) AS user_id,
+       queue, priority, route_key,
+       CASE WHEN tn % 5 = 0 THEN 2.0 WHEN tn % 7 = 3 THEN 0.5 ELSE 1.0 END AS weight,
+       created_at,
+       CASE WHEN backoff THEN :t + 3600 ELSE created_at END AS visible_at,
+       CASE WHEN cancelled THEN :t - 60 END AS cancel_requested_at
+FROM (
+  SELECT g,
+         CASE WHEN big THEN 998 ELSE g % {N_TENANTS} END AS tn,
+         CASE WHEN big THEN 998 + 1000 * (g % 10)
+              -- tenant-000N's (default, 50) lane is g % 6000 = N
+              WHEN g % 6000 = 4 OR (g % 6000 = 3 AND g < 6000 * {FULL_REPO_HEAD}) THEN g % 6000
+              ELSE g % {N_REPOS} END AS rn,
+         CASE WHEN big OR (g / 1000) % 2 = 1 THEN 'batch' ELSE 'default' END AS queue,
+         CASE WHEN big THEN {BEST} ELSE (ARRAY[50, 100, 150])[1 + (g / 2000) % 3] END
+           AS priority,
+         CASE WHEN NOT big AND g % 10 = 7 AND (g / 6000) % 4 = 0 THEN :gpu ELSE '' END
+           AS route_key,
+         g % 6000 = 1 AND g < 6000 * {CANCELLED_HEAD} AS cancelled,
+         g % 6000 = 2 AND g < 6000 * {BACKOFF_HEAD} AS backoff,
+         :t - 100000 + g * 0.05 AS created_at
+  FROM (SELECT g, g > {N_RUNS - BIG_LANE} AS big FROM generate_series(1, {N_RUNS}) g) s0
+) s
 """
 INSERT_TASKS = f"""
 INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, max_attempts, context,
-                   truncated_sections, payload_bytes, cancel_requested_at, created_at)
-SELECT task_id, tenant, '/srv/git/app.git', 'fix the flaky test', queue, priority, 3,
-       '{{"ticket": "APP-1"}}', '[]', 40, cancel_requested_at, created_at
+                   truncated_sections, payload_bytes, cancel_requested_at, created_at,
+                   user_id, requires)
+SELECT task_id, tenant, repo, 'fix the flaky test', queue, priority, 3,
+       '{{"ticket": "APP-1"}}', '[]', 40, cancel_requested_at, created_at, user_id, route_key
 FROM ({SOURCE}) s
+"""
+FULL_TENANT_SQL = "tenant BETWEEN 'tenant-0900' AND 'tenant-0949'"
+INSERT_LANES = f"""
+INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, pass,
+                   tenant_at_limit)
+SELECT queue, route_key, priority, tenant, weight, COUNT(*),
+       CASE WHEN {FULL_TENANT_SQL} THEN 0.0
+            WHEN queue = 'default' AND priority = {BEST} AND route_key = ''
+                 AND tenant BETWEEN 'tenant-0001' AND 'tenant-0004'
+              THEN right(tenant, 1)::int / 10.0
+            WHEN queue = 'default' AND priority = {BEST} AND route_key <> ''
+              THEN 0.5 + right(tenant, 3)::int / 10000.0
+            ELSE 1 + mod(abs(hashtext(queue || route_key || priority || tenant)), 1000) / 100.0
+       END,
+       CASE WHEN {FULL_TENANT_SQL} THEN 1 ELSE 0 END
+FROM ({SOURCE}) s
+GROUP BY queue, route_key, priority, tenant, weight
 """
 INSERT_RUNS = f"""
 INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority, status, attempt_count,
-                  max_attempts, fencing_token, visible_at, created_at, updated_at, cost_usd)
-SELECT run_id, task_id, tenant, '/srv/git/app.git', queue, priority, 'QUEUED', 0,
-       3, 0, visible_at, created_at, created_at, 0
+                  max_attempts, fencing_token, visible_at, created_at, updated_at, cost_usd,
+                  user_id, risk_class, route_key, lane_id, policy_version, limits)
+SELECT s.run_id, s.task_id, s.tenant, s.repo, s.queue, s.priority, 'QUEUED', 0, 3, 0,
+       s.visible_at, s.created_at, s.created_at, 0, s.user_id, 'low', s.route_key,
+       l.lane_id, 1, '{{"max_cost_usd": 5.0}}'
 FROM ({SOURCE}) s
+JOIN lanes l ON l.queue = s.queue AND l.route_key = s.route_key
+            AND l.priority = s.priority AND l.tenant = s.tenant
+"""
+INSERT_COUNTERS = f"""
+INSERT INTO limit_counters (scope, active, max_active)
+SELECT 'global', 0, {GLOBAL_MAX}
+UNION ALL
+SELECT 'tenant:tenant-' || lpad(i::text, 4, '0'),
+       CASE WHEN i BETWEEN 900 AND 949 THEN {TENANT_MAX} ELSE i % 3 END, {TENANT_MAX}
+FROM generate_series(0, {N_TENANTS - 1}) i
+UNION ALL
+SELECT 'repo:acme/repo-' || lpad(i::text, 5, '0'),
+       CASE WHEN i IN (3, 4) OR i BETWEEN 5000 AND 5017 THEN {REPO_MAX} ELSE i % 2 END,
+       {REPO_MAX}
+FROM generate_series(0, {N_REPOS - 1}) i
+UNION ALL
+SELECT 'user:dev-' || i, i % 3, {USER_MAX} FROM generate_series(0, {N_USERS - 1}) i
+"""
+# Secondary indexes of runs and tasks are dropped while the rows go in and rebuilt
+# after from their own definitions (a sort each, not a million inserts each).
+SECONDARY_INDEXES = """
+SELECT i.indexname, i.indexdef FROM pg_indexes i
+WHERE i.tablename IN ('runs', 'tasks')
+  AND NOT EXISTS (SELECT 1 FROM pg_constraint c WHERE c.conname = i.indexname)
 """
 
-CLAIM = Statements("postgresql").render(CLAIM_BATCH).text
-CASES = [("default", 1), ("default", 50), ("batch", 1), ("batch", 50)]
+
+def policy_doc() -> dict[str, Any]:
+    weights = {f"tenant-{i:04d}": {"weight": 2.0 if i % 5 == 0 else 0.5}
+               for i in range(N_TENANTS) if i % 5 == 0 or i % 7 == 3}
+    return {"concurrency": {"global_max_active": GLOBAL_MAX,
+                            "per_tenant_max_active": TENANT_MAX,
+                            "per_repository_max_active": REPO_MAX,
+                            "per_user_max_active": USER_MAX},
+            "tenants": weights}
 
 
 @dataclass(frozen=True)
 class ExplainDb:
     url: str
-    engine: Engine
+    engine: Engine  # no prepared statements: every EXPLAIN is planned for its values
+    lanes: dict[str, int]  # planted and sample lanes by name
     seconds: dict[str, float]
 
 
@@ -91,31 +182,53 @@ def _libpq(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
+def _lane(conn: Connection, tenant: str, queue: str = "default", route: str = "") -> int:
+    return int(conn.execute(text(
+        "SELECT lane_id FROM lanes WHERE tenant = :t AND queue = :q AND priority = :p "
+        "AND route_key = :r"), {"t": tenant, "q": queue, "p": BEST, "r": route}).scalar_one())
+
+
 @pytest.fixture(scope="module")
 def explain_db() -> Iterator[ExplainDb]:
-    name = f"runlane_explain_{WORKER}"
+    name = f"runlane_explain_{RUN_TAG}"
     url = create_pg_database(name)
-    # No prepared statements: every EXPLAIN below is planned for its own parameters.
     engine = create_engine(normalize_url(url), connect_args={"prepare_threshold": None})
     seconds: dict[str, float] = {}
     try:
         started = time.monotonic()
-        # Populate at 0001, then let 0002 build the dispatch index (concurrently, as it
-        # would on a production database): faster than maintaining it row by row.
-        migrate.upgrade(engine, "0001")
-        with engine.begin() as conn:
-            t = conn.execute(text("SELECT EXTRACT(EPOCH FROM now())::double precision")).scalar()
-            conn.execute(text(INSERT_TASKS), {"t": t})
-            conn.execute(text(INSERT_RUNS), {"t": t})
-        seconds["insert"] = time.monotonic() - started
         migrate.upgrade(engine)
+        with engine.begin() as conn:
+            indexes = conn.execute(text(SECONDARY_INDEXES)).all()
+            for index in indexes:
+                conn.execute(text(f'DROP INDEX "{index.indexname}"'))
+            # Rows built consistent by construction: skip the per-row FK triggers.
+            conn.execute(text("SET LOCAL session_replication_role = replica"))
+            conn.execute(text("SET LOCAL maintenance_work_mem = '256MB'"))
+            params = {"t": conn.execute(text(
+                "SELECT EXTRACT(EPOCH FROM now())::double precision")).scalar(), "gpu": GPU_ROUTE}
+            for statement in (INSERT_TASKS, INSERT_LANES, INSERT_RUNS):
+                conn.execute(text(statement), params)
+            conn.execute(text(INSERT_COUNTERS))
+            conn.execute(text("INSERT INTO routes (route_key, created_at) VALUES (:gpu, :t)"),
+                         params)
+            seconds["insert"] = time.monotonic() - started
+            for index in indexes:
+                conn.execute(text(index.indexdef))
         seconds["index"] = time.monotonic() - started - seconds["insert"]
-        with psycopg.connect(_libpq(url), autocommit=True) as conn:
-            conn.execute("VACUUM ANALYZE")
+        # Policy v1 (the runs say so); also recomputes every lane's tenant_at_limit.
+        Store(url, engine=engine).apply_policy(policy_from_document(policy_doc()),
+                                               source="test_dispatch_explain")
+        with psycopg.connect(_libpq(url), autocommit=True) as admin:
+            admin.execute("VACUUM ANALYZE")
         seconds["total"] = time.monotonic() - started
+        with engine.connect() as conn:
+            lanes = {name: _lane(conn, tenant, queue) for name, tenant, queue in [
+                ("cancelled", "tenant-0001", "default"), ("backoff", "tenant-0002", "default"),
+                ("full_repo", "tenant-0003", "default"), ("blocked", "tenant-0004", "default"),
+                ("plain", "tenant-0010", "default"), ("big", "tenant-0998", "batch")]}
         print(f"\npopulated {N_RUNS:,} runs: " + ", ".join(
             f"{k} {v:.1f}s" for k, v in seconds.items()))
-        yield ExplainDb(url, engine, seconds)
+        yield ExplainDb(url, engine, lanes, seconds)
     finally:
         engine.dispose()
         with psycopg.connect(_libpq(ADMIN_URL), autocommit=True) as admin:
@@ -125,15 +238,62 @@ def explain_db() -> Iterator[ExplainDb]:
 # --- plan helpers ------------------------------------------------------------------
 
 
-def explain(conn: Connection, queue: str, limit: int) -> dict[str, Any]:
-    """EXPLAIN ANALYZE the full claim (it really runs, so the caller rolls back)."""
-    result = conn.execute(text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + CLAIM),
-                          {"queue": queue, "limit": limit, "now": None}).scalar_one()
-    plan: dict[str, Any] = result[0]
+def bind(statement: str, params: dict[str, Any]) -> tuple[TextClause, dict[str, Any]]:
+    """A statement of sql.py rendered as the store renders it (its ``IN :name`` lists
+    expanding) and the parameters it takes (the helpers below pass a superset)."""
+    names = set(re.findall(r"(?<![:\w]):(\w+)", PG.render(statement).text))
+    expanding = re.findall(r"\bIN\s+:(\w+)", statement)
+    return PG.render(statement, *expanding), {k: v for k, v in params.items() if k in names}
+
+
+def run(conn: Connection, statement: str, params: dict[str, Any]) -> list[Any]:
+    clause, bound = bind(statement, params)
+    return list(conn.execute(clause, bound))
+
+
+def explain(conn: Connection, statement: str, params: dict[str, Any]) -> dict[str, Any]:
+    """EXPLAIN (ANALYZE, BUFFERS) one statement of sql.py (it really runs, so the
+    caller rolls back)."""
+    clause, bound = bind(statement, params)
+    query = text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + clause.text)
+    query = query.bindparams(*(p for p in clause._bindparams.values() if p.expanding))
+    plan: dict[str, Any] = conn.execute(query, bound).scalar_one()[0]
+    return plan
+
+
+def explain_generic(conn: Connection, statement: str, params: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """The same, as the generic plan a server-side prepared statement may settle on:
+    the exact text psycopg sends (IN lists expanded), PREPAREd, EXECUTEd with
+    ``plan_cache_mode = force_generic_plan``."""
+    clause, bound = bind(statement, params)
+    compiled = clause.bindparams(**bound).compile(
+        dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
+    values: list[Any] = []
+
+    def placeholder(match: re.Match[str]) -> str:
+        values.append(compiled.params[match.group(1)])
+        return f"${len(values)}"
+
+    body = re.sub(r"%\((\w+)\)s", placeholder, compiled.string).replace("%%", "%")
+    raw = cast(psycopg.Connection[Any], conn.connection.driver_connection)
+    literals = ", ".join(Literal(v).as_string(raw) for v in values)
+    conn.execute(text("SET LOCAL plan_cache_mode = force_generic_plan"))
+    with raw.cursor() as cursor:  # psycopg directly: no parameters, no % escaping
+        cursor.execute(f"PREPARE claim_probe AS {body}".encode())
+        try:
+            cursor.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim_probe"
+                           f"({literals})".encode())
+            row = cursor.fetchone()
+        finally:
+            cursor.execute(b"DEALLOCATE claim_probe")
+    assert row is not None
+    plan: dict[str, Any] = row[0][0]
     return plan
 
 
 def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every node, sub-plans and init-plans included."""
     stack = [plan["Plan"]]
     while stack:
         node = stack.pop()
@@ -155,104 +315,547 @@ def describe(plan: dict[str, Any]) -> str:
 
 
 def rows_read(node: dict[str, Any]) -> int:
-    """Index entries a scan node handed up, including those a Filter then dropped."""
-    per_loop = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+    """Rows (or index entries) a scan node produced, counting those a Filter or an
+    index recheck then dropped; EXPLAIN reports them per loop."""
+    per_loop = (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+                + node.get("Rows Removed by Index Recheck", 0))
     return int(per_loop * node["Actual Loops"])
 
 
-def bound(queue: str, limit: int) -> int:
-    """Rows the dispatch scan may read: a small multiple of the batch, plus the runs of
-    cancelled tasks planted ahead of it (each passes the index condition and is then
-    dropped by the task re-check). Not-yet-visible runs fail the index condition inside
-    the btree and are not counted as rows (their pages show up as buffers)."""
-    return limit * 4 + (CANCELLED_AHEAD if queue == "default" else 0)
+SCANS = ("Seq Scan", "Index Scan", "Index Only Scan", "Bitmap Heap Scan")
 
 
-def assert_walks_dispatch_index(plan: dict[str, Any], queue: str, limit: int) -> None:
+def reads(plan: dict[str, Any]) -> dict[str, int]:
+    """Rows read per table, over every scan node of the plan."""
+    out: dict[str, int] = {}
+    for node in nodes(plan):
+        if node["Node Type"] in SCANS:
+            out[node["Relation Name"]] = out.get(node["Relation Name"], 0) + rows_read(node)
+    return out
+
+
+def assert_bounded(plan: dict[str, Any], *, index: str, table: str, bound: int,
+                   ordered: bool = True) -> None:
+    """The claim-path contract: ``table`` is read through ``index``, no large table is
+    scanned in full, and at most ``bound`` rows are read from ``table`` (and from
+    ``tasks``, re-read once per candidate). An ``ordered`` statement (ORDER BY, LIMIT,
+    MIN) must walk the index in order: an Index (Only) Scan, no bitmap, no Sort."""
     shown = describe(plan)
-    scans = [n for n in nodes(plan) if n.get("Index Name") == DISPATCH_INDEX_NAME
-             and n["Node Type"] in ("Index Scan", "Index Only Scan")]
-    assert len(scans) == 1, f"no scan of {DISPATCH_INDEX_NAME}:\n{shown}"
-    sorts = [n for n in nodes(plan) if "Sort" in n["Node Type"]]
-    assert sorts == [], f"the plan sorts instead of walking the index in order:\n{shown}"
-    seq_runs = [n for n in nodes(plan)
-                if n["Node Type"] == "Seq Scan" and n.get("Relation Name") == "runs"]
-    assert seq_runs == [], f"the plan scans the runs table:\n{shown}"
-    read = rows_read(scans[0])
-    assert limit <= read <= bound(queue, limit), (
-        f"read {read} index entries for a claim of {limit} "
-        f"(bound {bound(queue, limit)}):\n{shown}")
-    assert plan["Plan"]["Actual Rows"] == limit, f"claimed the wrong number:\n{shown}"
+    kinds = ("Index Scan", "Index Only Scan") + (() if ordered else ("Bitmap Index Scan",))
+    used = [n for n in nodes(plan) if n.get("Index Name") == index and n["Node Type"] in kinds]
+    assert used, f"no {'ordered ' if ordered else ''}scan of {index}:\n{shown}"
+    seq = [n["Relation Name"] for n in nodes(plan)
+           if n["Node Type"] == "Seq Scan" and n["Relation Name"] in BIG_TABLES]
+    assert not seq, f"sequential scan of {seq}:\n{shown}"
+    if ordered:
+        sorts = [n["Node Type"] for n in nodes(plan) if "Sort" in n["Node Type"]]
+        assert not sorts, f"the plan sorts ({sorts}) instead of walking {index}:\n{shown}"
+        bitmap = [n["Relation Name"] for n in nodes(plan)
+                  if n["Node Type"] == "Bitmap Heap Scan"]
+        assert not bitmap, f"bitmap scan of {bitmap} (every match, unordered):\n{shown}"
+    read = reads(plan)
+    assert read.get(table, 0) <= bound, f"read {read} rows, bound {bound} on {table}:\n{shown}"
+    assert read.get("tasks", 0) <= bound, f"read {read} rows, bound {bound} on tasks:\n{shown}"
 
 
-# --- tests -------------------------------------------------------------------------
+def bug(reason: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(strict=True, reason=f"BUG (scan grows with the data): {reason}")
 
 
-@pytest.mark.parametrize(("queue", "limit"), CASES)
-def test_claim_walks_the_dispatch_index(explain_db: ExplainDb, queue: str, limit: int) -> None:
+def full_scopes(conn: Connection) -> dict[str, list[str]]:
+    full = conn.execute(text(
+        "SELECT scope FROM limit_counters WHERE active >= max_active")).scalars().all()
+    return {kind: sorted(s.removeprefix(f"{kind}:") for s in full if s.startswith(f"{kind}:"))
+            for kind in ("tenant", "repo", "user", "risk")}
+
+
+def pick_params(conn: Connection, queue: str, routes: list[str], limit: int,
+                after: tuple[int, float, int] = (-(2**31), float("-inf"), -1)
+                ) -> dict[str, Any]:
+    return {"queue": queue, "routes": routes, "full_tenants": full_scopes(conn)["tenant"],
+            "limit": limit, "after_priority": after[0], "after_pass": after[1],
+            "after_lane": after[2]}
+
+
+def candidate_params(conn: Connection, lane_id: int, limit: int) -> dict[str, Any]:
+    full = full_scopes(conn)
+    return {"lane_id": lane_id, "limit": limit, "now": None, "after_created": float("-inf"),
+            "after_id": "", "full_repos": full["repo"], "full_users": full["user"],
+            "full_risks": full["risk"]}
+
+
+LANE_ORDER = """
+SELECT r.run_id,
+       r.visible_at <= EXTRACT(EPOCH FROM clock_timestamp())
+         AND t.cancel_requested_at IS NULL
+         AND r.repo <> ALL(:full_repos)
+         AND COALESCE(r.user_id, '') <> ALL(:full_users) AS runnable
+FROM runs r JOIN tasks t ON t.task_id = r.task_id
+WHERE r.lane_id = :lane AND (r.status = 'QUEUED' OR r.run_id = ANY(:also))
+ORDER BY r.created_at, r.run_id
+LIMIT :n
+"""
+
+
+def lane_order(conn: Connection, lane_id: int, n: int = 100_000, also: list[str] | None = None,
+               full: dict[str, list[str]] | None = None) -> list[tuple[str, bool]]:
+    """A lane's queued runs (and ``also``) in claim order, each with whether it could
+    run with the scopes in ``full`` (default: full now): the oracle, written apart from
+    the claim's own SQL (a join, no keyset, no locks)."""
+    full = full if full is not None else full_scopes(conn)
+    return [(r.run_id, bool(r.runnable)) for r in conn.execute(text(LANE_ORDER), {
+        "lane": lane_id, "n": n, "also": also or [], "full_repos": full["repo"],
+        "full_users": full["user"]})]
+
+
+def head_reads(order: list[tuple[str, bool]], limit: int) -> tuple[list[str], int]:
+    """The first ``limit`` runnable runs, and how many rows an in-order walk reads to
+    find them (all of the lane when it has fewer)."""
+    taken: list[str] = []
+    for position, (run_id, runnable) in enumerate(order, start=1):
+        if runnable:
+            taken.append(run_id)
+            if len(taken) == limit:
+                return taken, position
+    return taken, len(order)
+
+
+# --- CLAIM_CONTEXT -------------------------------------------------------------------
+
+
+def test_claim_context_reads_only_the_full_counters(explain_db: ExplainDb) -> None:
     with explain_db.engine.connect() as conn:
-        plan = explain(conn, queue, limit)
+        plan = explain(conn, sql.CLAIM_CONTEXT, {"now": None})
         conn.rollback()
-    assert_walks_dispatch_index(plan, queue, limit)
-    if queue == "default":
-        # The planted head was really stepped over: exactly the cancelled runs extra.
-        [scan] = [n for n in nodes(plan) if n.get("Index Name") == DISPATCH_INDEX_NAME]
-        assert rows_read(scan) == limit + CANCELLED_AHEAD, describe(plan)
+    full = len(FULL_TENANTS) + len(FULL_REPOS)
+    assert plan["Plan"]["Actual Rows"] == full + 1, describe(plan)  # + version and now
+    # 16,001 counters, 70 full: the partial index holds exactly those.
+    assert_bounded(plan, index="ix_limit_counters_full", table="limit_counters", bound=full,
+                   ordered=False)
 
 
-@pytest.mark.parametrize("queue", ["default", "batch"])
-def test_claim_takes_the_right_runs(explain_db: ExplainDb, queue: str) -> None:
-    """The index plan's answer equals a seq scan + sort of the same predicate."""
-    limit = 50
+# --- PICK_LANES ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("queue", "routes", "limit"), [
+    ("default", ALL_ROUTES, 1), ("default", ALL_ROUTES, LANE_PAGE), ("default", ALL_ROUTES, 50),
+    ("batch", ALL_ROUTES, LANE_PAGE),
+    pytest.param("default", PLAIN_ROUTES, LANE_PAGE, marks=bug(
+        "PICK_LANES filters out, one by one, the lanes of routes this worker cannot "
+        "serve. Nobody serves them, so their pass never advances and they sort first: "
+        "every claim by a worker without a GPU reads all 95 GPU lanes of (default, 50) "
+        "before its own, a number that grows with the tenants that have such lanes.")),
+], ids=["default-all-1", "default-all-16", "default-all-50", "batch-all-16", "default-plain-16"])
+def test_pick_lanes_reads_one_page(explain_db: ExplainDb, queue: str, routes: list[str],
+                                   limit: int) -> None:
     with explain_db.engine.connect() as conn:
-        claimed = {r.run_id for r in conn.execute(
-            text(CLAIM), {"queue": queue, "limit": limit, "now": None})}
+        plan = explain(conn, sql.PICK_LANES, pick_params(conn, queue, routes, limit))
         conn.rollback()
-        conn.execute(text("SET LOCAL enable_indexscan = off"))
-        conn.execute(text("SET LOCAL enable_bitmapscan = off"))
-        conn.execute(text("SET LOCAL enable_indexonlyscan = off"))
-        expected = [r.run_id for r in conn.execute(text(
-            "SELECT r.run_id FROM runs r JOIN tasks t ON t.task_id = r.task_id "
-            "WHERE r.queue = :q AND r.status = 'QUEUED' AND t.cancel_requested_at IS NULL "
-            "AND r.visible_at <= EXTRACT(EPOCH FROM now()) "
-            "ORDER BY r.priority, r.visible_at, r.run_id LIMIT :n"), {"q": queue, "n": limit})]
-        conn.rollback()
-    assert claimed == set(expected)
-    if queue == "default":  # the 30 visible priority-0 runs, then priority 1
-        head = {f"10000000-0000-4000-8000-{g:012d}"
-                for g in range(CANCELLED_AHEAD + 1, CANCELLED_AHEAD + VISIBLE_P0 + 1)}
-        assert head <= claimed
+    assert plan["Plan"]["Actual Rows"] == limit, describe(plan)
+    # Full tenants' lanes (the lowest pass of all) are not even in the partial index.
+    assert_bounded(plan, index="ix_lanes_pick", table="lanes", bound=limit)
 
 
-def test_without_the_index_the_same_check_fails(explain_db: ExplainDb) -> None:
-    """Pins that the check above is sensitive to the index: drop it (inside a
-    transaction that is rolled back, so the index comes back untouched) and the plan
-    falls back to a scan plus a sort, which ``assert_walks_dispatch_index`` rejects."""
+def test_pick_lanes_serves_the_best_priority_in_fair_order(explain_db: ExplainDb) -> None:
     with explain_db.engine.connect() as conn:
-        conn.execute(text(f"DROP INDEX {DISPATCH_INDEX_NAME}"))
-        plan = explain(conn, "default", 50)
+        picked = run(conn, sql.PICK_LANES, pick_params(conn, "default", ALL_ROUTES, 50))
+        expected = conn.execute(text(
+            "SELECT lane_id FROM lanes WHERE queue = 'default' AND queued_count > 0 "
+            f"AND NOT ({FULL_TENANT_SQL}) ORDER BY priority, pass, lane_id LIMIT 50")).scalars()
+        assert [r.lane_id for r in picked] == list(expected)
+    assert {r.priority for r in picked} == {BEST}
+    assert [r.lane_id for r in picked[:4]] == [explain_db.lanes[k] for k in (
+        "cancelled", "backoff", "full_repo", "blocked")]
+    assert not {r.tenant for r in picked} & set(FULL_TENANTS)
+
+
+def test_pick_lanes_second_page_starts_at_its_cursor(explain_db: ExplainDb) -> None:
+    with explain_db.engine.connect() as conn:
+        first = run(conn, sql.PICK_LANES, pick_params(conn, "default", ALL_ROUTES, LANE_PAGE))
+        after = (first[-1].priority, first[-1].pass_, first[-1].lane_id)
+        plan = explain(conn, sql.PICK_LANES,
+                       pick_params(conn, "default", ALL_ROUTES, LANE_PAGE, after))
         conn.rollback()
-    kinds = {n["Node Type"] for n in nodes(plan)}
-    assert kinds & {"Sort", "Incremental Sort", "Seq Scan"}, describe(plan)
+    assert plan["Plan"]["Actual Rows"] == LANE_PAGE
+    assert_bounded(plan, index="ix_lanes_pick", table="lanes", bound=LANE_PAGE)
+
+
+# --- LANE_CANDIDATES -----------------------------------------------------------------
+
+# Fixed: LANE_CANDIDATES used to be planned as a Bitmap Heap Scan of the whole lane plus
+# a Sort (the task re-check, a scalar subquery, got a default selectivity); with NOT
+# EXISTS over ix_tasks_cancelled it walks the lane in order.
+SORTS_THE_LANE: tuple[pytest.MarkDecorator, ...] = ()
+CANDIDATE_CASES = [
+    pytest.param(lane, limit, marks=() if (lane, limit) == ("big", 1) else SORTS_THE_LANE,
+                 id=f"{lane}-{limit}")
+    for lane in ("plain", "cancelled", "backoff", "full_repo", "blocked", "big")
+    for limit in (1, 50)
+]
+
+
+@pytest.mark.parametrize(("lane", "limit"), CANDIDATE_CASES)
+def test_lane_candidates_walk_the_lane_head(explain_db: ExplainDb, lane: str,
+                                            limit: int) -> None:
+    lane_id = explain_db.lanes[lane]
+    with explain_db.engine.connect() as conn:
+        expected, walk = head_reads(lane_order(conn, lane_id), limit)
+        plan = explain(conn, sql.LANE_CANDIDATES, candidate_params(conn, lane_id, limit))
+        conn.rollback()
+    assert plan["Plan"]["Actual Rows"] == len(expected), describe(plan)
+    # Bound: the batch plus the unrunnable rows planted ahead of it in this lane.
+    assert_bounded(plan, index=DISPATCH_INDEX_NAME, table="runs", bound=walk)
+
+
+@pytest.mark.parametrize("lane", ["plain", "cancelled", "backoff", "full_repo", "blocked"])
+def test_lane_candidates_are_the_oldest_runnable_runs(explain_db: ExplainDb,
+                                                      lane: str) -> None:
+    lane_id = explain_db.lanes[lane]
+    with explain_db.engine.connect() as conn:
+        order = lane_order(conn, lane_id)
+        expected, _ = head_reads(order, 50)
+        got = [r.run_id for r in run(conn, sql.LANE_CANDIDATES,
+                                     candidate_params(conn, lane_id, 50))]
+        conn.rollback()
+    assert got == expected
+    planted = {"plain": 0, "cancelled": CANCELLED_HEAD, "backoff": BACKOFF_HEAD,
+               "full_repo": FULL_REPO_HEAD, "blocked": len(order)}[lane]
+    assert not any(runnable for _, runnable in order[:planted])
+    assert len(got) == (0 if lane == "blocked" else 50)
+
+
+@pytest.mark.parametrize(("statement", "lane"), [
+    pytest.param("PICK_LANES", None, id="pick_lanes"),
+    pytest.param("LANE_CANDIDATES", "big", id="lane_candidates-big", marks=bug(
+        "the generic plan of LANE_CANDIDATES (the store's engine prepares statements "
+        "after 2 runs; PostgreSQL keeps a generic plan once it looks cheaper than the "
+        "custom ones, and for `lane_id = $1` it expects an average lane of ~150 runs) is "
+        "a Bitmap Heap Scan plus a Sort even for a claim of 1: it reads all 50,000 runs "
+        "of the big lane and looks up 50,000 tasks.")),
+    pytest.param("LANE_CANDIDATES", "plain", id="lane_candidates-plain", marks=SORTS_THE_LANE),
+])
+def test_generic_plans_stay_on_the_index(explain_db: ExplainDb, statement: str,
+                                         lane: str | None) -> None:
+    """The store's engine prepares statements (psycopg ``prepare_threshold``), and
+    PostgreSQL may then keep a generic plan: it must be as good."""
+    with explain_db.engine.connect() as conn:
+        if lane is None:
+            plan = explain_generic(conn, sql.PICK_LANES,
+                                   pick_params(conn, "default", ALL_ROUTES, LANE_PAGE))
+            bound, index, table = LANE_PAGE, "ix_lanes_pick", "lanes"
+        else:
+            _, bound = head_reads(lane_order(conn, explain_db.lanes[lane]), 1)
+            plan = explain_generic(conn, sql.LANE_CANDIDATES,
+                                   candidate_params(conn, explain_db.lanes[lane], 1))
+            index, table = DISPATCH_INDEX_NAME, "runs"
+        conn.rollback()
+    assert_bounded(plan, index=index, table=table, bound=bound)
+
+
+# --- slots, the compare-and-set, lane bookkeeping ------------------------------------
+
+
+def claim_sample(conn: Connection, n: int) -> tuple[list[str], list[str]]:
+    """The oldest ``n`` runs of the plain lane and every scope a claim of them locks."""
+    rows = conn.execute(text(
+        "SELECT run_id, tenant, repo, user_id FROM runs WHERE lane_id = :l "
+        "AND status = 'QUEUED' ORDER BY created_at, run_id LIMIT :n"),
+        {"l": _lane(conn, "tenant-0010"), "n": n}).all()
+    scopes = {"global"} | {s for r in rows for s in (
+        f"tenant:{r.tenant}", f"repo:{r.repo}", f"user:{r.user_id}")}
+    return [r.run_id for r in rows], sorted(scopes)
+
+
+def sample_of_many_lanes(conn: Connection, n: int) -> list[str]:
+    """Every scope a claim of ``n`` runs from ``n`` different lanes locks."""
+    rows = conn.execute(text(
+        "SELECT r.tenant, r.repo, r.user_id FROM (SELECT lane_id FROM lanes "
+        "  WHERE queue = 'default' AND priority = :p AND route_key = '' "
+        "  AND tenant_at_limit = 0 ORDER BY pass, lane_id LIMIT :n) l "
+        "CROSS JOIN LATERAL (SELECT tenant, repo, user_id FROM runs "
+        "  WHERE lane_id = l.lane_id AND status = 'QUEUED' "
+        "  ORDER BY created_at, run_id LIMIT 1) r"), {"p": BEST, "n": n}).all()
+    assert len(rows) == n
+    return sorted({"global"} | {s for r in rows for s in (
+        f"tenant:{r.tenant}", f"repo:{r.repo}", f"user:{r.user_id}")})
+
+
+def test_claim_runs_touches_only_its_runs(explain_db: ExplainDb) -> None:
+    with explain_db.engine.connect() as conn:
+        run_ids, _ = claim_sample(conn, 50)
+        plan = explain(conn, sql.CLAIM_RUNS, {"run_ids": run_ids, "now": None})
+        conn.rollback()
+    assert plan["Plan"]["Actual Rows"] == 50, describe(plan)
+    assert_bounded(plan, index="runs_pkey", table="runs", bound=50, ordered=False)
+
+
+@pytest.mark.parametrize(("queue", "priority"), [("default", BEST), ("batch", 100)])
+def test_lane_virtual_time_reads_one_lane(explain_db: ExplainDb, queue: str,
+                                          priority: int) -> None:
+    with explain_db.engine.connect() as conn:
+        plan = explain(conn, sql.LANE_VIRTUAL_TIME, {"queue": queue, "priority": priority})
+        expected = conn.execute(text(
+            "SELECT MIN(pass) FROM lanes WHERE queue = :q AND priority = :p "
+            f"AND queued_count > 0 AND NOT ({FULL_TENANT_SQL})"),
+            {"q": queue, "p": priority}).scalar_one()
+        [(got,)] = run(conn, sql.LANE_VIRTUAL_TIME, {"queue": queue, "priority": priority})
+        conn.rollback()
+    assert got == expected
+    assert_bounded(plan, index="ix_lanes_pick", table="lanes", bound=1)
+
+
+def test_lane_claimed_updates_one_lane(explain_db: ExplainDb) -> None:
+    with explain_db.engine.connect() as conn:
+        plan = explain(conn, sql.LANE_CLAIMED, {"lane_id": explain_db.lanes["plain"], "n": 3})
+        conn.rollback()
+    assert_bounded(plan, index="lanes_pkey", table="lanes", bound=1, ordered=False)
+
+
+@pytest.mark.parametrize("statement", ["LOCK_SCOPES", "TAKE_SLOTS"])
+def test_slots_of_one_run_use_the_primary_key(explain_db: ExplainDb, statement: str) -> None:
+    with explain_db.engine.connect() as conn:
+        _, scopes = claim_sample(conn, 1)
+        plan = explain(conn, getattr(sql, statement), {"scopes": scopes})
+        conn.rollback()
+    assert len(scopes) == 4 and plan["Plan"]["Actual Rows"] == 4, describe(plan)
+    # LOCK_SCOPES locks in scope order (deadlock avoidance): an ordered walk; TAKE_SLOTS
+    # needs no order.
+    assert_bounded(plan, index="limit_counters_pkey", table="limit_counters", bound=4,
+                   ordered=statement == "LOCK_SCOPES")
+
+
+@pytest.mark.parametrize("n", [
+    10, pytest.param(50, marks=bug(
+        "LOCK_SCOPES with the scopes of a claim of 50 runs (~150: global, tenants, "
+        "repositories, users) is planned as a Seq Scan of limit_counters plus a Sort: "
+        "it reads every counter (16,001 here: tenants + repositories + users)."))])
+def test_lock_scopes_of_a_batch_use_the_primary_key(explain_db: ExplainDb, n: int) -> None:
+    with explain_db.engine.connect() as conn:
+        scopes = sample_of_many_lanes(conn, n)
+        plan = explain(conn, sql.LOCK_SCOPES, {"scopes": scopes})
+        conn.rollback()
+    assert plan["Plan"]["Actual Rows"] == len(scopes), describe(plan)
+    assert_bounded(plan, index="limit_counters_pkey", table="limit_counters",
+                   bound=len(scopes))
+
+
+def test_ensure_counter_is_a_primary_key_upsert(explain_db: ExplainDb) -> None:
+    with explain_db.engine.connect() as conn:
+        plan = explain(conn, sql.ENSURE_COUNTER,
+                       {"scope": "repo:acme/repo-00010", "max_active": REPO_MAX})
+        conn.rollback()
+    top = plan["Plan"]
+    assert top.get("Conflict Arbiter Indexes") == ["limit_counters_pkey"], describe(plan)
+    assert not [n for n in nodes(plan) if n["Node Type"] in SCANS], describe(plan)
+
+
+# --- the check is sensitive to the index ---------------------------------------------
+
+
+@pytest.mark.parametrize("index", ["ix_lanes_pick", DISPATCH_INDEX_NAME,
+                                   "ix_limit_counters_full"])
+def test_without_the_index_the_same_check_fails(explain_db: ExplainDb, index: str) -> None:
+    """Drop the index inside a transaction that is rolled back (it comes back
+    untouched): the plan falls back to a scan or a sort, which the check rejects."""
+    with explain_db.engine.connect() as conn:
+        conn.execute(text(f'DROP INDEX "{index}"'))
+        if index == "ix_lanes_pick":
+            plan = explain(conn, sql.PICK_LANES,
+                           pick_params(conn, "default", ALL_ROUTES, LANE_PAGE))
+            table, bound, ordered = "lanes", LANE_PAGE, True
+        elif index == DISPATCH_INDEX_NAME:
+            plan = explain(conn, sql.LANE_CANDIDATES,
+                           candidate_params(conn, explain_db.lanes["big"], 1))
+            table, bound, ordered = "runs", 1, True
+        else:
+            plan = explain(conn, sql.CLAIM_CONTEXT, {"now": None})
+            table, bound = "limit_counters", len(FULL_TENANTS) + len(FULL_REPOS)
+            ordered = False
+        conn.rollback()
+    assert {n["Node Type"] for n in nodes(plan)} & {"Seq Scan", "Sort", "Bitmap Heap Scan"}, \
+        describe(plan)
     with pytest.raises(AssertionError):
-        assert_walks_dispatch_index(plan, "default", 50)
-    with explain_db.engine.connect() as conn:  # and the index is back
+        assert_bounded(plan, index=index, table=table, bound=bound, ordered=ordered)
+    with explain_db.engine.connect() as conn:
         assert conn.execute(text("SELECT to_regclass(:n) IS NOT NULL"),
-                            {"n": DISPATCH_INDEX_NAME}).scalar_one()
+                            {"n": index}).scalar_one()
+
+
+# --- Store.claim end to end ----------------------------------------------------------
+
+
+class _Savepoints:
+    """An engine stand-in for ``Store``: each of its transactions is a savepoint of one
+    outer transaction, which the test rolls back."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    @contextmanager
+    def begin(self) -> Iterator[Connection]:
+        with self.conn.begin_nested():
+            yield self.conn
+
+    def connect(self) -> AbstractContextManager[Connection]:
+        return nullcontext(self.conn)
+
+    def dispose(self) -> None:
+        pass
+
+
+@contextmanager
+def rolled_back_store(url: str) -> Iterator[tuple[Store, Connection]]:
+    """A Store on the production engine settings (prepared statements, jit off) whose
+    every write is rolled back at the end."""
+    engine = build_engine(url)
+    try:
+        with engine.connect() as conn:
+            outer = conn.begin()
+            try:
+                yield Store(url, engine=cast(Engine, _Savepoints(conn))), conn
+            finally:
+                outer.rollback()
+    finally:
+        engine.dispose()
+
+
+LANES_OF_QUEUE = """
+SELECT lane_id, tenant, route_key, priority, weight, pass AS pass_, queued_count,
+       tenant_at_limit
+FROM lanes WHERE queue = :q
+"""
+
+
+def check_claim(conn: Connection, leases: list[Lease], lanes: dict[int, Any],
+                routes: list[str], full: dict[str, list[str]]) -> None:
+    """What a claim returned obeys the rules, checked against the data as it was before
+    the claim (``lanes``, the ``full`` scopes), not against the claim's SQL."""
+    ids = [lease.run_id for lease in leases]
+    rows = {r.run_id: r for r in conn.execute(text(
+        "SELECT r.run_id, r.lane_id, r.priority, r.tenant, r.repo, r.route_key, r.status, "
+        "r.visible_at <= EXTRACT(EPOCH FROM clock_timestamp()) AS visible, "
+        "t.cancel_requested_at FROM runs r JOIN tasks t ON t.task_id = r.task_id "
+        "WHERE r.run_id = ANY(:ids)"), {"ids": ids})}
+    assert len(rows) == len(ids) == len(set(ids))
+    eligible = {lane_id: lane for lane_id, lane in lanes.items()
+                if lane.queued_count > 0 and not lane.tenant_at_limit
+                and lane.route_key in routes}
+    best = min(lane.priority for lane in eligible.values())
+    for r in rows.values():
+        assert r.status == "CLAIMED" and r.priority == best, r
+        assert r.visible and r.cancel_requested_at is None, r
+        assert r.repo not in FULL_REPOS and r.tenant not in FULL_TENANTS, r
+        assert r.route_key in routes, r
+    over = conn.execute(text(
+        "SELECT scope, active, max_active FROM limit_counters WHERE active > max_active")).all()
+    assert not over, f"limits exceeded (invariant 9): {over}"
+    taken: dict[int, list[str]] = {}
+    for lease in leases:
+        taken.setdefault(rows[lease.run_id].lane_id, []).append(lease.run_id)
+    # Oldest runnable first inside each lane.
+    for lane_id, run_ids in taken.items():
+        expected, _ = head_reads(lane_order(conn, lane_id, 2_000, run_ids, full),
+                                 len(run_ids))
+        assert sorted(run_ids) == sorted(expected), f"lane {lane_id}"
+
+    # Stride fair share: the k-th run of a lane is due at pass + (k - 1) / weight; no
+    # lane was given a run due later than the next run of a lane left with work.
+    def due(lane_id: int, k: int) -> tuple[float, int]:
+        lane = eligible[lane_id]
+        return lane.pass_ + (k - 1) / lane.weight, lane_id
+
+    latest = max(due(lane_id, len(run_ids)) for lane_id, run_ids in taken.items())
+    for lane_id, lane in eligible.items():
+        n = len(taken.get(lane_id, []))
+        if lane.priority == best and due(lane_id, n + 1) < latest:
+            more, _ = head_reads(lane_order(conn, lane_id, 2_000, taken.get(lane_id), full),
+                                 n + 1)
+            assert len(more) <= n, (f"lane {lane_id} ({lane.tenant}) had its run {n + 1} due "
+                                    f"at {due(lane_id, n + 1)}, before {latest}")
+
+
+@pytest.mark.parametrize(("queue", "limit", "caps"), [
+    ("default", 1, None), ("default", 1, GPU), ("default", 50, None), ("batch", 50, GPU),
+    pytest.param("default", 50, GPU, marks=pytest.mark.xfail(strict=True, reason=(
+        "BUG (fairness): when a lane comes up short (tenant-0004's, all of a full "
+        "repository) its share is re-dealt inside the current page only: tenant-0001 "
+        "gets a second run due at pass 1.1 while GPU lanes beyond the page (pass ~0.55) "
+        "get none."))),
+], ids=["default-1", "default-1-gpu", "default-50", "batch-50-gpu", "default-50-gpu"])
+def test_claim_takes_the_right_runs(explain_db: ExplainDb, queue: str, limit: int,
+                                    caps: dict[str, str] | None) -> None:
+    with rolled_back_store(explain_db.url) as (store, conn):
+        lanes = {r.lane_id: r for r in conn.execute(text(LANES_OF_QUEUE), {"q": queue})}
+        full = full_scopes(conn)
+        leases = store.claim("explain-worker", queue, limit=limit, capabilities=caps)
+        assert len(leases) == limit
+        check_claim(conn, leases, lanes, ALL_ROUTES if caps else PLAIN_ROUTES, full)
+        if queue == "default" and limit == 1:  # the lowest pass: tenant-0001's lane
+            assert leases[0].tenant == "tenant-0001"
+            expected, _ = head_reads(lane_order(conn, explain_db.lanes["cancelled"], 100,
+                                                [leases[0].run_id], full), 1)
+            assert [leases[0].run_id] == expected
+
+
+# For a table: its sequential scans and the rows they read; for an index: its scans
+# and the entries they returned. PostgreSQL counts them for the current transaction.
+XACT_ACTIVITY = """
+SELECT c.relname, pg_stat_get_xact_numscans(c.oid) AS scans,
+       pg_stat_get_xact_tuples_returned(c.oid) AS returned
+FROM pg_class c WHERE c.relnamespace = CAST('public' AS regnamespace) AND c.relkind IN ('r', 'i')
+"""
+
+
+def activity(conn: Connection) -> dict[str, tuple[int, int]]:
+    return {r.relname: (int(r.scans), int(r.returned))
+            for r in conn.execute(text(XACT_ACTIVITY))}
+
+
+def claims_activity(url: str, queue: str, limit: int, times: int
+                    ) -> list[dict[str, tuple[int, int]]]:
+    """Per claim (``times`` in a row, so psycopg prepares and PostgreSQL may switch to
+    generic plans), what it scanned."""
+    out = []
+    with rolled_back_store(url) as (store, conn):
+        for _ in range(times):
+            before = activity(conn)
+            assert len(store.claim("explain-worker", queue, limit=limit,
+                                   capabilities=GPU)) == limit
+            after = activity(conn)
+            out.append({k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
+                        for k, v in after.items()})
+    return out
 
 
 @pytest.mark.parametrize("limit", [1, 50])
-def test_claim_reads_no_table_in_full(explain_db: ExplainDb, limit: int) -> None:
-    """The whole claim, not only its runs side, must be bounded by the batch: no
-    sequential scan of any table, and a buffer count far below one table's size."""
-    with explain_db.engine.connect() as conn:
-        plan = explain(conn, "default", limit)
-        conn.rollback()
-    shown = describe(plan)
-    seq = [n.get("Relation Name") for n in nodes(plan) if n["Node Type"] == "Seq Scan"]
-    assert seq == [], f"sequential scan of {seq}:\n{shown}"
-    top = plan["Plan"]
-    buffers = top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0)
-    # Per claimed run: a few index pages, the heap row, the new row version and its
-    # entries in the four other runs indexes; 40 blocks per run is generous.
-    assert buffers <= 40 * (limit + CANCELLED_AHEAD), f"{buffers} buffers:\n{shown}"
+def test_real_claims_never_scan_runs_tasks_or_lanes(explain_db: ExplainDb,
+                                                    limit: int) -> None:
+    for delta in claims_activity(explain_db.url, "default", limit, 6 if limit == 1 else 2):
+        seq = {t: delta[t] for t in ("runs", "tasks", "lanes", "attempts", "run_events")
+               if delta[t][0]}
+        assert not seq, f"sequential scans (count, rows) {seq}"
+
+
+@pytest.mark.parametrize(("queue", "limit"), [
+    pytest.param("batch", 1, marks=SORTS_THE_LANE, id="batch-1"),
+    pytest.param("default", 50, id="default-50", marks=bug(
+        "a claim of 50 reads every queued run of the ~50 lanes it visits (LANE_CANDIDATES, "
+        "~8,000 rows and as many tasks lookups) and every counter (LOCK_SCOPES).")),
+])
+def test_real_claims_read_rows_bounded_by_the_batch(explain_db: ExplainDb, queue: str,
+                                                    limit: int) -> None:
+    """Per claim, from PostgreSQL's own counters: index entries of the dispatch index
+    and of tasks within a few per claimed run plus the planted heads the claim walks
+    (the blocked lane's whole backlog), and no sequential scan of a large table."""
+    planted = 0
+    if queue == "default":
+        with explain_db.engine.connect() as conn:
+            planted = sum(head_reads(lane_order(conn, explain_db.lanes[k]), 1)[1]
+                          for k in ("cancelled", "backoff", "full_repo", "blocked"))
+    bound = 4 * limit + planted
+    for delta in claims_activity(explain_db.url, queue, limit, 6 if limit == 1 else 2):
+        seq = {t: delta[t] for t in BIG_TABLES if delta[t][0]}
+        assert not seq, f"sequential scans (count, rows) {seq}"
+        for index in (DISPATCH_INDEX_NAME, "tasks_pkey"):
+            assert delta[index][1] <= bound, f"{index}: {delta[index][1]} entries, bound {bound}"
+        assert delta["ix_lanes_pick"][1] <= max(limit, LANE_PAGE) * 2, delta["ix_lanes_pick"]

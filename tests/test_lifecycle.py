@@ -148,13 +148,22 @@ def test_two_claimers_race_for_one_run_and_exactly_one_wins(db_url: str, clock: 
 
 
 def test_claim_revalidates_the_task(store: Store) -> None:
-    """Invariant 1: a QUEUED row whose task was cancelled is not executed."""
-    [sub] = submit(store)
-    execute(store, "UPDATE tasks SET cancel_requested_at = 1 WHERE task_id = :t", t=sub.task_id)
+    """Invariant 1: a QUEUED row whose task was cancelled is not executed: the claim
+    re-reads the task and prunes the run (and so does the reconciler)."""
+    first, second = submit(store, 2)
+    for sub in (first, second):
+        execute(store, "UPDATE tasks SET cancel_requested_at = 1 WHERE task_id = :t",
+                t=sub.task_id)
+    assert store.claim("w1", run_id=first.run_id) == []
     assert store.claim("w1") == []
-    assert store.claim("w1", run_id=sub.run_id) == []
+    for sub in (first, second):
+        row = run_row(store, sub.run_id)
+        assert (row.status, row.attempt_count) == ("CANCELLED", 0)
+    [third] = submit(store)
+    execute(store, "UPDATE tasks SET cancel_requested_at = 1 WHERE task_id = :t",
+            t=third.task_id)
     assert store.reconcile()["cancelled_task_runs_cancelled"] == 1
-    assert run_row(store, sub.run_id).status == "CANCELLED"
+    assert run_row(store, third.run_id).status == "CANCELLED"
 
 
 def test_the_database_allows_one_active_lease_per_run(store: Store) -> None:

@@ -424,11 +424,26 @@ class SchedulingMixin:
 
     def _screen(self, conn: Connection, candidates: list[Any], *, actor: str, version: int,
                 now: float) -> list[tuple[Any, Decision]]:
-        """Policy at claim (invariant 7) and slots (invariant 9): each candidate is
+        """Cancellation (invariant 1), policy at claim (invariant 7) and slots
+        (invariant 9): a candidate of a cancelled task is pruned; each other one is
         re-admitted under the policy in force now; a denied run ends POLICY_DENIED,
         a deferred one waits for capacity, one without a free slot stays queued."""
         if not candidates:
             return []
+        cancelled = set(conn.execute(self._q(sql.CANCELLED_TASKS, "task_ids"),
+                                     {"task_ids": sorted({c.task_id for c in candidates})})
+                        .scalars())
+        if cancelled:
+            for c in candidates:
+                if c.task_id in cancelled:
+                    self._set_status(
+                        conn, run_id=c.run_id, source=S.QUEUED, path=[S.CANCELLED],
+                        run_token=c.fencing_token, actor=actor, now=now,
+                        reason_code=Reason.CANCELLED_BY_USER,
+                        message="its task was cancelled; pruned at claim")
+            candidates = [c for c in candidates if c.task_id not in cancelled]
+            if not candidates:
+                return []
         policy = self._policy_version(conn, version)
         usage = self._tenant_usage(conn, {c.tenant for c in candidates}, now) \
             if has_budgets(policy) else {}

@@ -60,10 +60,6 @@ tasks = Table(
     Column("parent_task_id", ID),
     Column("estimated_cost_usd", Float),
     UniqueConstraint("tenant", "idempotency_key", name="uq_tasks_tenant_idempotency_key"),
-    # The claim's re-check of its candidates' tasks (0004): few rows, found by key.
-    Index("ix_tasks_cancelled", "task_id",
-          postgresql_where=text("cancel_requested_at IS NOT NULL"),
-          sqlite_where=text("cancel_requested_at IS NOT NULL")),
 )
 
 # A task waits for these tasks to succeed before its run is queued.

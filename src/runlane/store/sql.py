@@ -67,11 +67,7 @@ LIMIT :limit
 
 # One lane's oldest runnable runs after a keyset cursor (a claim that comes back to a
 # lane continues past the runs it already took; a row comparison, so it is an index
-# bound, not a filter). The task is re-checked per candidate, so a cancelled task's
-# run is never claimed even if its run row still says QUEUED (invariant 1). NOT EXISTS
-# over the partial index of cancelled tasks keeps the plan an ordered walk of the
-# lane: a scalar subquery got a default selectivity that made PostgreSQL read and sort
-# the whole lane (tests/test_dispatch_explain.py).
+# bound, not a filter). The candidates' tasks are re-checked next (CANCELLED_TASKS).
 LANE_CANDIDATES = """
 SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.user_id, r.risk_class,
        r.route_key, r.lane_id, r.created_at, r.max_attempts, r.limits, r.policy_version,
@@ -84,8 +80,6 @@ WHERE r.lane_id = :lane_id
   AND COALESCE(r.user_id, '') NOT IN :full_users
   AND r.risk_class NOT IN :full_risks
   AND (r.created_at, r.run_id) > (:after_created, :after_id)
-  AND NOT EXISTS (SELECT 1 FROM tasks t
-                  WHERE t.task_id = r.task_id AND t.cancel_requested_at IS NOT NULL)
 ORDER BY r.created_at, r.run_id
 LIMIT :limit
 {lock_r_skip}
@@ -100,9 +94,15 @@ FROM runs r
 WHERE r.run_id = :run_id
   AND r.status = 'QUEUED'
   AND r.visible_at <= {now}
-  AND NOT EXISTS (SELECT 1 FROM tasks t
-                  WHERE t.task_id = r.task_id AND t.cancel_requested_at IS NOT NULL)
 {lock_r_skip}
+"""
+
+# Invariant 1: the candidates' tasks, re-read in the claiming transaction; a run whose
+# task was cancelled is pruned (CANCELLED, by compare-and-set), never claimed. A primary
+# key lookup per candidate: a join inside the lane scan made PostgreSQL read and sort
+# whole lanes (tests/test_dispatch_explain.py).
+CANCELLED_TASKS = """
+SELECT task_id FROM tasks WHERE task_id IN :task_ids AND cancel_requested_at IS NOT NULL
 """
 
 # The compare-and-set of a claim: QUEUED -> CLAIMED with the next fencing token.

@@ -18,8 +18,6 @@ depends_on = None
 DISPATCH_INDEX_NAME = "ix_runs_lane_dispatch"
 LANE_DISPATCH = IndexSpec(DISPATCH_INDEX_NAME, "runs", ("lane_id", "created_at", "run_id"),
                           "status = 'QUEUED'")
-TASKS_CANCELLED = IndexSpec("ix_tasks_cancelled", "tasks", ("task_id",),
-                            "cancel_requested_at IS NOT NULL")
 WAITING_WHERE = "status IN ('ADMITTED', 'WAITING_CAPACITY')"
 WAITING = IndexSpec("ix_runs_waiting", "runs", ("status", "created_at", "run_id"),
                     WAITING_WHERE)
@@ -112,7 +110,6 @@ def upgrade() -> None:
         "AND l.route_key = '' AND l.priority = runs.priority AND l.tenant = runs.tenant)"
     )
     ensure_index(op, LANE_DISPATCH)
-    ensure_index(op, TASKS_CANCELLED)
     drop_index(op, "ix_runs_dispatch")
 
 
@@ -121,7 +118,6 @@ def downgrade() -> None:
                     postgresql_where=sa.text("status = 'QUEUED'"),
                     sqlite_where=sa.text("status = 'QUEUED'"))
     op.drop_index(DISPATCH_INDEX_NAME, table_name="runs")
-    op.drop_index("ix_tasks_cancelled", table_name="tasks")
     for table in ("tenant_spend", "policy_versions", "routes", "limit_counters", "lanes",
                   "task_dependencies"):
         op.drop_table(table)
