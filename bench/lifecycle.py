@@ -55,7 +55,8 @@ from runlane.store.store import Store
 
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 BENCH_DATABASE = "runlane_bench"
-TABLES = "run_events, attempts, runs, tasks, workers"
+TABLES = ("side_effects, run_events, attempts, runs, task_dependencies, tasks, workers, lanes, "
+          "limit_counters, routes, policy_versions, tenant_spend")
 QUEUE = "default"
 LEASE_TTL = 60.0
 SUBMIT_TARGET = 10_000.0  # runs/s on PostgreSQL
@@ -688,6 +689,21 @@ def populate(url: str, first: int, count: int, chunk: int = 100_000) -> None:
                 "FROM generate_series(%(lo)s::bigint, %(hi)s::bigint) AS g",
                 {**params, "repo": REPO, "queue": QUEUE},
             )
+            # Their lanes (one per tenant and priority here), as submit would make them.
+            conn.execute(
+                "INSERT INTO routes (route_key, created_at) VALUES ('', 0) "
+                "ON CONFLICT (route_key) DO NOTHING")
+            conn.execute(
+                "INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, "
+                "pass, tenant_at_limit) SELECT queue, '', priority, tenant, 1, COUNT(*), 0, 0 "
+                "FROM runs WHERE lane_id IS NULL AND status = 'QUEUED' "
+                "GROUP BY queue, priority, tenant "
+                "ON CONFLICT (queue, route_key, priority, tenant) DO UPDATE "
+                "SET queued_count = lanes.queued_count + excluded.queued_count")
+            conn.execute(
+                "UPDATE runs SET lane_id = l.lane_id FROM lanes l WHERE runs.lane_id IS NULL "
+                "AND l.queue = runs.queue AND l.route_key = '' AND l.priority = runs.priority "
+                "AND l.tenant = runs.tenant")
             conn.execute(
                 "INSERT INTO run_events (run_id, attempt_no, at, actor, from_status, to_status, "
                 "reason_code, fencing_token, message) "
@@ -700,12 +716,22 @@ def populate(url: str, first: int, count: int, chunk: int = 100_000) -> None:
 
 
 def claim_candidate_sql() -> str:
-    """The CTE body of CLAIM_BATCH (the candidate SELECT with its lock clause) for PostgreSQL,
-    rendered by the store's own Statements."""
-    found = re.search(r"WITH picked AS \((.*?)\n\)", sql.CLAIM_BATCH, re.S)
-    if found is None:
-        raise SystemExit("cannot find the CTE body in runlane.store.sql.CLAIM_BATCH")
-    return sql.Statements("postgresql").render(found.group(1)).text
+    """LANE_CANDIDATES (a claim's walk of one lane), rendered by the store's own
+    Statements, without the full-scope exclusions (no limits are configured here)."""
+    body = "\n".join(line for line in sql.LANE_CANDIDATES.splitlines()
+                     if "NOT IN :full_" not in line)
+    return sql.Statements("postgresql").render(body).text
+
+
+def busiest_lane(conn: Any) -> int:
+    return int(conn.execute(text(
+        "SELECT lane_id FROM lanes WHERE queue = :q ORDER BY priority, queued_count DESC "
+        "LIMIT 1"), {"q": QUEUE}).scalar_one())
+
+
+def candidate_params(lane_id: int, limit: int) -> dict[str, Any]:
+    return {"lane_id": lane_id, "limit": limit, "now": None,
+            "after_created": float("-inf"), "after_id": ""}
 
 
 @dataclass(frozen=True)
@@ -724,18 +750,22 @@ def explain_claim(url: str) -> Plan:
     store = Store(url)
     try:
         with store.engine.connect() as conn:
+            lane_id = busiest_lane(conn)
             rows = conn.execute(text("EXPLAIN (ANALYZE, BUFFERS) " + body),
-                                {"queue": QUEUE, "limit": 1, "now": None})
+                                candidate_params(lane_id, 1))
             custom = "\n".join(str(r[0]) for r in rows)
             conn.rollback()
-            numbered = re.sub(r"(?<!:):queue\b", "$1", body)
-            numbered = re.sub(r"(?<!:):limit\b", "$2", numbered)
-            numbered = re.sub(r"(?<!:):now\b", "$3", numbered)
+            numbered = body
+            for n, name in enumerate(("lane_id", "limit", "now", "after_created",
+                                      "after_id"), start=1):
+                numbered = re.sub(rf"(?<!:):{name}\b", f"${n}", numbered)
             conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
             conn.exec_driver_sql(
-                "PREPARE bench_claim_probe(varchar, bigint, double precision) AS " + numbered)
+                "PREPARE bench_claim_probe(integer, bigint, double precision, "
+                "double precision, varchar) AS " + numbered)
             rows = conn.exec_driver_sql(
-                "EXPLAIN (ANALYZE, BUFFERS) EXECUTE bench_claim_probe('default', 1, NULL)")
+                f"EXPLAIN (ANALYZE, BUFFERS) EXECUTE bench_claim_probe({lane_id}, 1, NULL, "
+                "'-Infinity', '')")
             generic = "\n".join(str(r[0]) for r in rows)
             conn.exec_driver_sql("DEALLOCATE bench_claim_probe")
             conn.rollback()
@@ -766,9 +796,10 @@ def probe_claim_costs(url: str, limits: Sequence[int]) -> tuple[float, list[Cost
             threshold = float(conn.execute(text("SHOW jit_above_cost")).scalar_one())
             if conn.execute(text("SHOW jit")).scalar_one() != "on":
                 threshold = float("inf")
+            lane_id = busiest_lane(conn)
             for limit in limits:
                 rows = conn.execute(text("EXPLAIN (ANALYZE) " + body),
-                                    {"queue": QUEUE, "limit": limit, "now": None})
+                                    candidate_params(lane_id, limit))
                 plan = "\n".join(str(r[0]) for r in rows)
                 conn.rollback()
                 cost = re.search(r"cost=[\d.]+\.\.([\d.]+)", plan)
@@ -1066,9 +1097,9 @@ class Report:
                       f"{self.depth_audit.label} ({self.depth_audit.seconds:.1f} s).\n")
         deepest = self.depths[-1]
         text_ += (
-            f"\nThe claim's candidate SELECT (the CTE body of `CLAIM_BATCH`, rendered by "
-            f"`Statements('postgresql')`) at {deepest.depth:,} queued runs, parameters bound "
-            "(`queue='default'`, `limit=1`, `now=NULL`, i.e. the database clock):\n\n"
+            f"\nThe claim's walk of one lane (`LANE_CANDIDATES`, rendered by "
+            f"`Statements('postgresql')`) at {deepest.depth:,} queued runs, in the busiest "
+            "lane, parameters bound (`limit=1`, `now=NULL`, i.e. the database clock):\n\n"
             "```sql\n" + claim_candidate_sql().strip() + "\n```\n\n"
             "```text\n" + deepest.plan.custom + "\n```\n\n"
             "The same statement as a generic plan (`PREPARE` + `plan_cache_mode = "
