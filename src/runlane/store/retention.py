@@ -1,0 +1,140 @@
+"""Retention: delete finished runs older than a cutoff, in small batches.
+
+One call of ``prune_finished`` is one short transaction over at most ``limit`` runs:
+pick finished runs whose last change is older than the cutoff (the database clock,
+or the store's pinned clock), delete their side effects, events and attempts, the
+runs, then the tasks left without runs. Nothing unfinished is touched, nor a run
+that still holds an ACTIVE lease (the reconciler revokes those first). On PostgreSQL
+the pick uses ``SKIP LOCKED``, so prunes on several machines split the work and never
+wait on a row a worker holds; on SQLite the transaction is ``BEGIN IMMEDIATE``.
+
+A task is deleted with its last run unless another task depends on it
+(``task_dependencies``, when that table exists); it goes with its last dependent.
+An idempotency key is remembered for as long as its task is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from sqlalchemy import Connection, TextClause, bindparam, inspect, text
+
+from runlane.domain.states import TERMINAL
+from runlane.store.sql import LOCK_SKIP, NOW
+from runlane.store.store import Store
+
+FINISHED = sorted(s.value for s in TERMINAL)
+
+# Finished runs older than the cutoff, oldest first; ``ix_runs_status_updated``
+# (status, updated_at) serves it. A terminal run's status never changes again, and its
+# updated_at is at or after its ended_at, so "last change before the cutoff" keeps
+# every run that ended or changed recently.
+PICK_FINISHED = """
+SELECT r.run_id, r.task_id FROM runs r
+WHERE r.status IN :finished
+  AND r.updated_at < {now} - :keep_seconds
+  AND NOT EXISTS (SELECT 1 FROM attempts a
+                  WHERE a.run_id = r.run_id AND a.lease_status = 'ACTIVE')
+ORDER BY r.updated_at, r.run_id
+LIMIT :limit
+{lock_r_skip}
+"""
+DELETE_SIDE_EFFECTS = "DELETE FROM side_effects WHERE run_id IN :run_ids"
+DELETE_RUN_EVENTS = "DELETE FROM run_events WHERE run_id IN :run_ids"
+DELETE_ATTEMPTS = "DELETE FROM attempts WHERE run_id IN :run_ids"
+DELETE_RUNS = "DELETE FROM runs WHERE run_id IN :run_ids AND status IN :finished"
+# Of these tasks, those with no run left (and, with dependencies, none depending on them).
+ORPHAN_TASKS = """
+SELECT t.task_id FROM tasks t
+WHERE t.task_id IN :task_ids
+  AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.task_id = t.task_id)
+"""
+NOT_DEPENDED_ON = """
+  AND NOT EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = t.task_id)
+"""
+DEPENDED_ON_BY = "SELECT DISTINCT depends_on FROM task_dependencies WHERE task_id IN :task_ids"
+DELETE_DEPENDENCIES = "DELETE FROM task_dependencies WHERE task_id IN :task_ids"
+DELETE_TASKS = "DELETE FROM tasks WHERE task_id IN :task_ids"
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    runs: int = 0
+    tasks: int = 0
+    attempts: int = 0
+    run_events: int = 0
+    side_effects: int = 0
+
+    def __add__(self, other: PruneResult) -> PruneResult:
+        return PruneResult(*(getattr(self, f.name) + getattr(other, f.name)
+                             for f in fields(self)))
+
+
+class RetentionStatements:
+    """The statements above, rendered once for one store's dialect."""
+
+    def __init__(self, store: Store) -> None:
+        dialect = store.dialect
+        self.has_dependencies = inspect(store.engine).has_table("task_dependencies")
+
+        def render(statement: str, *expanding: str) -> TextClause:
+            clause = text(statement.format(
+                now=NOW[dialect], lock_r_skip=LOCK_SKIP[dialect].format(alias="r")))
+            return clause.bindparams(*(bindparam(n, expanding=True) for n in expanding))
+
+        self.pick = render(PICK_FINISHED, "finished")
+        self.side_effects = render(DELETE_SIDE_EFFECTS, "run_ids")
+        self.run_events = render(DELETE_RUN_EVENTS, "run_ids")
+        self.attempts = render(DELETE_ATTEMPTS, "run_ids")
+        self.runs = render(DELETE_RUNS, "run_ids", "finished")
+        orphans = ORPHAN_TASKS + (NOT_DEPENDED_ON if self.has_dependencies else "")
+        self.orphan_tasks = render(orphans, "task_ids")
+        self.depended_on = render(DEPENDED_ON_BY, "task_ids")
+        self.dependencies = render(DELETE_DEPENDENCIES, "task_ids")
+        self.tasks = render(DELETE_TASKS, "task_ids")
+
+
+def prune_finished(store: Store, *, keep_seconds: float, limit: int = 500,
+                   statements: RetentionStatements | None = None) -> PruneResult:
+    """Delete up to ``limit`` finished runs whose last change is older than
+    ``keep_seconds``, with everything that belongs only to them, in one transaction."""
+    if keep_seconds < 0 or limit < 1:
+        raise ValueError("keep_seconds must be >= 0 and limit >= 1")
+    st = statements or RetentionStatements(store)
+
+    def work(conn: Connection) -> PruneResult:
+        picked = conn.execute(st.pick, {"finished": FINISHED, "now": store.clock.now(),
+                                        "keep_seconds": keep_seconds, "limit": limit}).all()
+        if not picked:
+            return PruneResult()
+        run_ids = [r.run_id for r in picked]
+        by_run: dict[str, Any] = {"run_ids": run_ids}
+        side_effects = conn.execute(st.side_effects, by_run).rowcount
+        run_events = conn.execute(st.run_events, by_run).rowcount
+        attempts = conn.execute(st.attempts, by_run).rowcount
+        deleted_runs = conn.execute(st.runs, {**by_run, "finished": FINISHED}).rowcount
+        tasks = _prune_tasks(conn, st, sorted({r.task_id for r in picked}))
+        return PruneResult(deleted_runs, tasks, attempts, run_events, side_effects)
+
+    return store._transaction(work)
+
+
+def _prune_tasks(conn: Connection, st: RetentionStatements, candidates: list[str]) -> int:
+    """Delete the candidate tasks that have no run left; then, once, the tasks those
+    depended on, when nothing else needs them any more."""
+    deleted = 0
+    for _ in range(2):
+        if not candidates:
+            break
+        orphans = [r.task_id for r in conn.execute(st.orphan_tasks, {"task_ids": candidates})]
+        if not orphans:
+            break
+        upstream: list[str] = []
+        if st.has_dependencies:
+            upstream = [r.depends_on for r in conn.execute(st.depended_on,
+                                                           {"task_ids": orphans})]
+            conn.execute(st.dependencies, {"task_ids": orphans})
+        deleted += conn.execute(st.tasks, {"task_ids": orphans}).rowcount
+        candidates = sorted(set(upstream) - set(orphans))
+    return deleted
