@@ -15,6 +15,7 @@ from runlane.codehost.base import CodeHost
 from runlane.domain.tasks import TaskInvalid, TaskSpec, parse_task
 from runlane.errors import DatabaseUnavailable, RunlaneError, SchemaOutdated
 from runlane.services.maintenance import Reaper, ReaperConfig, Reconciler, ReconcilerConfig
+from runlane.services.retention import Pruner, RetentionConfig
 from runlane.services.scheduler import Scheduler, SchedulerConfig
 from runlane.settings import Settings, load_settings
 from runlane.store import migrate
@@ -119,6 +120,11 @@ class Runlane:
         return Scheduler(self.store, SchedulerConfig(
             interval_seconds=self.settings.reaper_interval_seconds))
 
+    def pruner(self) -> Pruner | None:
+        """The retention job, unless RETENTION_DAYS is 0 (keep finished runs forever)."""
+        days = self.settings.retention_days
+        return Pruner(self.store, RetentionConfig(keep_days=days)) if days > 0 else None
+
     def pull_requests(self) -> list[dict[str, Any]]:
         return self.store.pull_requests()
 
@@ -155,5 +161,6 @@ class Runlane:
             exit_when_idle=exit_when_idle))
 
     def maintain_once(self) -> dict[str, int]:
+        pruner = self.pruner()
         return {**self.reaper().run_once(), **self.reconciler().run_once(),
-                **self.scheduler().run_once()}
+                **self.scheduler().run_once(), **(pruner.run_once() if pruner else {})}

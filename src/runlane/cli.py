@@ -461,9 +461,9 @@ def up(workers: int, agent_command: str, verify_command: str | None, queues: tup
         pool = WorkerPool(args, workers, database_url=lane.settings.database_url)
         stop = threading.Event()
         signals.signal(signals.SIGTERM, lambda *_: stop.set())
-        services = [lane.reaper(), lane.reconciler(), lane.scheduler()]
+        services = [lane.reaper(), lane.reconciler(), lane.scheduler(), lane.pruner()]
         threads = [threading.Thread(target=svc.run_forever, args=(stop,), daemon=True)
-                   for svc in services]
+                   for svc in services if svc is not None]
         for t in threads:
             t.start()
         pool.start()
@@ -523,7 +523,7 @@ def audit(as_json: bool) -> None:
 @click.option("--once", is_flag=True, help="One pass, then exit.")
 @json_flag
 def maintain(once: bool, as_json: bool) -> None:
-    """Reaper and reconciler; safe to run on several machines at once."""
+    """Reaper, reconciler, scheduler pass and retention; safe on several machines."""
     with _lane() as lane:
         if once:
             counts = lane.maintain_once()
@@ -533,9 +533,9 @@ def maintain(once: bool, as_json: bool) -> None:
                 out.print(", ".join(f"{k}={v}" for k, v in counts.items()))
             return
         stop = threading.Event()
-        services = [lane.reaper(), lane.reconciler(), lane.scheduler()]
+        services = [lane.reaper(), lane.reconciler(), lane.scheduler(), lane.pruner()]
         threads = [threading.Thread(target=s.run_forever, args=(stop,), daemon=True)
-                   for s in services]
+                   for s in services if s is not None]
         for t in threads:
             t.start()
         try:

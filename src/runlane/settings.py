@@ -39,6 +39,8 @@ class Settings(BaseSettings):
     # Extensions to the contract's table (documented in the README).
     payload_cap_bytes: int = Field(4 * 1024 * 1024, gt=0)
     max_attempt_seconds: float = Field(7200.0, gt=0)
+    # Finished runs older than this are pruned by `runlane maintain`; 0 keeps them forever.
+    retention_days: float = Field(30.0, ge=0)
     max_run_seconds: float | None = Field(None, gt=0)
     max_run_cost_usd: float | None = Field(None, ge=0)
     workspace_dir: Path = Path(tempfile.gettempdir()) / "runlane-workspaces"
