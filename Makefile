@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-chaos lint bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,15 +18,32 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/pytest -n 2 --dist loadgroup
+	$(BIN)/pytest -n 2 --dist loadgroup -m "not chaos"
+
+# The fault harness's real runs (minutes each; not yet part of `make test`).
+test-chaos: $(STAMP)
+	$(BIN)/pytest -m chaos
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 	$(BIN)/mypy
 
-bench: $(STAMP)
+PEERS_VENV := bench/.venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed-$(shell cksum < bench/requirements-peers.txt | cut -d' ' -f1)
+
+$(PEERS_STAMP): bench/requirements-peers.txt
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PEERS_VENV)/bin/python -m pip install --quiet -r bench/requirements-peers.txt
+	rm -f $(PEERS_VENV)/.installed-* && touch $(PEERS_STAMP)
+
+bench: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python bench/lifecycle.py --write docs/benchmarks.md
+	$(BIN)/python bench/peers.py --write docs/benchmarks.md
+
+bench-peers: $(STAMP) $(PEERS_STAMP)
+	$(BIN)/python bench/peers.py --write docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) runlane-demo .pytest_cache .mypy_cache .ruff_cache .hypothesis

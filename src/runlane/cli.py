@@ -560,6 +560,15 @@ def demo(directory: Path, as_json: bool) -> None:
         sys.exit(1)
 
 
+def _register_chaos() -> None:
+    from runlane.chaos.cli import chaos_command
+
+    app.add_command(chaos_command)
+
+
+_register_chaos()
+
+
 def main() -> None:
     """Entry point: one clear line on stderr for every error, never a traceback."""
     err = Console(stderr=True, soft_wrap=True)

@@ -1,0 +1,3 @@
+from runlane.chaos.cli import main
+
+main()

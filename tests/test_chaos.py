@@ -1,0 +1,244 @@
+"""The fault harness (``runlane chaos``): its workload, its checks, its command line,
+and real runs: the CI profile on PostgreSQL, eight processes on one SQLite file, and
+two planted bugs it must catch. The runs are marked ``chaos``: ``make test`` runs
+them after the main suite, alone, so their timing is their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runlane.chaos.agent import FATAL, RETRYABLE, STAGES, Behaviour, parse_prompt, plan
+from runlane.chaos.checks import replay_command
+from runlane.chaos.profiles import build_config
+from runlane.chaos.workload import CANCEL_POINTS, build_workload
+from runlane.clock import ManualClock
+from runlane.store.invariants import CHAOS_CHECKS, check_database
+from runlane.store.store import Store
+
+from .support import execute, submit
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def chaos(*args: str, timeout: float, cwd: Path) -> tuple[int, dict[str, Any], str]:
+    """``python -m runlane.chaos ARGS --json``: exit code, report, stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNLANE_")}
+    proc = subprocess.run([sys.executable, "-m", "runlane.chaos", *args, "--json", "--quiet"],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+    document = json.loads(proc.stdout) if proc.stdout.strip() else {}
+    return proc.returncode, document, proc.stderr
+
+
+def checks_of(report: dict[str, Any]) -> Counter[str]:
+    return Counter(v["check"] for v in report["violations"])
+
+
+# --- the workload ------------------------------------------------------------------------
+
+
+def test_the_seed_fixes_the_workload() -> None:
+    first = build_workload(7, 200, repos=4)
+    assert first == build_workload(7, 200, repos=4)
+    assert first != build_workload(8, 200, repos=4)
+    # Switching faults off changes what the tasks do, never which seed draws what.
+    calm = build_workload(7, 200, repos=4, agent_faults=False, cancels=False)
+    assert all(p.cancel_at is None for p in calm)
+    assert {p.behaviour.kind for p in calm} <= {"change", "nochange", "slow"}
+
+
+def test_a_short_profile_workload_covers_every_reason_and_every_cancel_point() -> None:
+    plans = build_workload(1, 300, repos=4)
+    assert {p.cancel_at for p in plans} >= set(CANCEL_POINTS)
+    reasons = {p.behaviour.reason for p in plans if p.behaviour.reason}
+    assert reasons >= set(RETRYABLE) | set(FATAL)
+    kinds = {p.behaviour.kind for p in plans}
+    assert kinds >= {"hang", "hang_once", "stubborn", "verify_fail", "nochange", "exhaust"}
+    assert {p.behaviour.dwell for p in plans} >= set(STAGES)
+    assert len({p.key for p in plans}) == 300
+
+
+def test_the_prompt_carries_the_behaviour_and_each_attempt_is_planned() -> None:
+    b = Behaviour(number=17, kind="flaky", reason="PROVIDER_RATE_LIMIT", fails=2, sleep=0.3,
+                  dwell="FINALIZING")
+    assert parse_prompt(b.prompt()) == b
+    assert parse_prompt("fix the flaky test") is None
+    assert [plan(b, n).action for n in (1, 2, 3)] == ["fail", "fail", "change"]
+    assert plan(b, 1).retry_after == 1.0
+    assert plan(Behaviour(1, "fatal", "LEASE_RELEASED"), 1).recorded == "AGENT_FAILED"
+    assert plan(Behaviour(1, "fatal", "AGENT_FAILED"), 3).action == "exit"
+    assert plan(Behaviour(1, "hang_once"), 1).recorded == "TIMEOUT"
+    assert plan(Behaviour(1, "hang_once"), 2).action == "change"
+    assert plan(Behaviour(1, "verify_fail"), 1).recorded == "VERIFIER_FAILED"
+
+
+def test_the_agent_runs_as_a_script_without_runlane(tmp_path: Path) -> None:
+    """The agent is started for every attempt: it must not import runlane (1 s)."""
+    from runlane.chaos import agent
+
+    env = {"PATH": os.environ["PATH"], "RUNLANE_ATTEMPT": "1", "RUNLANE_RUN_ID": "r1",
+           "RUNLANE_WORKSPACE": str(tmp_path), "RUNLANE_ARTIFACTS_DIR": str(tmp_path),
+           "RUNLANE_PROMPT": Behaviour(3, "flaky", "SANDBOX_START_TIMEOUT", 1, 0.0).prompt()}
+    failed = subprocess.run([sys.executable, "-I", "-S", "-X", "importtime",
+                             str(agent.__file__)], env=env, capture_output=True, text=True,
+                            timeout=30)
+    assert "runlane" not in failed.stderr and "sqlalchemy" not in failed.stderr
+    assert failed.returncode == 1
+    assert '"reason_code": "SANDBOX_START_TIMEOUT"' in failed.stdout
+    env["RUNLANE_ATTEMPT"] = "2"
+    changed = subprocess.run([sys.executable, "-I", "-S", str(agent.__file__)], env=env,
+                             capture_output=True, text=True, timeout=30)
+    assert changed.returncode == 0
+    assert "task 3 run r1 attempt 2" in (tmp_path / "CHAOS.md").read_text()
+
+
+# --- the checks on the database ----------------------------------------------------------
+
+
+def test_the_chaos_checks_pass_on_a_clean_history(store: Store) -> None:
+    [sub] = submit(store)
+    [lease] = store.claim("w1", lease_ttl=30)
+    store.complete(lease, outcome="no_changes")
+    assert store.get_run(sub.run_id)["status"] == "SUCCEEDED"
+    assert check_database(store) == []
+
+
+def test_the_chaos_checks_find_planted_violations(store: Store, clock: ManualClock) -> None:
+    stale, cancelled, waiting = submit(store, 3)
+    [first] = store.claim("w1", lease_ttl=30, run_id=stale.run_id)
+    clock.advance(60)
+    assert store.reap_expired_leases() == 1
+    clock.advance(600)
+    [second] = store.claim("w2", lease_ttl=30, run_id=stale.run_id)
+    assert second.fencing_token == first.fencing_token + 1
+    event = ("INSERT INTO run_events (run_id, attempt_no, at, actor, from_status, to_status, "
+             "reason_code, fencing_token, message) VALUES (:run_id, :attempt_no, :at, :actor, "
+             ":from_status, :to_status, NULL, :token, NULL)")
+    # The first worker writes after the second lease began: a fencing failure.
+    execute(store, event, run_id=stale.run_id, attempt_no=1, at=clock.now() + 1, actor="w1",
+            from_status="RUNNING", to_status="VERIFYING", token=first.fencing_token)
+    # A cancelled run claimed again.
+    store.cancel(cancelled.task_id)
+    execute(store, event, run_id=cancelled.run_id, attempt_no=1, at=clock.now() + 2,
+            actor="w3", from_status="QUEUED", to_status="CLAIMED", token=1)
+    found = Counter(v.check for v in check_database(store))
+    assert found["stale_token_write"] == 1
+    assert found["claimed_after_cancel"] == 1
+    assert found["run_not_terminal"] == 2  # the stale one (leased) and the waiting one
+    assert waiting.run_id in {v.run_id for v in check_database(store)
+                              if v.check == "run_not_terminal"}
+
+
+def test_every_check_is_named_sql_returning_run_and_detail() -> None:
+    for name, statement in CHAOS_CHECKS.items():
+        assert name.islower() and " AS detail" in statement, name
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--faults", "kill,fire"], "unknown fault 'fire'"),
+    (["--engine", "sqlite", "--faults", "restart"], "need PostgreSQL"),
+    (["--database-url", "postgresql://nobody@127.0.0.1:1/x", "--faults", "restart"],
+     "restarts only its private cluster"),
+    (["--profile", "medium"], "medium"),
+])
+def test_bad_options_are_one_line_errors(tmp_path: Path, args: list[str], message: str) -> None:
+    code, document, err = chaos(*args, timeout=60, cwd=tmp_path)
+    assert code == 2 and document == {}
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_replay_command_names_what_differs_from_the_profile() -> None:
+    config = build_config("short", seed=42, runs=50, faults="kill,stop", plant="no_fencing")
+    assert replay_command(config) == ("runlane chaos --profile short --seed 42 --runs 50 "
+                                      "--faults kill,stop --plant no_fencing")
+    assert replay_command(build_config("long", seed=3)) == "runlane chaos --profile long --seed 3"
+    given = build_config("short", seed=1, database_url="postgresql://x@127.0.0.1/y")
+    assert "restart" not in given.faults and given.notes
+
+
+# --- real runs -------------------------------------------------------------------------------
+
+SHORT_SEED = "20261130"
+
+
+@pytest.mark.chaos
+def test_short_profile_every_fault_on_postgresql(tmp_path: Path) -> None:
+    """The CI profile: 300 runs, 4 worker processes, every fault, within 3 minutes."""
+    started = time.monotonic()
+    code, report, err = chaos("--profile", "short", "--seed", SHORT_SEED, timeout=240,
+                              cwd=tmp_path)
+    elapsed = time.monotonic() - started
+    assert report["violations"] == [], (report["violations"][:20], err[-2000:])
+    assert code == 0
+    assert (report["runs"], report["workers"], report["engine"]) == (300, 4, "postgresql")
+    assert report["summary"] == {"lost": 0, "doubled": 0, "stuck": 0}
+    for fault in ("kill", "stop", "terminate", "restart", "duplicate_submit",
+                  "duplicate_wakeup", "duplicate_delivery", "cancel"):
+        assert report["faults"].get(fault, 0) > 0, fault
+    assert set(report["cancels_by_stage"]) >= {"QUEUED", "CLAIMED", "PREPARING_SANDBOX",
+                                               "RUNNING", "VERIFYING", "FINALIZING"}
+    reasons = set(report["attempts_by_reason"])
+    assert reasons >= {"WORKER_LOST", "CANCELLED_BY_USER", "TIMEOUT", "AGENT_FAILED",
+                       "VERIFIER_FAILED", *RETRYABLE, *(set(FATAL) - {"malformed",
+                                                                      "LEASE_RELEASED"})}
+    reclaim = report["reclaim"]
+    assert reclaim["samples"] >= 10 and reclaim["p99"] <= reclaim["budget"]
+    assert report["pull_requests"] == report["outcomes"]["pull_request"]
+    assert elapsed < 180, f"the CI profile took {elapsed:.0f}s"
+
+
+@pytest.mark.chaos
+def test_sqlite_profile_eight_processes_on_one_file(tmp_path: Path) -> None:
+    code, report, err = chaos("--profile", "sqlite", "--seed", SHORT_SEED, timeout=240,
+                              cwd=tmp_path)
+    assert report["violations"] == [], (report["violations"][:20], err[-2000:])
+    assert code == 0
+    assert (report["engine"], report["workers"], report["runs"]) == ("sqlite", 8, 200)
+    assert report["faults"]["kill"] > 0 and report["faults"]["stop"] > 0
+    assert "database_locked" not in checks_of(report)
+    assert report["reclaim"]["samples"] >= 5
+
+
+# A small run with the two faults the planted bugs need: a paused worker's agent (4 s)
+# is still working when its run is taken back, and finishes while the new attempt
+# runs; a killed worker's runs must be taken back. The same run without a plant is the
+# control: it must be clean, so the violations are the plant's.
+PLANT_RUN = ["--profile", "short", "--seed", "7", "--runs", "30", "--faults", "kill,stop",
+             "--kill-every", "5", "--stop-every", "3.5", "--agent-sleep", "4",
+             "--stall-seconds", "10"]
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("plant", ["no_fencing", "no_lease_expiry"])
+def test_the_harness_catches_a_planted_bug(tmp_path: Path, plant: str) -> None:
+    code, report, err = chaos(*PLANT_RUN, "--plant", plant, timeout=180, cwd=tmp_path)
+    assert code == 1, err[-2000:]
+    found = checks_of(report)
+    if plant == "no_fencing":  # a paused worker wakes up and writes as if it still held
+        assert found["stale_token_write"] + found["side_effect_with_stale_token"] > 0, found
+    else:  # a killed worker's runs are never taken back
+        assert found["never_reclaimed"] > 0 and found["run_not_terminal"] > 0, found
+    # The plant, not a crash of a process, is what the checks found.
+    crashes = [v for v in report["violations"]
+               if v["check"] in ("process_exited", "uncaught_exception")]
+    assert crashes == [] and "maintenance_failed" not in report["log_errors"], (
+        crashes, report["log_errors"])
+
+
+@pytest.mark.chaos
+def test_the_planted_bug_runs_are_clean_without_the_plant(tmp_path: Path) -> None:
+    code, report, err = chaos(*PLANT_RUN, timeout=180, cwd=tmp_path)
+    assert report["violations"] == [], (report["violations"][:10], err[-2000:])
+    assert code == 0
+    assert report["faults"]["kill"] > 0 and report["faults"]["stop"] > 0
