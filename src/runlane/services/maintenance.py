@@ -38,14 +38,19 @@ class MaintenanceService:
     def run_once(self) -> dict[str, int]:
         raise NotImplementedError
 
+    def run_logged(self) -> None:
+        """One pass for a loop: counts logged, a failure logged and survived (the
+        next pass may succeed)."""
+        try:
+            counts = self.run_once()
+            if any(counts.values()):
+                log.info("maintenance_pass", service=self.name, **counts)
+        except Exception as exc:
+            log.error("maintenance_failed", service=self.name, error=str(exc))
+
     def run_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            try:
-                counts = self.run_once()
-                if any(counts.values()):
-                    log.info("maintenance_pass", service=self.name, **counts)
-            except Exception as exc:  # keep looping: the next pass may succeed
-                log.error("maintenance_failed", service=self.name, error=str(exc))
+            self.run_logged()
             stop.wait(self.interval_seconds)
 
 

@@ -79,7 +79,6 @@ class Scheduler(MaintenanceService):
         self.interval_seconds = self.config.interval_seconds
         self.trigger = PassTrigger(self._pass)
         self._last: dict[str, int] = {}
-
         self._policy_seen: int | None = None
         self.passes = 0
 
@@ -111,10 +110,5 @@ class Scheduler(MaintenanceService):
             while not stop.is_set():
                 if woken or time.monotonic() >= due:
                     due = time.monotonic() + self.interval_seconds
-                    try:
-                        counts = self.run_once()
-                        if any(counts.values()):
-                            log.info("maintenance_pass", service=self.name, **counts)
-                    except Exception as exc:  # keep looping: the next pass may succeed
-                        log.error("maintenance_failed", service=self.name, error=str(exc))
+                    self.run_logged()
                 woken = listener.wait(min(1.0, max(0.0, due - time.monotonic())))
