@@ -19,14 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from runlane.services.maintenance import MaintenanceService
 from runlane.store.scheduling import SCHEDULE_CHANNEL
 from runlane.store.store import Store
 from runlane.store.wakeup import Listener
-
-log = structlog.get_logger("runlane.scheduler")
 
 
 class PassTrigger:
