@@ -68,6 +68,9 @@ def evaluate(outcome: Outcome) -> Report:
     log_errors, log_violations = _logs(outcome)
     violations += log_violations
     violations += _exits(outcome, notes)
+    if log_errors.get("deadlock_detected"):
+        notes.append(f"PostgreSQL broke {log_errors['deadlock_detected']} deadlock(s) between "
+                     "runlane sessions (logs: DeadlockDetected); the loser was retried")
     if outcome.stray_agents:
         notes.append(f"{outcome.stray_agents} agent process group(s) of killed workers were "
                      "still alive at the end and were killed")
@@ -176,7 +179,7 @@ def _expectations(runs: dict[str, Any], attempts: dict[str, list[Any]]
                         f"attempt {a.attempt_no} failed {a.reason_code}; behaviour {b.kind} "
                         f"planned {step.recorded or 'success'}"))
                 elif a.reason_code not in FAULT_REASONS:
-                    unplanned[f"{a.reason_code}: {(a.message or '')[:80]}"] += 1
+                    unplanned[f"{a.reason_code}: {(a.message or '')[:240]}"] += 1
     return found, dict(unplanned)
 
 
@@ -368,6 +371,8 @@ def _logs(outcome: Outcome) -> tuple[dict[str, int], list[dict[str, Any]]]:
             if isinstance(entry, dict):
                 if entry.get("level") in ("error", "critical"):
                     errors[str(entry.get("event"))] += 1
+                if "deadlock detected" in line:  # resolved by the server, retried: a note
+                    errors["deadlock_detected"] += 1
                 if "database is locked" in line:
                     locked += 1
                     found.append(_violation("database_locked", None,

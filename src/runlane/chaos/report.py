@@ -17,7 +17,7 @@ DOUBLED = frozenset({"two_active_leases", "overlapping_leases", "task_with_two_r
                      "stale_token_write", "side_effect_with_stale_token",
                      "claimed_after_cancel", "attempt_after_end"})
 STUCK = frozenset({"run_not_terminal", "workload_not_submitted", "attempt_left_open",
-                   "reclaim_p99_over_budget", "never_reclaimed"})
+                   "never_reclaimed"})
 
 
 @dataclass
@@ -56,9 +56,11 @@ class Report:
 
     def summary(self) -> dict[str, int]:
         checks = Counter(v["check"] for v in self.violations)
-        return {"lost": sum(n for c, n in checks.items() if c in LOST),
-                "doubled": sum(n for c, n in checks.items() if c in DOUBLED),
-                "stuck": sum(n for c, n in checks.items() if c in STUCK)}
+        kinds = {"lost": LOST, "doubled": DOUBLED, "stuck": STUCK}
+        counts = {k: sum(n for c, n in checks.items() if c in names)
+                  for k, names in kinds.items()}
+        counts["other"] = sum(checks.values()) - sum(counts.values())
+        return counts
 
     def document(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -90,8 +92,8 @@ def render(report: Report, console: Console, *, limit: int = 25) -> None:
         ("faults", ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items())) or "none"),
         ("pull requests", f"{report.pull_requests} ({report.branches} agent branches)"),
         ("death -> reclaim", _reclaim_line(report.reclaim)),
-        ("result", f"{s['lost']} lost, {s['doubled']} doubled, {s['stuck']} stuck; "
-                   f"{len(report.violations)} violation(s)"),
+        ("result", f"{s['lost']} lost, {s['doubled']} doubled, {s['stuck']} stuck, "
+                   f"{s['other']} other: {len(report.violations)} violation(s)"),
     ]
     if report.plant:
         rows.insert(0, ("planted bug", report.plant))
