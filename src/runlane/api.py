@@ -19,6 +19,7 @@ from runlane.services.retention import Pruner, RetentionConfig
 from runlane.services.scheduler import Scheduler, SchedulerConfig
 from runlane.settings import Settings, load_settings
 from runlane.store import migrate
+from runlane.store.engine import build_engine
 from runlane.store.store import CancelResult, Store, Submission, Violation
 from runlane.worker.attempt import AgentRunner, AttemptDriver, AttemptSettings, Judge
 from runlane.worker.worker import Worker, WorkerConfig
@@ -40,6 +41,9 @@ class Runlane:
             retry_policy=self.settings.retry_policy(),
             payload_cap_bytes=self.settings.payload_cap_bytes,
             rng=rng,
+            engine=build_engine(
+                self.settings.database_url,
+                idle_in_transaction_timeout=self.settings.idle_in_transaction_timeout_seconds),
         )
 
     def close(self) -> None:

@@ -9,15 +9,18 @@ import structlog
 
 
 def configure_logging(level: str = "INFO", json: bool = True) -> None:
-    renderer: structlog.types.Processor = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
+    # JSON lines carry a logged exception's traceback as a string ("exception");
+    # the console renderer prints it itself.
+    renderer: list[structlog.types.Processor] = (
+        [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()] if json
+        else [structlog.dev.ConsoleRenderer()]
     )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
+            *renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),

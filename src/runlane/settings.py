@@ -16,6 +16,7 @@ from pydantic_settings import (
 
 from runlane.domain.retry import RetryPolicy
 from runlane.errors import RunlaneError
+from runlane.store.engine import IDLE_IN_TRANSACTION_TIMEOUT_SECONDS
 
 CONFIG_FILE = "runlane.toml"
 
@@ -47,6 +48,10 @@ class Settings(BaseSettings):
     artifacts_dir: Path = Path("runlane-artifacts")
     drain_grace_seconds: float = Field(30.0, ge=0)
     agent_term_grace_seconds: float = Field(10.0, ge=0)
+    # PostgreSQL ends a session idle inside a transaction this long (a frozen process
+    # holding row locks); 0 never does. See store/engine.py.
+    idle_in_transaction_timeout_seconds: float = Field(
+        IDLE_IN_TRANSACTION_TIMEOUT_SECONDS, ge=0)
 
     @model_validator(mode="after")
     def _heartbeat_well_inside_the_lease(self) -> Settings:

@@ -74,6 +74,9 @@ class ChaosConfig:
             "RUNLANE_AGENT_TERM_GRACE_SECONDS": "0.5",
             "RUNLANE_DRAIN_GRACE_SECONDS": "2",
             "RUNLANE_MAX_ATTEMPT_SECONDS": "60",
+            # Half the lease: a worker paused inside a transaction loses its session
+            # (and its row locks) before its leases expire (defaults: lease 60 s, this 5 s).
+            "RUNLANE_IDLE_IN_TRANSACTION_TIMEOUT_SECONDS": f"{self.lease_ttl / 2:g}",
         }
 
 

@@ -3,7 +3,13 @@
 SQLite: WAL, a long busy timeout, and every transaction opened with
 ``BEGIN IMMEDIATE`` so that writers queue on the file lock up front instead of
 failing with "database is locked" when a read transaction tries to upgrade.
-PostgreSQL: psycopg 3, a pool sized to the machine, pre-ping for dead sessions.
+PostgreSQL: psycopg 3, a pool sized to the machine, pre-ping for dead sessions, and
+``idle_in_transaction_session_timeout``: runlane's transactions are a few short
+statements, so a session idle inside one for seconds belongs to a frozen process (a
+SIGSTOP, a VM pause); the server ends it and its row locks go with it, instead of
+every claim, heartbeat and reaper pass waiting until the process wakes up. The
+process sees the error on its next statement, SQLAlchemy discards the connection,
+and its loops retry (an attempt whose write it was is abandoned to the reaper).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from sqlalchemy.engine import make_url
 from runlane.errors import RunlaneError
 
 SQLITE_BUSY_TIMEOUT_SECONDS = 60.0
+# PostgreSQL's idle_in_transaction_session_timeout for runlane's sessions (0: none).
+IDLE_IN_TRANSACTION_TIMEOUT_SECONDS = 5.0
 
 
 class DatabaseUrlInvalid(RunlaneError):
@@ -43,7 +51,9 @@ def dialect_of(url: str) -> str:
     return make_url(normalize_url(url)).get_backend_name()
 
 
-def build_engine(url: str, pool_size: int | None = None) -> Engine:
+def build_engine(url: str, pool_size: int | None = None, *,
+                 idle_in_transaction_timeout: float = IDLE_IN_TRANSACTION_TIMEOUT_SECONDS
+                 ) -> Engine:
     url = normalize_url(url)
     if dialect_of(url) == "sqlite":
         return _sqlite_engine(url)
@@ -63,8 +73,14 @@ def build_engine(url: str, pool_size: int | None = None) -> Engine:
                       # The claim's cost estimate grows with its batch size; past
                       # jit_above_cost PostgreSQL would JIT-compile every claim (7-110 ms
                       # at 1M queued runs, docs/benchmarks.md) for a sub-millisecond query.
-                      "options": "-c jit=off"},
+                      "options": "-c jit=off -c idle_in_transaction_session_timeout="
+                                 f"{_milliseconds(idle_in_transaction_timeout)}"},
     )
+
+
+def _milliseconds(seconds: float) -> int:
+    """A PostgreSQL timeout setting: whole milliseconds, at least 1 unless off (0)."""
+    return max(1, round(seconds * 1000)) if seconds > 0 else 0
 
 
 def _sqlite_engine(url: str) -> Engine:

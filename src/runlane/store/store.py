@@ -8,6 +8,7 @@ changes nothing the store says why (``LeaseLost`` or ``CancelRequested``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
@@ -61,6 +62,13 @@ S = RunStatus
 WAKEUP_CHANNEL = "runlane_wakeup"  # payload: queue name
 CANCEL_CHANNEL = "runlane_cancel"  # payload: run id
 CANCELLING = frozenset({S.CANCEL_REQUESTED, S.CANCELLING})
+# The reaper's lock on one expired lease's run and attempt (skipped when held).
+_REAP_LOCK = """
+SELECT r.queue FROM runs r
+JOIN attempts a ON a.run_id = r.run_id AND a.fencing_token = :token
+WHERE r.run_id = :run_id
+{lock_ra_skip}
+"""
 
 
 @dataclass
@@ -574,7 +582,8 @@ class Store(SchedulingMixin):
 
     def heartbeat(self, worker_id: str, leases: Iterable[Lease], *,
                   lease_ttl: float = 60.0) -> HeartbeatResult:
-        """Extend all of a worker's leases in one statement; report the lost ones."""
+        """Extend all of a worker's leases in one statement; report the lost ones (the
+        worker warns: it knows which of them its own attempts have just ended)."""
         held = {lease.run_id: lease for lease in leases}
         if not held:
             return HeartbeatResult()
@@ -597,10 +606,7 @@ class Store(SchedulingMixin):
             lost = frozenset(set(held) - set(extended))
             return HeartbeatResult(extended, frozenset(cancel), lost)
 
-        result = self._transaction(work)
-        if result.lost:
-            log.warning("lease_lost", worker_id=worker_id, run_ids=sorted(result.lost))
-        return result
+        return self._transaction(work)
 
     # --- fenced worker writes -----------------------------------------------------
 
@@ -901,23 +907,37 @@ class Store(SchedulingMixin):
     # --- maintenance: reaper and reconciler -----------------------------------------
 
     def reap_expired_leases(self, *, limit: int = 100) -> int:
-        """Expire leases past their expiry (database clock) and recover their runs."""
-        def work(conn: Connection) -> int:
-            rows = conn.execute(self._q(sql.EXPIRED_LEASES),
-                                {"limit": limit, "now": self.clock.now()}).all()
-            reaped = 0
-            for r in rows:
-                snap = self._snapshot(conn, r.run_id, r.fencing_token)
-                if snap is None or snap.lease_status != "ACTIVE" or \
-                        snap.lease_expires_at > snap.now:
-                    continue  # extended or ended meanwhile
-                self._end_attempt(conn, snap, Reason.WORKER_LOST, actor="reaper",
-                                  lease_status="EXPIRED",
-                                  message=f"lease of worker {r.worker_id} expired")
-                reaped += 1
-            return reaped
+        """Expire leases past their expiry (database clock) and recover their runs.
 
-        return self._transaction(work)
+        One short transaction lists the expired leases; then each is ended in its own
+        transaction, which locks that run (and attempt) first, then its limit counters,
+        then its lane: the order every writer keeps. Ending several in one transaction
+        would lock lanes in expiry order and deadlock with claims and the reconciler.
+        A run requeued here wakes an idle worker of its queue (NOTIFY), as a submit does.
+        A lease whose run another transaction holds is left to the next pass.
+        """
+        expired = self._transaction(lambda conn: conn.execute(
+            self._q(sql.EXPIRED_LEASES), {"limit": limit, "now": self.clock.now()}).all())
+
+        def reap_one(conn: Connection, run_id: str, token: int, worker_id: str) -> bool:
+            queue = conn.execute(self._q(_REAP_LOCK), {"run_id": run_id, "token": token}
+                                 ).scalar()
+            if queue is None:
+                return False  # held by a claim, a heartbeat or another reaper: next pass
+            snap = self._snapshot(conn, run_id, token)
+            if snap is None or snap.lease_status != "ACTIVE" or \
+                    snap.lease_expires_at > snap.now:
+                return False  # extended or ended meanwhile
+            status = self._end_attempt(conn, snap, Reason.WORKER_LOST, actor="reaper",
+                                       lease_status="EXPIRED",
+                                       message=f"lease of worker {worker_id} expired")
+            if status is S.QUEUED:
+                self._notify(conn, WAKEUP_CHANNEL, queue)
+            return True
+
+        return sum(self._transaction(functools.partial(
+            reap_one, run_id=r.run_id, token=r.fencing_token, worker_id=r.worker_id))
+            for r in expired)
 
     def reconcile(self, *, admitted_grace: float = 60.0, active_grace: float = 60.0,
                   worker_grace: float = 180.0, max_attempt_seconds: float = 7200.0,

@@ -21,12 +21,27 @@ from typing import Any
 import structlog
 from sqlalchemy.exc import DBAPIError
 
-from runlane.store.store import CANCEL_CHANNEL, Store
+from runlane.domain.states import LEASED, RunStatus
+from runlane.store.store import CANCEL_CHANNEL, WAKEUP_CHANNEL, Lease, Store
 from runlane.store.wakeup import Listener
 from runlane.version import __version__
 from runlane.worker.attempt import AttemptDriver, AttemptState
 
 log = structlog.get_logger("runlane.worker")
+
+
+# A wake-up (NOTIFY) can announce a run before it is visible: the reaper requeues with
+# a backoff, and its notification arrives within milliseconds. A wake-up whose claim
+# found nothing is followed by one more look after this long (at most the poll).
+WAKEUP_RECHECK_SECONDS = 0.1
+# The stages in which an attempt still holds its lease (a cancel being delivered too).
+_HELD = LEASED | {RunStatus.CANCEL_REQUESTED, RunStatus.CANCELLING}
+
+
+def holds_lease(lease: Lease) -> bool:
+    """False once the attempt's own write ended its lease (complete, fail, release,
+    cancel): the heartbeat has nothing left to extend."""
+    return lease.stage in _HELD
 
 
 def new_worker_id() -> str:
@@ -105,6 +120,7 @@ class Worker:
     # --- claiming ----------------------------------------------------------------------
 
     def _claim_loop(self) -> None:
+        announced = False  # the last wait was ended by a wake-up for new work
         while not self.draining.is_set():
             try:
                 claimed = self._claim_once()
@@ -115,7 +131,15 @@ class Worker:
             except Exception as exc:  # keep the worker alive; its attempts keep running
                 self.log.error("claim_loop_error", error=f"{type(exc).__name__}: {exc}")
                 claimed = 0
-            for wake in self.listener.wait(self.config.poll_seconds if claimed == 0 else 0):
+            if claimed:
+                wait = 0.0
+            elif announced:  # woken for work that was not visible yet: look again soon
+                wait = min(self.config.poll_seconds, WAKEUP_RECHECK_SECONDS)
+            else:
+                wait = self.config.poll_seconds
+            woken = self.listener.wait(wait)
+            announced = any(w.channel == WAKEUP_CHANNEL for w in woken)
+            for wake in woken:
                 if wake.channel == CANCEL_CHANNEL:
                     with self._lock:
                         if wake.payload in self._active:
@@ -171,8 +195,9 @@ class Worker:
         while not self._stopped.is_set():
             self._beat_now.wait(wait)
             self._beat_now.clear()
-            with self._lock:
-                states = {run_id: s for run_id, (_, s) in self._active.items()}
+            with self._lock:  # not the attempts that have ended or are stopping for a loss
+                states = {run_id: s for run_id, (_, s) in self._active.items()
+                          if holds_lease(s.lease) and not s.lost.is_set()}
             sent_at = time.monotonic()
             try:
                 result = self.store.heartbeat(self.worker_id, [s.lease for s in states.values()],
@@ -189,7 +214,11 @@ class Worker:
             wait = max(0.0, self.config.heartbeat_seconds - (time.monotonic() - sent_at))
             for run_id in result.extended:
                 states[run_id].extended(sent_at, self.config.lease_ttl_seconds)
-            for run_id in result.lost:
+            # An attempt may end its lease while the beat is on its way: not a loss.
+            lost = sorted(r for r in result.lost if holds_lease(states[r].lease))
+            if lost:
+                self.log.warning("lease_lost", run_ids=lost)
+            for run_id in lost:
                 states[run_id].lost.set()
             for run_id in result.cancel_requested:
                 states[run_id].cancel.set()
