@@ -15,12 +15,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/runlane demo
 
+# Lint, types, the main suite on two processes, then the fault harness's real runs
+# (tests marked chaos: the short PostgreSQL profile, the SQLite profile, the planted
+# bugs and their control), one at a time after the main suite, so that nothing else
+# of the suite competes with their recovery-time figures (about 5 minutes).
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest -n 2 --dist loadgroup -m "not chaos"
+	$(BIN)/pytest -m chaos
 
-# The fault harness's real runs (minutes each; not yet part of `make test`).
+# The fault harness's real runs alone (the second half of `make test`).
 test-chaos: $(STAMP)
 	$(BIN)/pytest -m chaos
 
