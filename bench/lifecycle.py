@@ -716,11 +716,8 @@ def populate(url: str, first: int, count: int, chunk: int = 100_000) -> None:
 
 
 def claim_candidate_sql() -> str:
-    """LANE_CANDIDATES (a claim's walk of one lane), rendered by the store's own
-    Statements, without the full-scope exclusions (no limits are configured here)."""
-    body = "\n".join(line for line in sql.LANE_CANDIDATES.splitlines()
-                     if "NOT IN :full_" not in line)
-    return sql.Statements("postgresql").render(body).text
+    """LANE_RUNS (a claim's walk of its lanes), rendered by the store's own Statements."""
+    return sql.Statements("postgresql").render(sql.LANE_RUNS["postgresql"]).text
 
 
 def busiest_lane(conn: Any) -> int:
@@ -730,8 +727,9 @@ def busiest_lane(conn: Any) -> int:
 
 
 def candidate_params(lane_id: int, limit: int) -> dict[str, Any]:
-    return {"lane_id": lane_id, "limit": limit, "now": None,
-            "after_created": float("-inf"), "after_id": ""}
+    """One lane, ``limit`` runs from its head."""
+    return {"lane_ids": [lane_id], "shares": [limit], "now": None,
+            "after_created": [float("-inf")], "after_ids": [""]}
 
 
 @dataclass(frozen=True)
@@ -756,16 +754,16 @@ def explain_claim(url: str) -> Plan:
             custom = "\n".join(str(r[0]) for r in rows)
             conn.rollback()
             numbered = body
-            for n, name in enumerate(("lane_id", "limit", "now", "after_created",
-                                      "after_id"), start=1):
+            for n, name in enumerate(("lane_ids", "shares", "now", "after_created",
+                                      "after_ids"), start=1):
                 numbered = re.sub(rf"(?<!:):{name}\b", f"${n}", numbered)
             conn.exec_driver_sql("SET LOCAL plan_cache_mode = force_generic_plan")
             conn.exec_driver_sql(
-                "PREPARE bench_claim_probe(integer, bigint, double precision, "
-                "double precision, varchar) AS " + numbered)
+                "PREPARE bench_claim_probe(bigint[], integer[], double precision, "
+                "double precision[], text[]) AS " + numbered)
             rows = conn.exec_driver_sql(
-                f"EXPLAIN (ANALYZE, BUFFERS) EXECUTE bench_claim_probe({lane_id}, 1, NULL, "
-                "'-Infinity', '')")
+                f"EXPLAIN (ANALYZE, BUFFERS) EXECUTE bench_claim_probe('{{{lane_id}}}', "
+                "'{1}', NULL, '{-Infinity}', '{\"\"}')")
             generic = "\n".join(str(r[0]) for r in rows)
             conn.exec_driver_sql("DEALLOCATE bench_claim_probe")
             conn.rollback()

@@ -79,6 +79,7 @@ FULL_REPOS = 20  # acme/repo-05000.. hold all theirs
 LIMITS_POLICY = {"global_max_active": 1_000, "per_tenant_max_active": 5,
                  "per_repository_max_active": 2, "per_user_max_active": 5}
 PG = sql.Statements("postgresql")
+LANE_RUNS = sql.LANE_RUNS["postgresql"]
 
 
 @dataclass(frozen=True)
@@ -357,6 +358,8 @@ def statement_names() -> dict[str, str]:
     PostgreSQL, plus the few the store builds itself."""
     names = {}
     for name, value in vars(sql).items():
+        if name.isupper() and isinstance(value, dict) and "postgresql" in value:
+            value = value["postgresql"]  # a statement with per-dialect texts
         if name.isupper() and isinstance(value, str):
             try:
                 names[_normal(PG.render(value).text)] = name
@@ -580,13 +583,12 @@ def explain_all(url: str) -> list[Explained]:
             lanes = conn.execute(*bind(sql.PICK_LANES, pick)).all()
             conn.rollback()
 
-            def candidates(lane_id: int, limit: int) -> dict[str, Any]:
-                return {"lane_id": lane_id, "limit": limit, "now": None,
-                        "after_created": float("-inf"), "after_id": "",
-                        "full_repos": names("repo"), "full_users": names("user"),
-                        "full_risks": names("risk")}
+            def candidates(lane_ids: list[int], limit: int) -> dict[str, Any]:
+                return {"lane_ids": lane_ids, "shares": [limit] * len(lane_ids),
+                        "now": None, "after_created": [float("-inf")] * len(lane_ids),
+                        "after_ids": [""] * len(lane_ids)}
 
-            found = (conn.execute(*bind(sql.LANE_CANDIDATES, candidates(r.lane_id, 1))).first()
+            found = (conn.execute(*bind(LANE_RUNS, candidates([r.lane_id], 1))).first()
                      for r in lanes)
             firsts = [c for c in found if c is not None][:10]
             conn.rollback()
@@ -599,41 +601,42 @@ def explain_all(url: str) -> list[Explained]:
             scopes_ten = sorted({"global"} | {s for c in firsts for s in (
                 f"tenant:{c.tenant}", f"repo:{c.repo}", f"user:{c.user_id}")})
             n_full = len(full)
-            out.append(explain(conn, "CLAIM_CONTEXT", sql.CLAIM_CONTEXT, {"now": None},
+            out.append(explain(conn, "FULL_SCOPES", sql.FULL_SCOPES, {},
                                index="ix_limit_counters_full", table="limit_counters",
                                bound=n_full, note=f"{n_full} full counters", ordered=False))
             out.append(explain(conn, "PICK_LANES", sql.PICK_LANES, pick, index="ix_lanes_pick",
                                table="lanes", bound=16,
                                note="a GPU worker's first page of 16 lanes"))
-            out.append(explain(conn, "LANE_CANDIDATES", sql.LANE_CANDIDATES,
-                               candidates(lane.lane_id, 1), index="ix_runs_lane_dispatch",
+            out.append(explain(conn, "LANE_RUNS", LANE_RUNS,
+                               candidates([lane.lane_id], 1), index="ix_runs_lane_dispatch",
                                table="runs", bound=4,
                                note=f"the first lane with a runnable run ({lane_size:,} "
                                     "queued runs), limit 1"))
-            out.append(explain(conn, "LANE_CANDIDATES (generic plan)", sql.LANE_CANDIDATES,
-                               candidates(lane.lane_id, 1), index="ix_runs_lane_dispatch",
+            out.append(explain(conn, "LANE_RUNS (generic plan)", LANE_RUNS,
+                               candidates([lane.lane_id], 1), index="ix_runs_lane_dispatch",
                                table="runs", bound=4, generic=True,
                                note="the plan a prepared statement may settle on"))
+            out.append(explain(conn, "LANE_RUNS (10 lanes)", LANE_RUNS,
+                               candidates([r.lane_id for r in lanes[:10]], 1),
+                               index="ix_runs_lane_dispatch", table="runs", bound=40,
+                               note="a claim of 10 shared over 10 lanes, one statement"))
             out.append(explain(conn, "ENSURE_COUNTER", sql.ENSURE_COUNTER,
                                {"scope": scopes_one[-1], "max_active": 5},
                                index="limit_counters_pkey", table="limit_counters", bound=1,
                                note="one scope (executemany: one per scope)", ordered=False))
-            out.append(explain(conn, "LOCK_SCOPES", sql.LOCK_SCOPES,
+            out.append(explain(conn, "LOCK_SCOPES", sql.LOCK_SCOPES["postgresql"],
                                {"scopes": scopes_ten}, index="limit_counters_pkey",
                                table="limit_counters", bound=len(scopes_ten),
                                note=f"the {len(scopes_ten)} scopes of a claim of 10"))
-            out.append(explain(conn, "TAKE_SLOTS", sql.TAKE_SLOTS,
-                               {"scopes": scopes_one}, index="limit_counters_pkey",
-                               table="limit_counters", bound=len(scopes_one),
-                               note="one run's scopes", ordered=False))
-            out.append(explain(conn, "CLAIM_RUNS", sql.CLAIM_RUNS,
-                               {"run_ids": sorted(c.run_id for c in firsts), "now": None},
-                               index="runs_pkey", table="runs", bound=len(firsts),
-                               note=f"{len(firsts)} runs", ordered=False))
-            out.append(explain(conn, "LANE_CLAIMED", sql.LANE_CLAIMED,
-                               {"lane_id": lane.lane_id, "n": 1}, index="lanes_pkey",
-                               table="lanes", bound=1, note="one lane (executemany)",
-                               ordered=False))
+            claimed_lanes = sorted({c.lane_id for c in firsts})
+            out.append(explain(conn, "CLAIM_WRITE_PG", sql.CLAIM_WRITE_PG, {
+                "now": None, "slot_scopes": scopes_ten, "slot_counts": [0] * len(scopes_ten),
+                "run_ids": sorted(c.run_id for c in firsts), "estimated": [None] * len(firsts),
+                "scopes": [None] * len(firsts), "worker_id": WORKER, "ttl": 600.0,
+                "lane_ids": claimed_lanes, "lane_counts": [1] * len(claimed_lanes)},
+                index="runs_pkey", table="runs", bound=len(firsts),
+                note=f"the writes of a claim of {len(firsts)} runs in one statement (slots, "
+                     "compare-and-set, attempts, events, lanes)", ordered=False))
             out.append(explain(conn, "LANE_VIRTUAL_TIME", sql.LANE_VIRTUAL_TIME,
                                {"queue": QUEUE, "priority": 50}, index="ix_lanes_pick",
                                table="lanes", bound=1, note="submit path"))

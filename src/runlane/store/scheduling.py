@@ -30,7 +30,7 @@ from runlane.domain.routing import (
     unmet,
 )
 from runlane.domain.states import RunStatus
-from runlane.errors import PolicyDenied
+from runlane.errors import PolicyDenied, TransitionRefused
 from runlane.store import sql
 
 if TYPE_CHECKING:
@@ -98,6 +98,7 @@ class SchedulingMixin:
         def _notify(self, conn: Connection, channel: str, payload: str) -> None: ...
         def _now(self, conn: Connection) -> float: ...
         def _transaction(self, work: Callable[[Connection], T]) -> T: ...
+        def _record(self, conn: Connection, events: list[dict[str, Any]]) -> None: ...
         def _set_status(self, conn: Connection, *, run_id: str, source: RunStatus,
                         path: Sequence[RunStatus], run_token: int, actor: str,
                         now: float | None, fenced: bool = False,
@@ -273,31 +274,33 @@ class SchedulingMixin:
 
     # --- slots (concurrency limits) ----------------------------------------------
 
-    def _lock_counters(self, conn: Connection, limits: dict[str, int]) -> None:
-        """Create (or update the maximum of) and lock every counter a claim may touch,
-        in one global order (by scope), before it touches any: two claims whose runs
-        share scopes then queue on the first shared one instead of deadlocking."""
-        if limits:
-            conn.execute(self._q(sql.ENSURE_COUNTER),
-                         [{"scope": s, "max_active": limits[s]} for s in sorted(limits)])
-            conn.execute(self._q(sql.LOCK_SCOPES, "scopes"), {"scopes": sorted(limits)})
-
-    def _take_slots(self, conn: Connection, limits: dict[str, int]) -> bool:
-        """One slot in every limited scope, or none at all (counters locked first)."""
+    def _lock_counters(self, conn: Connection, limits: dict[str, int]
+                       ) -> dict[str, list[int]]:
+        """Lock the counter of every scope a claim may take a slot in, in one global
+        order (by scope), before it takes any: two claims whose runs share scopes then
+        queue on the first shared one instead of deadlocking. Returns each scope's
+        ``[active, max_active]``. A scope without a counter yet, or whose maximum the
+        policy changed, is upserted (in scope order) and the set locked again."""
         if not limits:
-            return True
+            return {}
         scopes = sorted(limits)
-        taken = conn.execute(self._q(sql.TAKE_SLOTS, "scopes"), {"scopes": scopes}).all()
-        if len(taken) < len(scopes):
-            if taken:
-                conn.execute(self._q(sql.GIVE_SLOTS, "scopes"),
-                             {"scopes": [r.scope for r in taken]})
-            return False
-        for r in taken:
-            if r.scope.startswith("tenant:") and r.active >= r.max_active:
-                conn.execute(self._q(sql.MARK_TENANT_LANES),
-                             {"tenant": r.scope.removeprefix("tenant:"), "at_limit": 1})
-        return True
+        counters = {r.scope: [int(r.active), int(r.max_active)]
+                    for r in self._lock_scopes(conn, scopes)}
+        stale = [s for s in scopes if s not in counters or counters[s][1] != limits[s]]
+        if stale:
+            conn.execute(self._q(sql.ENSURE_COUNTER),
+                         [{"scope": s, "max_active": limits[s]} for s in stale])
+            counters = {r.scope: [int(r.active), int(r.max_active)]
+                        for r in self._lock_scopes(conn, scopes)}
+        return counters
+
+    def _lock_scopes(self, conn: Connection, scopes: list[str]) -> list[Any]:
+        """LOCK_SCOPES: the counters of ``scopes`` (sorted), locked in that order."""
+        if self.dialect == "postgresql":
+            return list(conn.execute(self._q(sql.LOCK_SCOPES["postgresql"]),
+                                     {"scopes": scopes}))
+        return list(conn.execute(self._q(sql.LOCK_SCOPES["sqlite"], "scopes"),
+                                 {"scopes": scopes}))
 
     def _give_back_slots(self, conn: Connection, run_id: str, token: int, raw: Any) -> None:
         """An attempt ended (``raw``: the scopes its row held, as the ending statement
@@ -308,7 +311,7 @@ class SchedulingMixin:
         conn.execute(self._q(sql.CLEAR_ATTEMPT_SLOTS), {"run_id": run_id, "token": token})
         if not scopes:
             return
-        conn.execute(self._q(sql.LOCK_SCOPES, "scopes"), {"scopes": sorted(scopes)})
+        self._lock_scopes(conn, sorted(scopes))
         for r in conn.execute(self._q(sql.GIVE_SLOTS, "scopes"), {"scopes": sorted(scopes)}):
             if r.scope.startswith("tenant:") and r.active == r.max_active - 1:
                 conn.execute(self._q(sql.MARK_TENANT_LANES),
@@ -356,19 +359,18 @@ class SchedulingMixin:
     # --- the claim ------------------------------------------------------------------
 
     def _claim_candidates(self, conn: Connection, queue: str, limit: int,
-                          capabilities: dict[str, Any] | None, run_id: str | None,
-                          full: set[str]) -> list[Any]:
+                          capabilities: dict[str, Any] | None, run_id: str | None
+                          ) -> list[Any]:
+        """The runs a claim may take, fairest first: lanes picked a page at a time by
+        priority and stride pass, the free slots shared among them by weight, each
+        lane's share read from its head (all lanes in one statement on PostgreSQL).
+        A lane that comes up short (runs in backoff, full repository) drops out and its
+        share goes round again, then to the next page."""
         now = self.clock.now()
         if run_id is not None:
             return list(conn.execute(self._q(sql.RUN_CANDIDATE),
                                      {"run_id": run_id, "now": now}))
-
-        def names(prefix: str) -> list[str]:
-            return sorted(s.removeprefix(prefix) for s in full if s.startswith(prefix))
-
         routes = sorted(self._servable_routes(conn, capabilities))
-        exclusions = {"full_repos": names("repo:"), "full_users": names("user:"),
-                      "full_risks": names("risk:")}
         candidates: list[Any] = []
         cursors: dict[int, tuple[float, str]] = {}
         wanted = limit
@@ -385,79 +387,90 @@ class SchedulingMixin:
             if not page:
                 break
             after = (page[-1].priority, page[-1].pass_, page[-1].lane_id)
-            # Share the free slots among this page's lanes; a lane that comes up short
-            # (its runs are in backoff or blocked) drops out and its share goes round.
             while wanted > 0 and page:
+                shares = share_slots(page, wanted)
+                got = self._lane_runs(conn, shares, cursors, now)
                 short: set[int] = set()
-                taken: dict[int, int] = {}
-                for lane_id, runs_wanted in share_slots(page, wanted):
-                    after_created, after_id = cursors.get(lane_id, (float("-inf"), ""))
-                    got = conn.execute(
-                        self._q(sql.LANE_CANDIDATES, "full_repos", "full_users", "full_risks"),
-                        {"lane_id": lane_id, "limit": runs_wanted, "now": now,
-                         "after_created": after_created, "after_id": after_id,
-                         **exclusions}).all()
-                    if got:
-                        cursors[lane_id] = (got[-1].created_at, got[-1].run_id)
-                    candidates.extend(got)
-                    wanted -= len(got)
-                    taken[lane_id] = len(got)
-                    if len(got) < runs_wanted:
+                for lane_id, share in shares:
+                    rows = got.get(lane_id, [])
+                    if rows:
+                        cursors[lane_id] = (rows[-1].created_at, rows[-1].run_id)
+                    candidates.extend(rows)
+                    wanted -= len(rows)
+                    if len(rows) < share:
                         short.add(lane_id)
                 if not short:
                     break
+                taken = {lane_id: len(got.get(lane_id, [])) for lane_id, _ in shares}
                 page = [replace(lane, queued=lane.queued - taken.get(lane.lane_id, 0),
                                 pass_=lane.pass_ + taken.get(lane.lane_id, 0) / lane.weight)
                         for lane in page if lane.lane_id not in short]
         return candidates
 
-    def _claim_context(self, conn: Connection) -> tuple[set[str], int, float]:
-        """The scopes at their limit, the policy version in force, and now."""
-        full: set[str] = set()
-        version, now = 0, 0.0
-        for r in conn.execute(self._q(sql.CLAIM_CONTEXT), {"now": self.clock.now()}):
-            if r.scope is not None:
-                full.add(r.scope)
-            else:
-                version, now = int(r.version or 0), float(r.now)
-        return full, version, now
+    def _lane_runs(self, conn: Connection, shares: list[tuple[int, int]],
+                   cursors: dict[int, tuple[float, str]], now: float | None
+                   ) -> dict[int, list[Any]]:
+        """Each lane's next ``share`` runnable runs after its cursor, SKIP LOCKED."""
+        start = (float("-inf"), "")
+        if self.dialect == "postgresql":
+            rows = conn.execute(self._q(sql.LANE_RUNS["postgresql"]), {
+                "lane_ids": [lane for lane, _ in shares],
+                "shares": [n for _, n in shares],
+                "after_created": [cursors.get(lane, start)[0] for lane, _ in shares],
+                "after_ids": [cursors.get(lane, start)[1] for lane, _ in shares],
+                "now": now}).all()
+        else:
+            rows = [row for lane, n in shares for row in conn.execute(
+                self._q(sql.LANE_RUNS["sqlite"]),
+                {"lane_id": lane, "share": n, "after_created": cursors.get(lane, start)[0],
+                 "after_id": cursors.get(lane, start)[1], "now": now})]
+        by_lane: dict[int, list[Any]] = {}
+        for row in rows:
+            by_lane.setdefault(row.lane_id, []).append(row)
+        for lane_rows in by_lane.values():
+            lane_rows.sort(key=lambda r: (r.created_at, r.run_id))
+        return by_lane
 
-    def _screen(self, conn: Connection, candidates: list[Any], *, actor: str, version: int,
-                now: float) -> list[tuple[Any, Decision]]:
+    def _screen(self, conn: Connection, candidates: list[Any], *, actor: str
+                ) -> tuple[list[tuple[Any, Decision]], dict[str, int], set[str]]:
         """Cancellation (invariant 1), policy at claim (invariant 7) and slots
         (invariant 9): a candidate of a cancelled task is pruned; each other one is
         re-admitted under the policy in force now; a denied run ends POLICY_DENIED,
-        a deferred one waits for capacity, one without a free slot stays queued."""
+        a deferred one waits for capacity, one without a free slot stays queued.
+        Returns the runs that passed, the slots they take per scope, and the tenants
+        those slots bring to their limit."""
+        version, now = int(candidates[0].version or 0), float(candidates[0].now)
+        for c in candidates:
+            if c.task_cancelled:
+                self._set_status(
+                    conn, run_id=c.run_id, source=S.QUEUED, path=[S.CANCELLED],
+                    run_token=c.fencing_token, actor=actor, now=now,
+                    reason_code=Reason.CANCELLED_BY_USER,
+                    message="its task was cancelled; pruned at claim")
+        candidates = [c for c in candidates if not c.task_cancelled]
         if not candidates:
-            return []
-        cancelled = set(conn.execute(self._q(sql.CANCELLED_TASKS, "task_ids"),
-                                     {"task_ids": sorted({c.task_id for c in candidates})})
-                        .scalars())
-        if cancelled:
-            for c in candidates:
-                if c.task_id in cancelled:
-                    self._set_status(
-                        conn, run_id=c.run_id, source=S.QUEUED, path=[S.CANCELLED],
-                        run_token=c.fencing_token, actor=actor, now=now,
-                        reason_code=Reason.CANCELLED_BY_USER,
-                        message="its task was cancelled; pruned at claim")
-            candidates = [c for c in candidates if c.task_id not in cancelled]
-            if not candidates:
-                return []
+            return [], {}, set()
         policy = self._policy_version(conn, version)
         usage = self._tenant_usage(conn, {c.tenant for c in candidates}, now) \
             if has_budgets(policy) else {}
-        decisions = []
+        decisions: dict[tuple[Any, ...], Decision] = {}
+        screened = []
         for c in candidates:
             spent = usage.get(c.tenant)
-            decisions.append(admit(self._request_of(c), policy, version,
-                                   TenantUsage(0, spent.spent_today_usd if spent else 0.0),
-                                   now))
+            spent_usd = spent.spent_today_usd if spent else 0.0
+            key = (c.tenant, c.repo, c.queue, c.priority, c.user_id, c.max_attempts,
+                   c.route_key, spent_usd)
+            if key not in decisions:  # runs of one tenant, repo, user... decide alike
+                decisions[key] = admit(self._request_of(c), policy, version,
+                                       TenantUsage(0, spent_usd), now)
+            screened.append((c, decisions[key]))
         # Lock order, everywhere: run rows, then counters (by scope), then lanes.
-        self._lock_counters(conn, {scope: limit for d in decisions if d.decision == "ADMIT"
-                                   for scope, limit in d.concurrency.items()})
+        counters = self._lock_counters(conn, {
+            scope: limit for _, d in screened if d.decision == "ADMIT"
+            for scope, limit in d.concurrency.items()})
         passed: list[tuple[Any, Decision]] = []
-        for c, decision in zip(candidates, decisions, strict=True):
+        slots: Counter[str] = Counter()
+        for c, decision in screened:
             if decision.decision == "DENY":
                 self._set_status(
                     conn, run_id=c.run_id, source=S.QUEUED, path=[S.POLICY_DENIED],
@@ -465,17 +478,70 @@ class SchedulingMixin:
                     reason_code=decision.reason_code,
                     message=(f"denied at claim by policy v{version} (admitted under "
                              f"v{c.policy_version}): {decision.message}"))
-                continue
-            if decision.decision == "DEFER":
+            elif decision.decision == "DEFER":
                 self._set_status(
                     conn, run_id=c.run_id, source=S.QUEUED, path=[S.WAITING_CAPACITY],
                     run_token=c.fencing_token, actor=actor, now=now,
                     reason_code=decision.reason_code, message=decision.message,
                     visible_at=decision.retry_after)
-                continue
-            if self._take_slots(conn, decision.concurrency):
+            elif all(counters[s][0] < counters[s][1] for s in decision.concurrency):
+                for s in decision.concurrency:  # one slot in every scope, or none
+                    counters[s][0] += 1
+                    slots[s] += 1
                 passed.append((c, decision))
-        return passed
+        full_tenants = {s.removeprefix("tenant:") for s in slots
+                        if s.startswith("tenant:") and counters[s][0] >= counters[s][1]}
+        return passed, dict(slots), full_tenants
+
+    def _write_claim(self, conn: Connection, passed: list[tuple[Any, Decision]],
+                     slots: dict[str, int], full_tenants: set[str], *, worker_id: str,
+                     lease_ttl: float) -> list[Any]:
+        """Take the slots, compare-and-set the runs QUEUED -> CLAIMED with their next
+        fencing token, open their attempts (the leases), record the events and move
+        the lanes: one statement on PostgreSQL. Returns ``(run_id, fencing_token,
+        attempt_count, now)`` per claimed run."""
+        run_ids = [c.run_id for c, _ in passed]
+        scopes = [json.dumps(sorted(d.concurrency)) if d.concurrency else None
+                  for _, d in passed]
+        per_lane = Counter(c.lane_id for c, _ in passed)
+        lanes = sorted(per_lane)
+        now = self.clock.now()
+        if self.dialect == "postgresql":
+            rows: list[Any] = list(conn.execute(self._q(sql.CLAIM_WRITE_PG), {
+                "slot_scopes": sorted(slots), "slot_counts": [slots[s] for s in sorted(slots)],
+                "run_ids": run_ids, "estimated": [c.estimated_cost_usd for c, _ in passed],
+                "scopes": scopes, "worker_id": worker_id, "ttl": lease_ttl,
+                "lane_ids": lanes, "lane_counts": [per_lane[lane] for lane in lanes],
+                "now": now}))
+            slots_taken = int(rows[0].slots_taken) if rows else 0
+        else:
+            slots_taken = sum(conn.execute(self._q(sql.ADD_SLOTS), {"scope": s, "n": n})
+                              .rowcount for s, n in sorted(slots.items()))
+            rows = list(conn.execute(self._q(sql.CLAIM_RUNS, "run_ids"),
+                                     {"run_ids": run_ids, "now": now}))
+            by_id = {r.run_id: r for r in rows}
+            estimated = {c.run_id: c.estimated_cost_usd for c, _ in passed}
+            held = dict(zip(run_ids, scopes, strict=True))
+            conn.execute(self._q(sql.INSERT_ATTEMPT), [
+                {"run_id": r.run_id, "attempt_no": r.attempt_count,
+                 "fencing_token": r.fencing_token, "worker_id": worker_id,
+                 "lease_expires_at": r.now + lease_ttl, "now": r.now,
+                 "estimated_cost_usd": estimated[r.run_id], "limit_scopes": held[r.run_id]}
+                for r in by_id.values()])
+            self._record(conn, [
+                {"run_id": r.run_id, "attempt_no": r.attempt_count, "at": r.now,
+                 "actor": worker_id, "from_status": S.QUEUED.value,
+                 "to_status": S.CLAIMED.value, "reason_code": None,
+                 "fencing_token": r.fencing_token, "message": None}
+                for r in by_id.values()])
+            conn.execute(self._q(sql.LANE_CLAIMED),
+                         [{"lane_id": lane, "n": per_lane[lane]} for lane in lanes])
+        # Cannot happen: the runs and the counters are locked.
+        if len(rows) != len(passed) or slots_taken != len(slots):
+            raise TransitionRefused("claimed runs or their slots changed while locked")
+        for tenant in sorted(full_tenants):
+            conn.execute(self._q(sql.MARK_TENANT_LANES), {"tenant": tenant, "at_limit": 1})
+        return rows
 
     def _check_policy_before_effect(self, conn: Connection, run_id: str, effect: str) -> None:
         """Invariant 7, third check: a side effect is refused when the policy in force

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import structlog
-from sqlalchemy import JSON, Connection, Engine, Table, insert, select, text
+from sqlalchemy import Connection, Engine, Table, event, insert, select, text
 from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from runlane.clock import Clock, DatabaseClock
 from runlane.domain.admission import AdmissionRequest, Decision, TenantUsage, admit
@@ -33,6 +33,7 @@ from runlane.domain.states import (
     LEASED,
     TERMINAL,
     WAITING,
+    IllegalTransition,
     RunStatus,
     check_path,
     is_allowed,
@@ -69,6 +70,15 @@ JOIN attempts a ON a.run_id = r.run_id AND a.fencing_token = :token
 WHERE r.run_id = :run_id
 {lock_ra_skip}
 """
+
+
+_SENT = "runlane_statement_sent"  # conn.info key: [True] once a statement went through
+
+
+def _statement_sent(conn: Connection, *_: Any) -> None:
+    sent = conn.info.get(_SENT)
+    if sent is not None:
+        sent[0] = True
 
 
 @dataclass
@@ -110,6 +120,16 @@ class HeartbeatResult:
     extended: dict[str, float] = field(default_factory=dict)  # run_id -> new expiry
     cancel_requested: frozenset[str] = frozenset()
     lost: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What ``complete_many`` did: the leases whose runs it completed, and why each
+    other lease was refused (``LeaseLost``, ``CancelRequested``, ``TransitionRefused``
+    or ``IllegalTransition``); a refused lease changed nothing."""
+
+    completed: tuple[Lease, ...] = ()
+    refused: tuple[tuple[Lease, Exception], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -185,6 +205,9 @@ class Store(SchedulingMixin):
         self._cache: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._policy_cache: dict[int, Policy] = {}
         self._routes_cache: dict[str, tuple[float, frozenset[str]]] = {}
+        if isinstance(self.engine, Engine) and \
+                not event.contains(self.engine, "after_cursor_execute", _statement_sent):
+            event.listen(self.engine, "after_cursor_execute", _statement_sent)
 
     @property
     def is_postgres(self) -> bool:
@@ -204,15 +227,31 @@ class Store(SchedulingMixin):
 
     def _transaction(self, work: Callable[[Connection], T]) -> T:
         """Run ``work`` in one transaction; on SQLite, retry if the file stayed locked
-        past the busy timeout, so that "database is locked" never reaches a caller."""
+        past the busy timeout, so that "database is locked" never reaches a caller.
+
+        PostgreSQL: the pool does not ping a connection at checkout (a round trip per
+        transaction); a pooled session that died meanwhile (server restart, terminated
+        backend) fails on the transaction's first statement, before anything reached
+        the server, and the transaction is run again once on a fresh connection.
+        A failure after a statement went through is raised, as before."""
         attempt = 0
         while True:
+            sent = [False]
             try:
                 with self.engine.begin() as conn:
-                    return work(conn)
-            except OperationalError as exc:
+                    info = conn.info
+                    info[_SENT] = sent
+                    try:
+                        return work(conn)
+                    finally:
+                        info.pop(_SENT, None)
+            except DBAPIError as exc:
                 attempt += 1
-                if self.dialect != "sqlite" or "locked" not in str(exc) or attempt >= 20:
+                if exc.connection_invalidated and not sent[0] and attempt == 1:
+                    log.warning("stale_connection_retry", error=str(exc.orig)[:200])
+                    continue
+                if not isinstance(exc, OperationalError) or self.dialect != "sqlite" \
+                        or "locked" not in str(exc) or attempt >= 20:
                     raise
                 log.warning("sqlite_busy_retry", attempt=attempt)
                 time.sleep(min(0.05 * attempt, 1.0) * (1 + self.rng.random()))
@@ -229,22 +268,16 @@ class Store(SchedulingMixin):
     def _bulk_insert(self, conn: Connection, table: Table, rows: list[dict[str, Any]],
                      suffix: str = "") -> Any:
         """Insert many rows in one statement. PostgreSQL: one ``INSERT … SELECT FROM
-        unnest(arrays)``, a short statement however many rows (a multi-row VALUES text
-        costs more to build and parse than to run); SQLite: executemany."""
+        json_populate_recordset(:rows)``, a short statement however many rows (a
+        multi-row VALUES text costs more to build and parse than to run); SQLite:
+        executemany."""
         if not self.is_postgres:
             statement = insert(table)
             if suffix:
                 raise ValueError("suffix is PostgreSQL-only")
             return conn.execute(statement, rows)
-        columns = list(rows[0])
-        statement = self._q(sql.bulk_insert_unnest(table, columns, suffix))
-        params = {}
-        for name in columns:
-            values = [row[name] for row in rows]
-            if isinstance(table.c[name].type, JSON):
-                values = [None if v is None else json.dumps(v) for v in values]
-            params[name] = values
-        return conn.execute(statement, params)
+        statement = self._q(sql.bulk_insert_json(table, list(rows[0]), suffix))
+        return conn.execute(statement, {"rows": json.dumps(rows)})
 
     def _record(self, conn: Connection, events: list[dict[str, Any]]) -> None:
         if events:
@@ -292,28 +325,26 @@ class Store(SchedulingMixin):
         if row is None:
             return False
         self._lane_moved(conn, row.lane_id, source, target)
-        event_at = now if now is not None else self._now(conn)
-        hops = [source, *path]
-        self._record(
-            conn,
-            [
-                {
-                    "run_id": run_id,
-                    "attempt_no": attempt_no,
-                    "at": event_at,
-                    "actor": actor,
-                    "from_status": a.value,
-                    "to_status": b.value,
-                    "reason_code": reason_code,
-                    "fencing_token": run_token,
-                    "message": message,
-                }
-                for a, b in itertools.pairwise(hops)
-            ],
-        )
+        self._record(conn, self._hop_events(
+            run_id, source, path, at=now if now is not None else row.now, actor=actor,
+            attempt_no=attempt_no, token=run_token, reason_code=reason_code,
+            message=message))
         if target in TERMINAL and row.has_dependents:
             self._resolve_dependents(conn, row.task_id, now)
         return True
+
+    @staticmethod
+    def _hop_events(run_id: str, source: RunStatus, path: Sequence[RunStatus], *, at: float,
+                    actor: str, attempt_no: int | None, token: int,
+                    reason_code: str | None = None, message: str | None = None
+                    ) -> list[dict[str, Any]]:
+        """One run event per hop of a status move (the path already checked)."""
+        return [
+            {"run_id": run_id, "attempt_no": attempt_no, "at": at, "actor": actor,
+             "from_status": a.value, "to_status": b.value, "reason_code": reason_code,
+             "fencing_token": token, "message": message}
+            for a, b in itertools.pairwise([source, *path])
+        ]
 
     # --- submit -------------------------------------------------------------------
 
@@ -333,8 +364,10 @@ class Store(SchedulingMixin):
         ).returning(tasks.c.task_id)
 
         def work(conn: Connection) -> list[Submission]:
-            now = self._now(conn)
-            version, policy = self._policy(conn)
+            context = conn.execute(self._q(sql.SUBMIT_CONTEXT),
+                                   {"now": self.clock.now()}).one()
+            now, version = float(context.now), int(context.version or 0)
+            policy = self._policy_version(conn, version)
             usage = self._tenant_usage(conn, {spec.tenant for spec, _ in fitted}, now) \
                 if policy_needs_usage(policy) else {}
             referenced = sorted({t for spec, _ in fitted
@@ -527,48 +560,26 @@ class Store(SchedulingMixin):
         check_path([S.QUEUED], [S.CLAIMED])
 
         def work(conn: Connection) -> list[Lease]:
-            full, version, now = self._claim_context(conn)
-            if "global" in full or f"queue:{queue}" in full:
+            candidates = self._claim_candidates(conn, queue, limit, capabilities, run_id)
+            if not candidates:
                 return []
-            candidates = self._claim_candidates(conn, queue, limit, capabilities, run_id, full)
-            passed = self._screen(conn, candidates, actor=worker_id, version=version, now=now)
+            passed, slots, full_tenants = self._screen(conn, candidates, actor=worker_id)
             if not passed:
                 return []
-            by_id = {c.run_id: (c, decision) for c, decision in passed}
-            rows = conn.execute(self._q(sql.CLAIM_RUNS, "run_ids"),
-                                {"run_ids": sorted(by_id), "now": self.clock.now()}).all()
-            if len(rows) != len(by_id):  # cannot happen: the candidates are locked
-                raise TransitionRefused("claimed runs changed while locked")
-            now = rows[0].now
+            rows = self._write_claim(conn, passed, slots, full_tenants,
+                                     worker_id=worker_id, lease_ttl=lease_ttl)
+            by_id = {c.run_id: c for c, _ in passed}
             leases = []
-            for r in sorted(rows, key=lambda r: (by_id[r.run_id][0].priority,
-                                                 by_id[r.run_id][0].created_at, r.run_id)):
-                c = by_id[r.run_id][0]
+            for r in sorted(rows, key=lambda r: (by_id[r.run_id].priority,
+                                                 by_id[r.run_id].created_at, r.run_id)):
+                c = by_id[r.run_id]
                 limits = c.limits if isinstance(c.limits, dict) else json.loads(c.limits or "{}")
                 leases.append(Lease(
                     run_id=r.run_id, task_id=c.task_id, attempt_no=r.attempt_count,
                     fencing_token=r.fencing_token, worker_id=worker_id,
-                    expires_at=now + lease_ttl, tenant=c.tenant, repo=c.repo, queue=c.queue,
-                    priority=c.priority, max_attempts=c.max_attempts, limits=limits or {}))
-            conn.execute(self._q(sql.INSERT_ATTEMPT), [
-                {"run_id": lease.run_id, "attempt_no": lease.attempt_no,
-                 "fencing_token": lease.fencing_token, "worker_id": worker_id,
-                 "lease_expires_at": lease.expires_at, "now": now,
-                 "estimated_cost_usd": by_id[lease.run_id][0].estimated_cost_usd,
-                 "limit_scopes": (json.dumps(sorted(by_id[lease.run_id][1].concurrency))
-                                  if by_id[lease.run_id][1].concurrency else None)}
-                for lease in leases])
-            self._record(conn, [
-                {"run_id": lease.run_id, "attempt_no": lease.attempt_no, "at": now,
-                 "actor": worker_id, "from_status": S.QUEUED.value,
-                 "to_status": S.CLAIMED.value, "reason_code": None,
-                 "fencing_token": lease.fencing_token, "message": None}
-                for lease in leases])
-            per_lane: dict[int, int] = {}
-            for c, _ in passed:
-                per_lane[c.lane_id] = per_lane.get(c.lane_id, 0) + 1
-            conn.execute(self._q(sql.LANE_CLAIMED),
-                         [{"lane_id": lane_id, "n": n} for lane_id, n in sorted(per_lane.items())])
+                    expires_at=r.now + lease_ttl, tenant=c.tenant, repo=c.repo,
+                    queue=c.queue, priority=c.priority, max_attempts=c.max_attempts,
+                    limits=limits or {}))
             return leases
 
         leases = self._transaction(work)
@@ -638,30 +649,98 @@ class Store(SchedulingMixin):
         self._fenced_path(lease, [stage])
 
     def complete(self, lease: Lease, *, outcome: str = "succeeded") -> None:
-        """The one door to SUCCEEDED: FINALIZING -> SUCCEEDED, lease released."""
-        path = [S.SUCCEEDED] if lease.stage is S.FINALIZING else [S.FINALIZING, S.SUCCEEDED]
-        self._fenced_path(lease, path, outcome=outcome, end_attempt="SUCCEEDED")
+        """The one door to SUCCEEDED: FINALIZING -> SUCCEEDED, lease released. Raises
+        why when refused (``LeaseLost``, ``CancelRequested``, ...): ``complete_many``
+        of this one lease."""
+        done = self.complete_many([lease], outcome=outcome)
+        if done.refused:
+            raise done.refused[0][1]
 
-    def _fenced_path(self, lease: Lease, path: list[RunStatus], *, outcome: str | None = None,
-                     end_attempt: str | None = None) -> None:
+    def complete_many(self, leases: Iterable[Lease], *, outcome: str = "succeeded"
+                      ) -> Completion:
+        """Complete many leases in one transaction, with set-based fenced statements.
+
+        Each run moves from its lease's stage to SUCCEEDED (through FINALIZING unless
+        it is there; every path checked against the transition table), compare-and-set
+        on its fencing token and on its lease being the run's live one; one event per
+        hop; its attempt ended and its lease released; its concurrency slots given back;
+        runs waiting on its task released. A stale, lost or cancelled lease is refused
+        and changes nothing; it never stops the others. Returns both lists.
+        """
+        batch = list(leases)
+        refused: dict[int, Exception] = {}
+        moves: dict[str, tuple[int, Lease, list[RunStatus]]] = {}
+        for i, lease in enumerate(batch):
+            path = [S.SUCCEEDED] if lease.stage is S.FINALIZING else [S.FINALIZING, S.SUCCEEDED]
+            try:
+                check_path([lease.stage], path)
+            except IllegalTransition as exc:
+                refused[i] = exc
+                continue
+            if lease.run_id in moves:
+                refused[i] = TransitionRefused(
+                    f"run {lease.run_id} appears twice in one completion batch")
+                continue
+            moves[lease.run_id] = (i, lease, path)
+
+        def work(conn: Connection) -> tuple[set[str], dict[int, Exception]]:
+            if not moves:
+                return set(), {}
+            ordered = [moves[run_id][1] for run_id in sorted(moves)]
+            rows = conn.execute(self._q(sql.SET_RUN_STATUS_FENCED_MANY), {
+                **self._lease_batch(ordered), "to_status": S.SUCCEEDED.value,
+                "outcome": outcome, "now": self.clock.now()}).all()
+            won = {r.run_id: r for r in rows}
+            events: list[dict[str, Any]] = []
+            for run_id, row in sorted(won.items()):
+                _, lease, path = moves[run_id]
+                self._lane_moved(conn, row.lane_id, lease.stage, path[-1])
+                events += self._hop_events(run_id, lease.stage, path, at=row.now,
+                                           actor=lease.worker_id, attempt_no=lease.attempt_no,
+                                           token=lease.fencing_token)
+            self._record(conn, events)
+            for _, row in sorted(won.items()):
+                if row.has_dependents:
+                    self._resolve_dependents(conn, row.task_id, row.now)
+            if won:
+                ended = conn.execute(self._q(sql.END_ATTEMPTS_MANY), {
+                    **self._lease_batch([lease for lease in ordered if lease.run_id in won]),
+                    "status": "SUCCEEDED", "reason_code": None, "message": None,
+                    "retry_after_seconds": None, "lease_status": "RELEASED",
+                    "now": min(r.now for r in rows)}).all()
+                for r in sorted(ended, key=lambda r: r.run_id):
+                    self._give_back_slots(conn, r.run_id, r.fencing_token, r.limit_scopes)
+            lost = {i: self._refusal(conn, lease, path[-1])
+                    for run_id, (i, lease, path) in moves.items() if run_id not in won}
+            return set(won), lost
+
+        completed_ids, lost = self._transaction(work)
+        refused.update(lost)
+        completed = [moves[run_id][1] for run_id in sorted(
+            completed_ids, key=lambda run_id: moves[run_id][0])]
+        for lease in completed:
+            lease.stage = S.SUCCEEDED
+        return Completion(tuple(completed),
+                          tuple((batch[i], refused[i]) for i in sorted(refused)))
+
+    def _lease_batch(self, leases: Sequence[Lease]) -> dict[str, Any]:
+        """The parameters of ``sql.LEASE_BATCH``: PostgreSQL arrays, SQLite JSON."""
+        if self.is_postgres:
+            return {"run_ids": [lease.run_id for lease in leases],
+                    "tokens": [lease.fencing_token for lease in leases],
+                    "sources": [lease.stage.value for lease in leases]}
+        return {"leases": json.dumps([[lease.run_id, lease.fencing_token, lease.stage.value]
+                                      for lease in leases])}
+
+    def _fenced_path(self, lease: Lease, path: list[RunStatus]) -> None:
         def work(conn: Connection) -> None:
-            now = self.clock.now()
             won = self._set_status(
                 conn, run_id=lease.run_id, source=lease.stage, path=path,
-                run_token=lease.fencing_token, actor=lease.worker_id, now=now, fenced=True,
-                attempt_no=lease.attempt_no, outcome=outcome,
+                run_token=lease.fencing_token, actor=lease.worker_id, now=self.clock.now(),
+                fenced=True, attempt_no=lease.attempt_no,
             )
             if not won:
                 raise self._refusal(conn, lease, path[-1])
-            if end_attempt:
-                held = conn.execute(
-                    self._q(sql.END_ATTEMPT),
-                    {"status": end_attempt, "reason_code": None, "message": None,
-                     "retry_after_seconds": None, "lease_status": "RELEASED",
-                     "now": now if now is not None else self._now(conn),
-                     "run_id": lease.run_id, "token": lease.fencing_token},
-                ).scalar()
-                self._give_back_slots(conn, lease.run_id, lease.fencing_token, held)
 
         self._transaction(work)
         lease.stage = path[-1]
@@ -674,9 +753,9 @@ class Store(SchedulingMixin):
                       "now": self.clock.now()}
             if conn.execute(self._q(sql.ADD_ATTEMPT_COST), params).rowcount != 1:
                 raise LeaseLost(f"run {lease.run_id}: cost refused, lease not live")
-            total = float(conn.execute(self._q(sql.ADD_RUN_COST), params).scalar_one())
-            self._add_tenant_spend(conn, lease.tenant, usd, self._now(conn))
-            return total
+            row = conn.execute(self._q(sql.ADD_RUN_COST), params).one()
+            self._add_tenant_spend(conn, lease.tenant, usd, float(row.now))
+            return float(row.cost_usd)
 
         total = self._transaction(work)
         maximum = lease.limits.get("max_cost_usd")
