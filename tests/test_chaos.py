@@ -200,7 +200,7 @@ def test_short_profile_every_fault_on_postgresql(tmp_path: Path) -> None:
 
 @pytest.mark.chaos
 def test_sqlite_profile_eight_processes_on_one_file(tmp_path: Path) -> None:
-    code, report, err = chaos("--profile", "sqlite", "--seed", SHORT_SEED, timeout=240,
+    code, report, err = chaos("--profile", "sqlite", "--seed", SHORT_SEED, timeout=330,
                               cwd=tmp_path)
     assert report["violations"] == [], (report["violations"][:20], err[-2000:])
     assert code == 0
