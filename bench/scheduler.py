@@ -633,7 +633,8 @@ def explain_all(url: str) -> list[Explained]:
                 "now": None, "slot_scopes": scopes_ten, "slot_counts": [0] * len(scopes_ten),
                 "run_ids": sorted(c.run_id for c in firsts), "estimated": [None] * len(firsts),
                 "scopes": [None] * len(firsts), "worker_id": WORKER, "ttl": 600.0,
-                "lane_ids": claimed_lanes, "lane_counts": [1] * len(claimed_lanes)},
+                "lane_ids": claimed_lanes, "lane_counts": [1] * len(claimed_lanes),
+                "ahead": 1e-6},
                 index="runs_pkey", table="runs", bound=len(firsts),
                 note=f"the writes of a claim of {len(firsts)} runs in one statement (slots, "
                      "compare-and-set, attempts, events, lanes)", ordered=False))

@@ -612,7 +612,7 @@ def test_claim_write_touches_only_its_rows(explain_db: ExplainDb) -> None:
             "now": None, "slot_scopes": scopes, "slot_counts": [0] * len(scopes),
             "run_ids": run_ids, "estimated": [None] * 50, "scopes": [None] * 50,
             "worker_id": "explain-worker", "ttl": 60.0, "lane_ids": [lane],
-            "lane_counts": [50]})
+            "lane_counts": [50], "ahead": 1e-6})
         conn.rollback()
     assert plan["Plan"]["Actual Rows"] == 50, describe(plan)
     assert_bounded(plan, index="runs_pkey", table="runs", bound=50, ordered=False)
@@ -620,6 +620,18 @@ def test_claim_write_touches_only_its_rows(explain_db: ExplainDb) -> None:
     # The lane is read twice: locked (in lane_id order), then updated.
     assert read.get("limit_counters", 0) <= len(scopes) and read.get("lanes", 0) <= 2, \
         describe(plan)
+
+
+def test_lanes_wake_reads_only_sleeping_lanes(explain_db: ExplainDb) -> None:
+    """Every claim that took nothing (and every PostgreSQL claim, in its write) wakes the
+    lanes whose backoff is over: through the partial index of sleeping lanes, never a
+    scan of all lanes."""
+    with explain_db.engine.connect() as conn:
+        conn.execute(text("UPDATE lanes SET wake_at = 0 WHERE lane_id = :l"),
+                     {"l": explain_db.lanes["backoff"]})
+        plan = explain(conn, sql.LANES_WAKE, {"now": None, "ahead": 1e-6})
+        conn.rollback()
+    assert_bounded(plan, index="ix_lanes_wake", table="lanes", bound=3, ordered=False)
 
 
 @pytest.mark.parametrize(("queue", "priority"), [("default", BEST), ("batch", 100)])

@@ -9,7 +9,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from runlane.clock import ManualClock
 from runlane.domain.policy import parse_policy
@@ -188,6 +188,64 @@ def test_2010_blocked_rows_ahead_of_one_runnable_row(store: Store, clock: Manual
     runnable = submit(store, repo="/srv/git/other.git", tenant=tenant)[0]
     leases = store.claim("w1", limit=1, lease_ttl=TTL)
     assert [lease.run_id for lease in leases] == [runnable.run_id]
+
+
+class LaneWalks:
+    """Counts the lane-walk statements (LANE_RUNS) a store sends."""
+
+    def __init__(self, store: Store) -> None:
+        self.count = 0
+        event.listen(store.engine, "before_cursor_execute", self._seen)
+
+    def _seen(self, conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if "task_cancelled" in statement and "full_scopes AS" in statement:
+            self.count += 1
+
+    def during(self, work: Any) -> tuple[Any, int]:
+        before = self.count
+        result = work()
+        return result, self.count - before
+
+
+def test_lanes_whose_runs_all_wait_for_backoff_sleep_until_due(
+        store: Store, clock: ManualClock) -> None:
+    """40 tenants' retries wait for their backoff in lanes ahead of a runnable run (a
+    better priority): the first claim walks those lanes once and puts them to sleep;
+    later claims never walk them (one lane walk each); when the backoff is over they
+    wake and are claimed."""
+    retried = submit_each(store, [f"t{i:02d}" for i in range(40)], priority="high")
+    leases = store.claim("w0", limit=40, lease_ttl=TTL)
+    assert len(leases) == 40
+    for lease in leases:
+        store.fail(lease, Reason.PROVIDER_RATE_LIMIT, retry_after_seconds=300.0)
+    walks = LaneWalks(store)
+    first = submit(store, tenant="z")[0]
+    got, n = walks.during(lambda: store.claim("w1", limit=1, lease_ttl=TTL))
+    assert [lease.run_id for lease in got] == [first.run_id]
+    assert n >= 3  # 40 empty lanes, pages of 16, then z's
+    with store.engine.connect() as conn:
+        asleep = conn.execute(text("SELECT COUNT(*) FROM lanes WHERE wake_at IS NOT NULL")
+                              ).scalar_one()
+    assert asleep == 40
+    for _ in range(3):
+        later = submit(store, tenant="z")[0]
+        got, n = walks.during(lambda: store.claim("w1", limit=1, lease_ttl=TTL))
+        assert [lease.run_id for lease in got] == [later.run_id]
+        assert n == 1, "sleeping lanes were walked again"
+    # A new run in a sleeping lane wakes it at once.
+    fresh = submit(store, tenant="t07", priority="high")[0]
+    assert [lease.run_id for lease in store.claim("w1", limit=1, lease_ttl=TTL)] == \
+        [fresh.run_id]
+    assert store.claim("w1", limit=5, lease_ttl=TTL) == []  # all the rest still wait
+    clock.advance(301 * 1.3)  # past the backoff and its jitter
+    woken = store.claim("w1", limit=40, lease_ttl=TTL)
+    assert sorted(lease.run_id for lease in woken) == sorted(r.run_id for r in retried)
+    assert {lease.attempt_no for lease in woken} == {2}
+    assert store.audit() == []
+
+
+def submit_each(store: Store, tenants: list[str], **fields: Any) -> list[Any]:
+    return store.submit([spec(tenant=t, **fields) for t in tenants])
 
 
 def test_equal_created_at_at_a_page_boundary_neither_skipped_nor_repeated(

@@ -360,16 +360,18 @@ class SchedulingMixin:
 
     def _claim_candidates(self, conn: Connection, queue: str, limit: int,
                           capabilities: dict[str, Any] | None, run_id: str | None
-                          ) -> list[Any]:
+                          ) -> tuple[list[Any], set[int]]:
         """The runs a claim may take, fairest first: lanes picked a page at a time by
         priority and stride pass, the free slots shared among them by weight, each
         lane's share read from its head (all lanes in one statement on PostgreSQL).
         A lane that comes up short (runs in backoff, full repository) drops out and its
-        share goes round again, then to the next page."""
+        share goes round again, then to the next page. Also returns the lanes that
+        gave nothing at all (candidates to sleep: ``_lane_upkeep``)."""
         now = self.clock.now()
+        empty: set[int] = set()
         if run_id is not None:
             return list(conn.execute(self._q(sql.RUN_CANDIDATE),
-                                     {"run_id": run_id, "now": now}))
+                                     {"run_id": run_id, "now": now})), empty
         routes = sorted(self._servable_routes(conn, capabilities))
         candidates: list[Any] = []
         cursors: dict[int, tuple[float, str]] = {}
@@ -399,13 +401,30 @@ class SchedulingMixin:
                     wanted -= len(rows)
                     if len(rows) < share:
                         short.add(lane_id)
+                        if not rows and lane_id not in cursors:
+                            empty.add(lane_id)
                 if not short:
                     break
                 taken = {lane_id: len(got.get(lane_id, [])) for lane_id, _ in shares}
                 page = [replace(lane, queued=lane.queued - taken.get(lane.lane_id, 0),
                                 pass_=lane.pass_ + taken.get(lane.lane_id, 0) / lane.weight)
                         for lane in page if lane.lane_id not in short]
-        return candidates
+        return candidates, empty
+
+    def _lane_upkeep(self, conn: Connection, empty: set[int], *, wake: bool) -> int:
+        """Last in a claim (lanes are last in the lock order; both statements skip
+        lanes others hold): put to sleep the lanes that gave nothing because all their
+        runs wait for a backoff, and wake the lanes whose time came (on PostgreSQL a
+        claim that took runs did that in its write). Returns the lanes woken."""
+        if empty:
+            sleep = self._q(sql.LANES_SLEEP["postgresql"]) if self.dialect == "postgresql" \
+                else self._q(sql.LANES_SLEEP["sqlite"], "lane_ids")
+            conn.execute(sleep, {"lane_ids": sorted(empty), "now": self.clock.now()})
+        if not wake:
+            return 0
+        woken = conn.execute(self._q(sql.LANES_WAKE),
+                             {"now": self.clock.now(), "ahead": JOIN_AHEAD}).rowcount
+        return int(woken or 0)
 
     def _lane_runs(self, conn: Connection, shares: list[tuple[int, int]],
                    cursors: dict[int, tuple[float, str]], now: float | None
@@ -512,7 +531,7 @@ class SchedulingMixin:
                 "run_ids": run_ids, "estimated": [c.estimated_cost_usd for c, _ in passed],
                 "scopes": scopes, "worker_id": worker_id, "ttl": lease_ttl,
                 "lane_ids": lanes, "lane_counts": [per_lane[lane] for lane in lanes],
-                "now": now}))
+                "ahead": JOIN_AHEAD, "now": now}))
             slots_taken = int(rows[0].slots_taken) if rows else 0
         else:
             slots_taken = sum(conn.execute(self._q(sql.ADD_SLOTS), {"scope": s, "n": n})

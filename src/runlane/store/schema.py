@@ -128,7 +128,8 @@ Index(
 # Lanes: the unit of fair sharing. ``queued_count`` says whether a lane has work;
 # ``pass`` is its stride-scheduling virtual time (advanced by 1/weight per claim);
 # ``tenant_at_limit`` hides every lane of a tenant that holds all its slots, so a
-# full tenant's backlog is never scanned by a claim.
+# full tenant's backlog is never scanned by a claim; ``wake_at`` hides a lane whose
+# runs all wait for their backoff.
 lanes = Table(
     "lanes",
     metadata,
@@ -141,13 +142,22 @@ lanes = Table(
     Column("queued_count", Integer, nullable=False, server_default="0"),
     Column("pass", Float, nullable=False, server_default="0"),
     Column("tenant_at_limit", Integer, nullable=False, server_default="0"),
+    # Set while every queued run of the lane waits for its backoff: the lane is out of
+    # the pick index until then (migration 0005).
+    Column("wake_at", Timestamp),
     UniqueConstraint("queue", "route_key", "priority", "tenant", name="uq_lanes_key"),
     Index("ix_lanes_tenant", "tenant"),
     Index(
         "ix_lanes_pick",
         "queue", "priority", "pass", "lane_id",
-        postgresql_where=text("queued_count > 0 AND tenant_at_limit = 0"),
-        sqlite_where=text("queued_count > 0 AND tenant_at_limit = 0"),
+        postgresql_where=text("queued_count > 0 AND tenant_at_limit = 0 AND wake_at IS NULL"),
+        sqlite_where=text("queued_count > 0 AND tenant_at_limit = 0 AND wake_at IS NULL"),
+    ),
+    Index(
+        "ix_lanes_wake",
+        "wake_at",
+        postgresql_where=text("wake_at IS NOT NULL"),
+        sqlite_where=text("wake_at IS NOT NULL"),
     ),
 )
 

@@ -38,8 +38,8 @@ LOCK_WAIT = {"postgresql": "FOR UPDATE OF {alias}", "sqlite": ""}
 #                (PostgreSQL: all lanes at once, LATERAL; SQLite: lane by lane);
 #   LOCK_SCOPES  the limit counters of the candidates, locked in scope order;
 #   CLAIM_WRITE  the slots, the compare-and-set, the attempts, the events and the
-#                lanes' counts (PostgreSQL: one statement of data-modifying CTEs;
-#                SQLite: the same writes one after another).
+#                lanes' counts, and due lanes woken (PostgreSQL: one statement of
+#                data-modifying CTEs; SQLite: the same writes one after another).
 #
 # Rows that cannot run never fill a LIMIT: full tenants' lanes are hidden by
 # ``tenant_at_limit``, lanes a worker cannot serve are filtered by route, full
@@ -61,6 +61,7 @@ FROM lanes l
 WHERE l.queue = :queue
   AND l.queued_count > 0
   AND l.tenant_at_limit = 0
+  AND l.wake_at IS NULL
   AND l.route_key IN :routes
   AND (l.priority, l.pass, l.lane_id) > (:after_priority, :after_pass, :after_lane)
   AND NOT EXISTS (SELECT 1 FROM limit_counters c
@@ -137,6 +138,40 @@ WHERE r.run_id = :run_id
 # (one element per claimed run, per slot scope, per lane), so its text never changes.
 # The counters were locked first (LOCK_SCOPES), so each slot's guard holds; the runs
 # were locked by LANE_RUNS; lanes are the last lock of the order, taken here.
+# A lane whose queued runs all wait for their backoff sleeps until the first is due:
+# it leaves the pick index, so claims stop walking it (a claim that found none of its
+# runs runnable asks). A lane that gains a run wakes (LANE_ENTER, LANE_UPSERT); a
+# lane whose time came is woken by the next claim (LANES_WAKE), rejoining its
+# priority at the current virtual time. Both skip lanes another transaction holds:
+# they are bookkeeping, never worth a wait (or a deadlock).
+_LANES_SLEEP = """
+UPDATE lanes
+SET wake_at = (SELECT MIN(r.visible_at) FROM runs r
+               WHERE r.lane_id = lanes.lane_id AND r.status = 'QUEUED')
+WHERE lanes.lane_id IN (SELECT l.lane_id FROM lanes l
+                        WHERE l.lane_id {in_lanes} AND l.wake_at IS NULL
+                        ORDER BY l.lane_id {{lock_l_skip}})
+  AND (SELECT MIN(r.visible_at) FROM runs r
+       WHERE r.lane_id = lanes.lane_id AND r.status = 'QUEUED') > {{now}}
+"""
+LANES_SLEEP = {"postgresql": _LANES_SLEEP.format(in_lanes="= ANY(CAST(:lane_ids AS bigint[]))"),
+               "sqlite": _LANES_SLEEP.format(in_lanes="IN :lane_ids")}
+_WAKE_SET = """
+SET wake_at = NULL,
+    pass = {greatest}(lanes.pass, COALESCE(
+        (SELECT MIN(l2.pass) - :ahead FROM lanes l2
+         WHERE l2.queue = lanes.queue AND l2.priority = lanes.priority
+           AND l2.queued_count > 0 AND l2.tenant_at_limit = 0
+           AND l2.wake_at IS NULL), lanes.pass))
+"""
+_DUE_LANES = """
+SELECT l.lane_id FROM lanes l WHERE l.wake_at IS NOT NULL AND l.wake_at <= {now}
+ORDER BY l.wake_at LIMIT 100 {lock_l_skip}
+"""
+LANES_WAKE = "UPDATE lanes" + _WAKE_SET + "WHERE lanes.lane_id IN (" + _DUE_LANES + ")"
+
+LANES_WAKE_CTE = ("UPDATE lanes" + _WAKE_SET + "WHERE lanes.lane_id IN ("
+                  + _DUE_LANES + ") AND NOT lanes.lane_id = ANY(CAST(:lane_ids AS bigint[]))")
 CLAIM_WRITE_PG = """
 WITH t AS (SELECT {now} AS now),
 slot_deltas AS (
@@ -189,7 +224,8 @@ lane_counts AS (
                                   WHERE x.lane_id = lanes.lane_id) AS double precision)
                             / lanes.weight
     WHERE lanes.lane_id = ANY(CAST(:lane_ids AS bigint[]))
-      AND (SELECT COUNT(*) FROM lane_locks) > 0)  -- a one-time filter: locks first
+      AND (SELECT COUNT(*) FROM lane_locks) > 0),  -- a one-time filter: locks first
+woken AS (""" + LANES_WAKE_CTE + """)
 SELECT claimed.run_id, claimed.fencing_token, claimed.attempt_count, t.now,
        (SELECT COUNT(*) FROM slots) AS slots_taken
 FROM claimed, t
@@ -254,7 +290,7 @@ WHERE tenant = :tenant AND tenant_at_limit <> :at_limit
 LANE_VIRTUAL_TIME = """
 SELECT MIN(l.pass) FROM lanes l
 WHERE l.queue = :queue AND l.priority = :priority
-  AND l.queued_count > 0 AND l.tenant_at_limit = 0
+  AND l.queued_count > 0 AND l.tenant_at_limit = 0 AND l.wake_at IS NULL
 """
 LANE_UPSERT = """
 INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, pass,
@@ -266,7 +302,8 @@ ON CONFLICT (queue, route_key, priority, tenant) DO UPDATE
 SET weight = excluded.weight,
     pass = CASE WHEN lanes.queued_count = 0 AND excluded.queued_count > 0
                 THEN {greatest}(lanes.pass, excluded.pass) ELSE lanes.pass END,
-    queued_count = lanes.queued_count + excluded.queued_count
+    queued_count = lanes.queued_count + excluded.queued_count,
+    wake_at = NULL
 RETURNING lane_id, queue, route_key, priority, tenant
 """
 LANE_ENTER = """
@@ -274,9 +311,11 @@ UPDATE lanes
 SET pass = CASE WHEN queued_count = 0 THEN {greatest}(pass, COALESCE(
         (SELECT MIN(l2.pass) - :ahead FROM lanes l2
          WHERE l2.queue = lanes.queue AND l2.priority = lanes.priority
-           AND l2.queued_count > 0 AND l2.tenant_at_limit = 0), pass))
+           AND l2.queued_count > 0 AND l2.tenant_at_limit = 0
+           AND l2.wake_at IS NULL), pass))
            ELSE pass END,
-    queued_count = queued_count + :n
+    queued_count = queued_count + :n,
+    wake_at = NULL
 WHERE lane_id = :lane_id
 """
 LANE_LEAVE = """
@@ -789,6 +828,7 @@ class Statements:
             lock_r=LOCK_WAIT[self.dialect].format(alias="r"),
             lock_r_skip=LOCK_SKIP[self.dialect].format(alias="r"),
             lock_a_skip=LOCK_SKIP[self.dialect].format(alias="a"),
+            lock_l_skip=LOCK_SKIP[self.dialect].format(alias="l"),
             lock_ra_skip=LOCK_SKIP[self.dialect].format(alias="r, a"),
             greatest=GREATEST[self.dialect],
             lease_batch=LEASE_BATCH[self.dialect],

@@ -559,15 +559,16 @@ class Store(SchedulingMixin):
         """
         check_path([S.QUEUED], [S.CLAIMED])
 
-        def work(conn: Connection) -> list[Lease]:
-            candidates = self._claim_candidates(conn, queue, limit, capabilities, run_id)
-            if not candidates:
-                return []
-            passed, slots, full_tenants = self._screen(conn, candidates, actor=worker_id)
-            if not passed:
-                return []
-            rows = self._write_claim(conn, passed, slots, full_tenants,
-                                     worker_id=worker_id, lease_ttl=lease_ttl)
+        def work(conn: Connection) -> list[Lease] | None:
+            candidates, empty = self._claim_candidates(conn, queue, limit, capabilities,
+                                                       run_id)
+            passed, slots, full_tenants = self._screen(conn, candidates, actor=worker_id) \
+                if candidates else ([], {}, set())
+            rows = self._write_claim(conn, passed, slots, full_tenants, worker_id=worker_id,
+                                     lease_ttl=lease_ttl) if passed else []
+            woken = self._lane_upkeep(conn, empty, wake=not (rows and self.is_postgres))
+            if not rows:
+                return [] if not woken else None  # None: lanes woke, look once more
             by_id = {c.run_id: c for c, _ in passed}
             leases = []
             for r in sorted(rows, key=lambda r: (by_id[r.run_id].priority,
@@ -582,7 +583,11 @@ class Store(SchedulingMixin):
                     limits=limits or {}))
             return leases
 
+        # A claim that found nothing but woke lanes whose backoff is over looks again
+        # (in a new transaction: they are pickable once that one committed).
         leases = self._transaction(work)
+        if leases is None:
+            leases = self._transaction(work) or []
         for lease in leases:
             log.debug("claimed", task_id=lease.task_id, run_id=lease.run_id,
                       attempt_id=lease.attempt_id, fencing_token=lease.fencing_token,
