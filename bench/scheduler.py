@@ -747,35 +747,19 @@ class Report:
                 f"(FIFO {ms(self.cells[('fifo', k)].mean_cpu)}).")
         unbounded = [p.name for p in self.plans if not p.bounded]
         if unbounded:
-            lines.append(
-                f"- Scans that grow with the data: {', '.join(unbounded)} (plans below). "
-                "LANE_CANDIDATES is planned as a bitmap scan of the whole lane plus a Sort "
-                "(the task re-check `(SELECT ...) IS NULL` gets a default 0.5% selectivity, so "
-                "LIMIT does not favour the ordered walk), in custom and generic plans: every "
-                "lane a claim visits is read in full with one tasks lookup per run.")
+            lines.append(f"- Scans that grow with the data: {', '.join(unbounded)} "
+                         "(plans below).")
         lines += [
-            "", "Suggested changes (none made here; each wants its own test):", "",
-            "1. LANE_CANDIDATES: write the task re-check as `NOT EXISTS (SELECT 1 FROM tasks t "
-            "WHERE t.task_id = r.task_id AND t.cancel_requested_at IS NOT NULL)` over a "
-            "partial index `tasks (task_id) WHERE cancel_requested_at IS NOT NULL`, and the "
-            "keyset as a row comparison `(r.created_at, r.run_id) > (:after_created, "
-            ":after_id)` (then an Index Cond). Tried by hand on the test's data set: an "
-            "ordered Index Scan under a Nested Loop Anti Join, custom and generic plans, on "
-            "a 167-run and a 65,000-run lane, reading the batch plus the planted rows "
-            "(without the partial index the anti join scans all of tasks on a big lane).",
-            "2. Fuse the reads: PICK_LANES and the per-lane LANE_CANDIDATES into one "
-            "statement (the page of lanes joined LATERAL to each lane's oldest runs, the "
-            "share of each lane as its LIMIT), instead of one statement per lane; "
-            "CLAIM_CONTEXT can ride along as a CTE.",
-            "3. Fuse the writes: ENSURE_COUNTER only for scopes not seen before; one TAKE_SLOTS "
-            "over every candidate's scopes instead of one per candidate; CLAIM_RUNS, "
-            "INSERT_ATTEMPT, the run_events insert and LANE_CLAIMED as data-modifying CTEs "
-            "of one statement. With 2, a claim becomes BEGIN + about 3 statements + COMMIT "
-            "(FIFO: BEGIN + 2 + COMMIT).",
-            "4. Client CPU: admit each distinct (tenant, repo, queue, user) once per claim; "
-            "bind lists as one array (`= ANY(:ids)`) so statement texts stay fixed (no "
-            "per-call post-compilation, one prepared statement each).",
-            ""]
+            "", "Done (2026-11-30): the reads fused (LANE_RUNS: every lane's share in one "
+            "LATERAL statement, the full scopes, policy version, time and task "
+            "cancellation riding along), the writes fused (CLAIM_WRITE_PG: slots, "
+            "compare-and-set, attempts, events and lanes as data-modifying CTEs), "
+            "ENSURE_COUNTER only for scopes without a counter, admission once per distinct "
+            "request, arrays instead of IN lists. What is left, by the profile: each of the "
+            "four statements costs about as much as FIFO's two (the write inserts an "
+            "attempt and an event and updates a counter per scope and a lane, FIFO one row "
+            "and one attempt); fusing PICK_LANES into LANE_RUNS (stride shares computed in "
+            "SQL) would save one more round trip.", ""]
         return lines
 
     def render_latency(self) -> list[str]:
