@@ -448,11 +448,12 @@ class Report:
             "within a minute of a bulk enqueue. Tables not yet written (runlane's attempts) "
             "keep no statistics, as they would.", "",
             "- runlane: `Store.submit` of TaskSpecs (8 tenants, no idempotency key); each "
-            "worker loops `Store.claim(limit=B)` and `Store.complete(lease)` per lease "
-            "(CLAIMED -> FINALIZING -> SUCCEEDED in one fenced write), as bench/lifecycle.py "
-            "does. *runlane, worker stages* also walks the stages a real worker's no-op "
-            "attempt takes (`advance` to PREPARING_SANDBOX, RUNNING, FINALIZING, then "
-            "`complete`). Latency: `runlane.store.wakeup.Listener`, then `claim(limit=1)`.",
+            "worker loops `Store.claim(limit=B)` and completes each claimed batch with one "
+            "`Store.complete_many(leases)` (CLAIMED -> FINALIZING -> SUCCEEDED, one "
+            "transaction of set-based fenced statements per batch). *runlane, worker "
+            "stages* also walks the stages a real worker's no-op attempt takes (`advance` "
+            "to PREPARING_SANDBOX, RUNNING, FINALIZING, then `complete_many`). Latency: "
+            "`runlane.store.wakeup.Listener`, then `claim(limit=1)`.",
             "- PgQueuer: `Queries.enqueue` with lists; per worker a `QueueManager` with a "
             "no-op entrypoint, `run(batch_size=B, mode=drain)`; durable (logged) tables, "
             "its default. Its completions are buffered and written B at a time.",

@@ -1,12 +1,13 @@
 """runlane under the peer workload (run in runlane's own venv).
 
 Submit: ``Store.submit`` in batches of TaskSpecs built by ``parse_task`` (built
-untimed). Drain: each worker process loops ``Store.claim(limit=B)`` and, for every
-lease, walks the stages of a no-op run and ``Store.complete``s it, as
-bench/lifecycle.py does. ``--stages direct``: claim -> complete (CLAIMED ->
-FINALIZING -> SUCCEEDED in one fenced write); ``--stages worker``: the stages a
-real worker's no-op attempt takes (PREPARING_SANDBOX, RUNNING, FINALIZING, then
-SUCCEEDED). Latency: an idle worker woken by ``runlane.store.wakeup.Listener``.
+untimed). Drain: each worker process loops ``Store.claim(limit=B)``, walks every
+lease through the stages of a no-op run and completes the claimed batch with one
+``Store.complete_many`` (one transaction, set-based fenced statements).
+``--stages direct``: claim -> complete (CLAIMED -> FINALIZING -> SUCCEEDED, one
+fenced write per batch); ``--stages worker``: the stages a real worker's no-op
+attempt takes (PREPARING_SANDBOX, RUNNING, FINALIZING, then SUCCEEDED). Latency: an
+idle worker woken by ``runlane.store.wakeup.Listener``.
 """
 
 from __future__ import annotations
@@ -110,18 +111,30 @@ def drain_worker(url: str, batch: int, stages: str, trace_dir: str | None,
                 continue
             if not leases:
                 break
+            walked = []
             for lease in leases:
                 try:
                     for stage in path:
                         store.advance(lease, stage)
-                    store.complete(lease)
-                    done += 1
-                    if done % 100 == 0:
-                        marks.append(time.monotonic())
+                    walked.append(lease)
                 except Exception as exc:
                     errors += 1
                     locked += is_locked(exc)
                     first_error = first_error or f"{type(exc).__name__}: {exc}"
+            try:
+                completion = store.complete_many(walked)
+            except Exception as exc:
+                errors += len(walked)
+                locked += is_locked(exc)
+                first_error = first_error or f"{type(exc).__name__}: {exc}"
+                continue
+            for _, why in completion.refused:
+                errors += 1
+                first_error = first_error or f"{type(why).__name__}: {why}"
+            before = done
+            done += len(completion.completed)
+            if done // 100 > before // 100:
+                marks.append(time.monotonic())
         ended = time.monotonic()
         quarter = max(1, (len(marks) - 1) // 4)  # rates of its first and last quarter
         early = 100 * quarter / (marks[quarter] - marks[0]) if len(marks) > quarter else 0.0
@@ -165,8 +178,8 @@ STATEMENT_NAMES = (
     ("WITH picked AS", "claim: CLAIM_BATCH (pick + CAS + token)"),
     ("INSERT INTO attempts", "claim: INSERT_ATTEMPT"),
     ("INSERT INTO run_events", "run_events insert (unnest)"),
-    ("UPDATE runs", "SET_RUN_STATUS_FENCED"),
-    ("UPDATE attempts", "END_ATTEMPT"),
+    ("UPDATE runs", "SET_RUN_STATUS_FENCED(_MANY)"),
+    ("UPDATE attempts", "END_ATTEMPT(S_MANY)"),
     ("SELECT COALESCE", "SELECT now (database clock)"),
 )
 
@@ -275,8 +288,7 @@ def explain(url: str, jobs: int, batch: int, warmup: int, sample: int,
         leases = store.claim("explain", QUEUE, limit=batch, lease_ttl=60.0)
         if not leases:
             break
-        for lease in leases:
-            store.complete(lease)
+        store.complete_many(leases)
         claimed += len(leases)
         phases[phase] = phases.get(phase, 0) + len(leases)
         cycles += 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from runlane.domain.policy import Policy
@@ -60,12 +60,21 @@ class Decision:
     policy_version: int
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        # What dataclasses.asdict returns (its values are scalars and flat dicts of
+        # scalars), built directly: asdict's recursive deep copy was a tenth of a
+        # 1,000-run submit.
+        data = {name: getattr(self, name) for name in _DECISION_FIELDS}
+        data["limits"] = dict(self.limits)
+        data["concurrency"] = dict(self.concurrency)
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Decision:
         return cls(**{**data, "limits": dict(data["limits"]),
                       "concurrency": dict(data["concurrency"])})
+
+
+_DECISION_FIELDS = tuple(f.name for f in fields(Decision))
 
 
 def next_utc_midnight(now: float) -> float:

@@ -3,7 +3,7 @@
 SQLite: WAL, a long busy timeout, and every transaction opened with
 ``BEGIN IMMEDIATE`` so that writers queue on the file lock up front instead of
 failing with "database is locked" when a read transaction tries to upgrade.
-PostgreSQL: psycopg 3, a pool sized to the machine, pre-ping for dead sessions, and
+PostgreSQL: psycopg 3, a pool sized to the machine (no pre-ping: see build_engine), and
 ``idle_in_transaction_session_timeout``: runlane's transactions are a few short
 statements, so a session idle inside one for seconds belongs to a frozen process (a
 SIGSTOP, a VM pause); the server ends it and its row locks go with it, instead of
@@ -62,7 +62,13 @@ def build_engine(url: str, pool_size: int | None = None, *,
         url,
         pool_size=size,
         max_overflow=size,
-        pool_pre_ping=True,
+        # No pre-ping: it cost a round trip per transaction (one in five of a batched
+        # completion). A pooled session that died meanwhile fails on its transaction's
+        # first statement and Store._transaction runs the transaction again on a fresh
+        # connection (SQLAlchemy invalidates the pool's older connections too); TCP
+        # keepalives and tcp_user_timeout surface a silent partition within seconds.
+        # pool_recycle bounds a session's age (server-side state, memory).
+        pool_recycle=1800,
         # psycopg 3 prepares statements after this many executions of the same text.
         # TCP keepalives and a user timeout: a silent network partition surfaces as an
         # error within seconds instead of a call that never returns.

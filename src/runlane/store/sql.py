@@ -519,7 +519,7 @@ WHERE r.run_id = :run_id
 """
 
 # Close an attempt once: its outcome, and its lease if that is still ACTIVE.
-END_ATTEMPT = """
+_END_ATTEMPT = """
 UPDATE attempts
 SET status = :status,
     reason_code = :reason_code,
@@ -531,8 +531,8 @@ SET status = :status,
 WHERE run_id = :run_id
   AND fencing_token = :token
   AND ended_at IS NULL
-RETURNING limit_scopes
 """
+END_ATTEMPT = _END_ATTEMPT + "RETURNING limit_scopes\n"
 
 # --- batched completion ---------------------------------------------------------------
 #
@@ -571,24 +571,17 @@ WHERE runs.run_id = b.run_id
 RETURNING runs.run_id, runs.lane_id, runs.task_id,
     EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
       AS has_dependents,
+    (SELECT a.limit_scopes FROM attempts a
+     WHERE a.run_id = runs.run_id AND a.fencing_token = runs.fencing_token) AS limit_scopes,
     {now} AS now
 """
-# END_ATTEMPT for many (run_id, token) pairs: the slots each attempt held come back.
-END_ATTEMPTS_MANY = """
-UPDATE attempts
-SET status = :status,
-    reason_code = :reason_code,
-    message = :message,
-    retry_after_seconds = :retry_after_seconds,
-    lease_status = CASE WHEN lease_status = 'ACTIVE' THEN :lease_status ELSE lease_status END,
-    lease_ended_at = COALESCE(lease_ended_at, :now),
-    ended_at = :now
-FROM {lease_batch}
-WHERE attempts.run_id = b.run_id
-  AND attempts.fencing_token = b.token
-  AND attempts.ended_at IS NULL
-RETURNING attempts.run_id, attempts.fencing_token, attempts.limit_scopes
-"""
+# The won leases' attempts end with END_ATTEMPT row by row, sent as one executemany
+# (psycopg pipelines it: one round trip), their slots as the fenced move read them
+# (its row lock keeps the attempt ACTIVE until then). Not one set-based UPDATE joined
+# to the batch: prepared while ``attempts`` was nearly empty, PostgreSQL cached a
+# generic plan that scans it sequentially (0.16 ms per batch at 50 attempts, 0.85 ms
+# at 5,000, and on), while a one-row lookup keeps its unique index.
+END_ATTEMPTS = _END_ATTEMPT
 
 ADD_ATTEMPT_COST = """
 UPDATE attempts

@@ -708,13 +708,14 @@ class Store(SchedulingMixin):
                 if row.has_dependents:
                     self._resolve_dependents(conn, row.task_id, row.now)
             if won:
-                ended = conn.execute(self._q(sql.END_ATTEMPTS_MANY), {
-                    **self._lease_batch([lease for lease in ordered if lease.run_id in won]),
-                    "status": "SUCCEEDED", "reason_code": None, "message": None,
-                    "retry_after_seconds": None, "lease_status": "RELEASED",
-                    "now": min(r.now for r in rows)}).all()
-                for r in sorted(ended, key=lambda r: r.run_id):
-                    self._give_back_slots(conn, r.run_id, r.fencing_token, r.limit_scopes)
+                conn.execute(self._q(sql.END_ATTEMPTS), [
+                    {"status": "SUCCEEDED", "reason_code": None, "message": None,
+                     "retry_after_seconds": None, "lease_status": "RELEASED",
+                     "now": row.now, "run_id": run_id, "token": moves[run_id][1].fencing_token}
+                    for run_id, row in sorted(won.items())])
+                for run_id, row in sorted(won.items()):
+                    self._give_back_slots(conn, run_id, moves[run_id][1].fencing_token,
+                                          row.limit_scopes)
             lost = {i: self._refusal(conn, lease, path[-1])
                     for run_id, (i, lease, path) in moves.items() if run_id not in won}
             return set(won), lost
