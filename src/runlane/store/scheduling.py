@@ -336,7 +336,9 @@ class SchedulingMixin:
     def _repair_scheduling_counts(self, conn: Connection) -> dict[str, int]:
         """Recount lanes' queued runs and counters' slots, and re-derive the tenant
         flags. Each locks what it recounts first, in the order every writer uses (run
-        rows, counters, lanes), so no claim or release is half-way through."""
+        rows, counters, lanes), so no claim or release is half-way through; lanes
+        another transaction holds are skipped (recounted next pass), so the recount
+        never waits on a lane."""
         counters = {r.scope: int(r.active) for r in conn.execute(self._q(sql.LOCK_COUNTERS))}
         held: Counter[str] = Counter()
         for r in conn.execute(self._q(sql.ACTIVE_SLOTS)):
@@ -347,8 +349,8 @@ class SchedulingMixin:
             if held[scope] != active:
                 conn.execute(self._q(sql.COUNTER_SET), {"scope": scope, "n": held[scope]})
                 fixed += 1
-        conn.execute(self._q(sql.LOCK_LANES)).all()
-        drift = conn.execute(self._q(sql.LANE_COUNT_DRIFT)).all()
+        locked = set(conn.execute(self._q(sql.LOCK_LANES)).scalars())
+        drift = [r for r in conn.execute(self._q(sql.LANE_COUNT_DRIFT)) if r.lane_id in locked]
         for r in drift:
             conn.execute(self._q(sql.LANE_SET_COUNT), {"lane_id": r.lane_id, "n": r.actual})
         if drift or fixed:

@@ -363,7 +363,9 @@ SELECT limit_scopes FROM attempts WHERE lease_status = 'ACTIVE' AND limit_scopes
 """
 # The repairs lock what they recount first, so that no claim or release is half-way.
 LOCK_COUNTERS = "SELECT scope, active FROM limit_counters ORDER BY scope {lock_for_update}"
-LOCK_LANES = "SELECT lane_id FROM lanes ORDER BY lane_id {lock_for_update}"
+# The reconciler recounts the lanes no one else holds (it never waits on a lane, so it
+# is in no deadlock cycle; a lane held now is recounted at its next pass).
+LOCK_LANES = "SELECT l.lane_id FROM lanes l ORDER BY l.lane_id {lock_l_skip}"
 COUNTER_SET = "UPDATE limit_counters SET active = :n WHERE scope = :scope"
 COUNTERS = "SELECT scope, active, max_active FROM limit_counters"
 COUNTER_SET_MAX = "UPDATE limit_counters SET max_active = :max_active WHERE scope = :scope"
