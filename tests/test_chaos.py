@@ -194,7 +194,10 @@ def test_short_profile_every_fault_on_postgresql(tmp_path: Path) -> None:
                                                                       "LEASE_RELEASED"})}
     reclaim = report["reclaim"]
     assert reclaim["samples"] >= 10 and reclaim["p99"] <= reclaim["budget"]
-    assert report["pull_requests"] == report["outcomes"]["pull_request"]
+    # Every run that succeeded with a change has its pull request (the checks above
+    # hold "exactly one" per such run and "at most one" per run); a run cancelled
+    # between opening its pull request and completing keeps the one it opened.
+    assert report["pull_requests"] >= report["outcomes"]["pull_request"]
     assert elapsed < 180, f"the CI profile took {elapsed:.0f}s"
 
 

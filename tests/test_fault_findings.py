@@ -379,3 +379,39 @@ def test_a_lease_really_lost_is_still_reported(dbstore: Store) -> None:
         beat_once(worker)
     assert [e["run_ids"] for e in logs if e["event"] == "lease_lost"] == [[sub.run_id]]
     assert state.lost.is_set()
+
+
+# --- a database error while ending a cancelled or failed attempt ------------------------
+
+
+class _DatabaseGoneStore(Store):
+    """A real store whose database goes away just as the attempt ends."""
+
+    def _gone(self, *_: Any, **__: Any) -> Any:
+        raise DBAPIError("UPDATE runs ...", {}, psycopg.OperationalError("server closed"))
+
+    finish_cancel = acknowledge_cancel = fail = _gone
+
+
+@pytest.mark.parametrize("ending", ["cancel", "fail"])
+def test_a_database_error_while_ending_an_attempt_abandons_it(
+        db_url: str, tmp_path: Any, ending: str) -> None:
+    """Seen once in a fault run: the end of a cancelled attempt runs inside the
+    ``except CancelRequested`` handler, so a database error there escaped the
+    attempt's thread. It abandons the attempt (the reaper recovers the run)."""
+    from runlane.worker.attempt import AttemptDriver, AttemptSettings
+
+    store = _DatabaseGoneStore(db_url)
+    try:
+        store.submit([spec()])
+        [lease] = store.claim("w1", lease_ttl=30.0)
+        driver = AttemptDriver(store, None,  # type: ignore[arg-type]
+                               AttemptSettings(tmp_path / "ws", tmp_path / "art"),
+                               code_host_for=lambda _: None)  # type: ignore[arg-type,return-value]
+        state = AttemptState(lease, store)
+        ended = (driver._finish_cancel(state) if ending == "cancel"
+                 else driver._fail(state, "AGENT_FAILED", "boom"))
+        assert ended == "abandoned"
+        assert run_row(store, lease.run_id).status == "CLAIMED"  # nothing written
+    finally:
+        store.close()

@@ -272,6 +272,8 @@ class AttemptDriver:
             self.store.finish_cancel(lease)
         except LeaseLost:
             return "lease_lost"
+        except DBAPIError as exc:  # called from a handler: nothing outside would catch it
+            return self._abandon(state, exc)
         return "cancelled"
 
     def _fail(self, state: AttemptState, reason: str, message: str | None,
@@ -281,7 +283,17 @@ class AttemptDriver:
                             retry_after_seconds=retry_after)
         except LeaseLost:
             return "lease_lost"
+        except DBAPIError as exc:  # called from a handler: nothing outside would catch it
+            return self._abandon(state, exc)
         return str(reason)
+
+    def _abandon(self, state: AttemptState, exc: DBAPIError) -> str:
+        """The database is unreachable: write nothing; the lease expires and the reaper
+        recovers the run (WORKER_LOST)."""
+        log.error("database_error_abandoning_attempt", run_id=state.lease.run_id,
+                  attempt_no=state.lease.attempt_no,
+                  error=str(exc.orig or exc).strip().splitlines()[0])
+        return "abandoned"
 
     def _limits(self, lease: Lease) -> AttemptLimits:
         """The worker's limits, tightened by the run's limits snapshot (policy)."""
