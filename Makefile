@@ -46,6 +46,7 @@ $(PEERS_STAMP): bench/requirements-peers.txt
 bench: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python bench/lifecycle.py --write docs/benchmarks.md
 	$(BIN)/python bench/peers.py --write docs/benchmarks.md
+	$(BIN)/python bench/sizes.py --write docs/benchmarks.md
 
 bench-peers: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python bench/peers.py --write docs/benchmarks.md
