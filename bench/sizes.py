@@ -566,15 +566,17 @@ class Report:
             *ret.plan,
             "```",
             "",
-            *([("The pick reads every row of `runs` (`Seq Scan on runs`) and sorts the "
-                "finished ones to return the oldest " + f"{PRUNE_BATCH}" + ": a batch costs in "
-                "proportion to the table, not to the batch, and the job is quadratic in the "
-                "backlog. `ix_runs_status_updated` (status, updated_at) cannot return four "
-                "statuses in `updated_at` order, so the planner does not use it; an index "
-                "in the pick's order for finished runs only (e.g. on (updated_at, run_id) "
-                "WHERE status IN the terminal statuses), or one pick per status merged, "
-                "would bound it by the batch."), ""]
-              if any("Seq Scan on runs" in line for line in ret.plan) else []),
+            *([("The pick reads every row of `runs` and sorts the finished ones to return "
+                "the oldest " + f"{PRUNE_BATCH}" + ": a batch costs in proportion to the "
+                "table, not to the batch, and the job is quadratic in the backlog."), ""]
+              if any("Sort" in line for line in ret.plan) else []),
+            *([("The pick takes any " + f"{PRUNE_BATCH}" + " finished runs past the cutoff "
+                "(no ORDER BY since 2026-11-30: ordering four statuses by `updated_at` made "
+                "PostgreSQL read and sort all of `runs`, about 1 s per batch here): a "
+                "sequential scan that stops at its " + f"{PRUNE_BATCH}" + "th match, so it "
+                "reads as many pages as it takes to meet that many old finished runs (they "
+                "sit in the oldest pages), or `ix_runs_status_updated` per status."), ""]
+              if not any("Sort" in line for line in ret.plan) else []),
             f"Then a plain `VACUUM ANALYZE` ({self.vacuum_seconds:.0f} s): the freed pages "
             "stay in the files for reuse by new rows, so this is what the disk holds "
             f"until the tables regrow into them (Bytes/run divides by the {n:,} runs left):",

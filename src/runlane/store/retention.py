@@ -30,13 +30,16 @@ FINISHED = sorted(s.value for s in TERMINAL)
 # (status, updated_at) serves it. A terminal run's status never changes again, and its
 # updated_at is at or after its ended_at, so "last change before the cutoff" keeps
 # every run that ended or changed recently.
+# Any ``limit`` of them, not the oldest: ``ix_runs_status_updated`` finds them per
+# status in bounded reads, where ORDER BY updated_at over four statuses made
+# PostgreSQL read and sort all of ``runs`` for every batch (1 s per batch of 500 at
+# 2M runs, bench/sizes.py).
 PICK_FINISHED = """
 SELECT r.run_id, r.task_id FROM runs r
 WHERE r.status IN :finished
   AND r.updated_at < {now} - :keep_seconds
   AND NOT EXISTS (SELECT 1 FROM attempts a
                   WHERE a.run_id = r.run_id AND a.lease_status = 'ACTIVE')
-ORDER BY r.updated_at, r.run_id
 LIMIT :limit
 {lock_r_skip}
 """
