@@ -386,7 +386,6 @@ POLICY_VERSION = "SELECT MAX(version) FROM policy_versions"
 # What a submit needs first, in one round trip: the time and the policy version in force.
 SUBMIT_CONTEXT = "SELECT {now} AS now, (SELECT MAX(version) FROM policy_versions) AS version"
 POLICY_BY_VERSION = "SELECT document FROM policy_versions WHERE version = :version"
-POLICY_BY_DIGEST = "SELECT version FROM policy_versions WHERE digest = :digest"
 POLICY_INSERT = """
 INSERT INTO policy_versions (version, digest, document, source, created_at)
 VALUES (:version, :digest, :document, :source, :now)
