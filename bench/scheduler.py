@@ -579,7 +579,7 @@ def explain_all(url: str) -> list[Explained]:
             routes = sorted(["", GPU_ROUTE])
             pick = {"queue": QUEUE, "routes": routes, "full_tenants": names("tenant"),
                     "limit": 16, "after_priority": -(2**31), "after_pass": float("-inf"),
-                    "after_lane": -1}
+                    "after_lane": -1, "now": None}
             lanes = conn.execute(*bind(sql.PICK_LANES, pick)).all()
             conn.rollback()
 

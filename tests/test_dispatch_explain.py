@@ -378,7 +378,7 @@ def pick_params(conn: Connection, queue: str, routes: list[str], limit: int,
                 ) -> dict[str, Any]:
     return {"queue": queue, "routes": routes, "full_tenants": full_scopes(conn)["tenant"],
             "limit": limit, "after_priority": after[0], "after_pass": after[1],
-            "after_lane": after[2]}
+            "after_lane": after[2], "now": None}
 
 
 def candidate_params(conn: Connection, lane_id: int, limit: int) -> dict[str, Any]:

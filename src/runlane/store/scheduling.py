@@ -86,6 +86,15 @@ def scope_limit(policy: Policy, scope: str) -> int | None:
     return limits.get(scope)
 
 
+class LanesDue(Exception):
+    """Sleeping lanes are due: the claim wakes them before it goes on, so a due lane's
+    runs compete in this claim, by priority and pass, not one claim late."""
+
+
+def rows_due(rows: Sequence[Any]) -> bool:
+    return bool(rows) and bool(rows[0].lanes_due)
+
+
 class SchedulingMixin:
     if TYPE_CHECKING:
         engine: Engine
@@ -361,8 +370,8 @@ class SchedulingMixin:
     # --- the claim ------------------------------------------------------------------
 
     def _claim_candidates(self, conn: Connection, queue: str, limit: int,
-                          capabilities: dict[str, Any] | None, run_id: str | None
-                          ) -> tuple[list[Any], set[int]]:
+                          capabilities: dict[str, Any] | None, run_id: str | None, *,
+                          check_due: bool = True) -> tuple[list[Any], set[int]]:
         """The runs a claim may take, fairest first: lanes picked a page at a time by
         priority and stride pass, the free slots shared among them by weight, each
         lane's share read from its head (all lanes in one statement on PostgreSQL).
@@ -380,16 +389,17 @@ class SchedulingMixin:
         wanted = limit
         after: tuple[int, float, int] = (-(2**31), float("-inf"), -1)
         while wanted > 0:
-            page = [
-                LaneState(r.lane_id, r.priority, r.weight, r.pass_, r.queued_count)
-                for r in conn.execute(
-                    self._q(sql.PICK_LANES, "routes"),
-                    {"queue": queue, "routes": routes,
-                     "limit": max(wanted, LANE_PAGE), "after_priority": after[0],
-                     "after_pass": after[1], "after_lane": after[2]})
-            ]
+            page_rows = list(conn.execute(
+                self._q(sql.PICK_LANES, "routes"),
+                {"queue": queue, "routes": routes, "limit": max(wanted, LANE_PAGE),
+                 "after_priority": after[0], "after_pass": after[1],
+                 "after_lane": after[2], "now": now}))
+            page = [LaneState(r.lane_id, r.priority, r.weight, r.pass_, r.queued_count)
+                    for r in page_rows]
             if not page:
                 break
+            if check_due and rows_due(page_rows):
+                raise LanesDue  # wake them first, in a transaction of their own
             after = (page[-1].priority, page[-1].pass_, page[-1].lane_id)
             while wanted > 0 and page:
                 shares = share_slots(page, wanted)
@@ -414,10 +424,10 @@ class SchedulingMixin:
         return candidates, empty
 
     def _lane_upkeep(self, conn: Connection, empty: set[int], *, wake: bool) -> int:
-        """Last in a claim (lanes are last in the lock order; both statements skip
-        lanes others hold): put to sleep the lanes that gave nothing because all their
-        runs wait for a backoff, and wake the lanes whose time came (on PostgreSQL a
-        claim that took runs did that in its write). Returns the lanes woken."""
+        """Last in a claim, or in a transaction of its own (lanes are last in the lock
+        order; both statements skip lanes others hold): put to sleep the lanes that
+        gave nothing because all their runs wait for a backoff, and wake the lanes
+        whose time came. Returns the lanes woken."""
         if empty:
             sleep = self._q(sql.LANES_SLEEP["postgresql"]) if self.dialect == "postgresql" \
                 else self._q(sql.LANES_SLEEP["sqlite"], "lane_ids")

@@ -38,8 +38,8 @@ LOCK_WAIT = {"postgresql": "FOR UPDATE OF {alias}", "sqlite": ""}
 #                (PostgreSQL: all lanes at once, LATERAL; SQLite: lane by lane);
 #   LOCK_SCOPES  the limit counters of the candidates, locked in scope order;
 #   CLAIM_WRITE  the slots, the compare-and-set, the attempts, the events and the
-#                lanes' counts, and due lanes woken (PostgreSQL: one statement of
-#                data-modifying CTEs; SQLite: the same writes one after another).
+#                lanes' counts (PostgreSQL: one statement of data-modifying CTEs;
+#                SQLite: the same writes one after another).
 #
 # Rows that cannot run never fill a LIMIT: full tenants' lanes are hidden by
 # ``tenant_at_limit``, lanes a worker cannot serve are filtered by route, full
@@ -56,7 +56,9 @@ SELECT scope FROM limit_counters WHERE active >= max_active
 # lane whose runs cannot run now (backoff, full repository) gives its turn to the next.
 # Nothing at all when the whole queue (or everything) is at its limit.
 PICK_LANES = """
-SELECT l.lane_id, l.tenant, l.priority, l.weight, l.pass AS pass_, l.queued_count
+SELECT l.lane_id, l.tenant, l.priority, l.weight, l.pass AS pass_, l.queued_count,
+       CASE WHEN (SELECT MIN(w.wake_at) FROM lanes w WHERE w.wake_at IS NOT NULL) <= {now}
+            THEN 1 ELSE 0 END AS lanes_due
 FROM lanes l
 WHERE l.queue = :queue
   AND l.queued_count > 0
@@ -141,9 +143,10 @@ WHERE r.run_id = :run_id
 # A lane whose queued runs all wait for their backoff sleeps until the first is due:
 # it leaves the pick index, so claims stop walking it (a claim that found none of its
 # runs runnable asks). A lane that gains a run wakes (LANE_ENTER, LANE_UPSERT); a
-# lane whose time came is woken by the next claim (LANES_WAKE), rejoining its
-# priority at the current virtual time. Both skip lanes another transaction holds:
-# they are bookkeeping, never worth a wait (or a deadlock).
+# lane whose time came is woken before a claim goes on (PICK_LANES says so, and the
+# claim wakes them in a transaction of its own, LANES_WAKE), rejoining its priority
+# at the current virtual time. Both skip lanes another transaction holds: they are
+# bookkeeping, never worth a wait (or a deadlock).
 _LANES_SLEEP = """
 UPDATE lanes
 SET wake_at = (SELECT MIN(r.visible_at) FROM runs r
@@ -170,8 +173,6 @@ ORDER BY l.wake_at LIMIT 100 {lock_l_skip}
 """
 LANES_WAKE = "UPDATE lanes" + _WAKE_SET + "WHERE lanes.lane_id IN (" + _DUE_LANES + ")"
 
-LANES_WAKE_CTE = ("UPDATE lanes" + _WAKE_SET + "WHERE lanes.lane_id IN ("
-                  + _DUE_LANES + ") AND NOT lanes.lane_id = ANY(CAST(:lane_ids AS bigint[]))")
 CLAIM_WRITE_PG = """
 WITH t AS (SELECT {now} AS now),
 slot_deltas AS (
@@ -224,8 +225,7 @@ lane_counts AS (
                                   WHERE x.lane_id = lanes.lane_id) AS double precision)
                             / lanes.weight
     WHERE lanes.lane_id = ANY(CAST(:lane_ids AS bigint[]))
-      AND (SELECT COUNT(*) FROM lane_locks) > 0),  -- a one-time filter: locks first
-woken AS (""" + LANES_WAKE_CTE + """)
+      AND (SELECT COUNT(*) FROM lane_locks) > 0)  -- a one-time filter: locks first
 SELECT claimed.run_id, claimed.fencing_token, claimed.attempt_count, t.now,
        (SELECT COUNT(*) FROM slots) AS slots_taken
 FROM claimed, t

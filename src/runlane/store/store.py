@@ -53,7 +53,7 @@ from runlane.errors import (
 )
 from runlane.store import sql
 from runlane.store.engine import build_engine, dialect_of
-from runlane.store.scheduling import SchedulingMixin, policy_needs_usage
+from runlane.store.scheduling import LanesDue, SchedulingMixin, policy_needs_usage
 from runlane.store.schema import run_events, runs, task_dependencies, tasks, workers
 
 log = structlog.get_logger("runlane.store")
@@ -559,14 +559,14 @@ class Store(SchedulingMixin):
         """
         check_path([S.QUEUED], [S.CLAIMED])
 
-        def work(conn: Connection) -> list[Lease] | None:
+        def work(conn: Connection, check_due: bool) -> list[Lease] | None:
             candidates, empty = self._claim_candidates(conn, queue, limit, capabilities,
-                                                       run_id)
+                                                       run_id, check_due=check_due)
             passed, slots, full_tenants = self._screen(conn, candidates, actor=worker_id) \
                 if candidates else ([], {}, set())
             rows = self._write_claim(conn, passed, slots, full_tenants, worker_id=worker_id,
                                      lease_ttl=lease_ttl) if passed else []
-            woken = self._lane_upkeep(conn, empty, wake=not (rows and self.is_postgres))
+            woken = self._lane_upkeep(conn, empty, wake=not rows)
             if not rows:
                 return [] if not woken else None  # None: lanes woke, look once more
             by_id = {c.run_id: c for c, _ in passed}
@@ -583,11 +583,24 @@ class Store(SchedulingMixin):
                     limits=limits or {}))
             return leases
 
-        # A claim that found nothing but woke lanes whose backoff is over looks again
-        # (in a new transaction: they are pickable once that one committed).
-        leases = self._transaction(work)
-        if leases is None:
-            leases = self._transaction(work) or []
+        # Due lanes are woken first, in a transaction of their own (taking lane locks
+        # before the counters would break the lock order); a claim that found nothing
+        # but woke lanes looks again. Either way the woken lanes are pickable once
+        # that transaction committed.
+        leases: list[Lease] | None = None
+        check_due = True
+        for attempt in range(3):
+            try:
+                leases = self._transaction(functools.partial(work, check_due=check_due))
+            except LanesDue:
+                woken = self._transaction(
+                    lambda conn: self._lane_upkeep(conn, set(), wake=True))
+                # Due lanes held elsewhere cannot be woken now: go on without them.
+                check_due = woken > 0 and attempt < 1
+                continue
+            if leases is not None:
+                break
+        leases = leases or []
         for lease in leases:
             log.debug("claimed", task_id=lease.task_id, run_id=lease.run_id,
                       attempt_id=lease.attempt_id, fencing_token=lease.fencing_token,
