@@ -54,6 +54,8 @@ from runlane.store.migrate import upgrade
 from runlane.store.store import Store
 
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
+# Every benchmark's server: RUNLANE_BENCH_POSTGRES_URL, else the local test database.
+BENCH_POSTGRES_URL = os.environ.get("RUNLANE_BENCH_POSTGRES_URL", DEFAULT_POSTGRES_URL)
 BENCH_DATABASE = "runlane_bench"
 TABLES = ("side_effects, run_events, attempts, runs, task_dependencies, tasks, workers, lanes, "
           "limit_counters, routes, policy_versions, tenant_spend")

@@ -44,6 +44,7 @@ from sqlalchemy import Connection, Engine, TextClause, event, text
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lifecycle import (
+    BENCH_POSTGRES_URL,
     cpu_model,
     display_command,
     libpq,
@@ -64,8 +65,7 @@ from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
 from runlane.store.store import Lease, Store
 
-DEFAULT_POSTGRES_URL = os.environ.get("RUNLANE_BENCH_POSTGRES_URL",
-                                      "postgresql://postgres@127.0.0.1:5432/test")
+DEFAULT_POSTGRES_URL = BENCH_POSTGRES_URL
 START, END = "<!-- scheduler-claim:start -->", "<!-- scheduler-claim:end -->"
 TARGET_RATIO = 1.5
 LIMITS = (1, 10)

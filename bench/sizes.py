@@ -41,6 +41,7 @@ from sqlalchemy import bindparam, text
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lifecycle import (
+    BENCH_POSTGRES_URL,
     cpu_model,
     display_command,
     libpq,
@@ -64,8 +65,7 @@ from runlane.store.retention import (
 )
 from runlane.store.store import Store
 
-DEFAULT_POSTGRES_URL = os.environ.get("RUNLANE_BENCH_POSTGRES_URL",
-                                      "postgresql://postgres@127.0.0.1:5432/test")
+DEFAULT_POSTGRES_URL = BENCH_POSTGRES_URL
 START, END = "<!-- table-sizes:start -->", "<!-- table-sizes:end -->"
 TITLE = "Table and index sizes at 1,000,000 queued + 1,000,000 finished runs (issue 5)"
 DAY = 86_400.0

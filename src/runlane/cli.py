@@ -569,11 +569,12 @@ def _register_chaos() -> None:
 _register_chaos()
 
 
-def main() -> None:
-    """Entry point: one clear line on stderr for every error, never a traceback."""
+def run_command(command: click.Command, prog_name: str) -> None:
+    """Run a click command: one clear line on stderr for every error, never a
+    traceback; the exit code says which kind (2 bad input, 4 database, 70 internal)."""
     err = Console(stderr=True, soft_wrap=True)
     try:
-        code = app.main(standalone_mode=False, prog_name="runlane")
+        code = command.main(standalone_mode=False, prog_name=prog_name)
         sys.exit(code if isinstance(code, int) else 0)
     except click.UsageError as exc:
         hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
@@ -599,3 +600,8 @@ def main() -> None:
         err.print(f"internal error: {type(exc).__name__}: {exc} (set RUNLANE_DEBUG=1 for the "
                   "traceback)", markup=False, highlight=False)
         sys.exit(70)
+
+
+def main() -> None:
+    """Entry point of `runlane`."""
+    run_command(app, "runlane")

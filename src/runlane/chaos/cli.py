@@ -15,13 +15,11 @@ import click
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
-from sqlalchemy.exc import DBAPIError
 
 from runlane.chaos.checks import evaluate
 from runlane.chaos.harness import Harness, remove_directory
 from runlane.chaos.profiles import FAULTS, PROFILES, build_config
 from runlane.chaos.report import Report, render
-from runlane.errors import RunlaneError
 from runlane.logs import configure_logging
 
 
@@ -167,28 +165,7 @@ def _emit(report: Report, as_json: bool) -> None:
 
 def main() -> None:
     """``python -m runlane.chaos``: one clear line on stderr for every error."""
-    err = Console(stderr=True, soft_wrap=True)
+    from runlane.cli import run_command  # runlane.cli imports this module
+
     configure_logging(os.environ.get("RUNLANE_LOG_LEVEL", "WARNING"))
-    try:
-        code = chaos_command.main(standalone_mode=False, prog_name="runlane chaos")
-        sys.exit(code if isinstance(code, int) else 0)
-    except click.UsageError as exc:
-        err.print(f"error: {exc.format_message()}", markup=False, highlight=False)
-        sys.exit(2)
-    except click.Abort:
-        sys.exit(130)
-    except RunlaneError as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False)
-        sys.exit(exc.exit_code)
-    except DBAPIError as exc:
-        err.print(f"error: database: {str(exc.orig).strip().splitlines()[0]}", markup=False,
-                  highlight=False)
-        sys.exit(4)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as exc:
-        if os.environ.get("RUNLANE_DEBUG"):
-            raise
-        err.print(f"internal error: {type(exc).__name__}: {exc} (set RUNLANE_DEBUG=1 for the "
-                  "traceback)", markup=False, highlight=False)
-        sys.exit(70)
+    run_command(chaos_command, "runlane chaos")
