@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from runlane.clock import ManualClock
 from runlane.domain.policy import parse_policy
@@ -218,3 +218,89 @@ def test_a_pooled_session_that_died_is_replaced_without_an_error(db_url: str,
         assert len(store.complete_many(leases).completed) == 2
     finally:
         store.close()
+
+
+def event_rows(store: Store, run_id: str) -> list[tuple[str, str, int, int, str, float]]:
+    with store.engine.connect() as conn:
+        return [(r.from_status, r.to_status, r.attempt_no, r.fencing_token, r.actor, r.at)
+                for r in conn.execute(text(
+                    "SELECT * FROM run_events WHERE run_id = :r AND from_status IN "
+                    "('CLAIMED', 'FINALIZING') ORDER BY event_id"), {"r": run_id})]
+
+
+def test_each_hop_is_one_event_with_the_lease_that_made_it(store: Store,
+                                                           clock: ManualClock) -> None:
+    """Invariant 6: the history shows every hop, in order, each with the attempt, the
+    fencing token and the worker of the lease that wrote it, at the write's time."""
+    a, b = submit(store, 2)
+    [first] = store.claim("w1", run_id=a.run_id, lease_ttl=TTL)
+    [second] = store.claim("w2", run_id=b.run_id, lease_ttl=TTL)
+    store.advance(second, S.FINALIZING)
+    clock.advance(1)
+    done = store.complete_many([first, second])
+    assert len(done.completed) == 2
+    at = clock.now()
+    assert event_rows(store, a.run_id) == [
+        ("CLAIMED", "FINALIZING", 1, first.fencing_token, "w1", at),
+        ("FINALIZING", "SUCCEEDED", 1, first.fencing_token, "w1", at)]
+    assert event_rows(store, b.run_id)[-1] == (
+        "FINALIZING", "SUCCEEDED", 1, second.fencing_token, "w2", at)
+    assert len(event_rows(store, b.run_id)) == 2  # CLAIMED -> FINALIZING was advance's
+    assert store.audit() == []
+
+
+def test_a_lease_whose_run_moved_to_a_newer_token_is_refused(store: Store) -> None:
+    """The fencing token guard alone: the run's token moved past the lease's while the
+    lease's attempt still looks ACTIVE and unexpired (a split brain the lease fence
+    cannot see); the write with the old token changes nothing."""
+    a, b = submit(store, 2)
+    leases = store.claim("w1", limit=2, lease_ttl=TTL)
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE runs SET fencing_token = fencing_token + 1 "
+                          "WHERE run_id = :r"), {"r": a.run_id})
+    done = store.complete_many(leases)
+    assert [lease.run_id for lease in done.completed] == [b.run_id]
+    assert [(lease.run_id, type(exc)) for lease, exc in done.refused] == [
+        (a.run_id, LeaseLost)]
+    assert run_row(store, a.run_id).status == "CLAIMED"
+    [attempt] = attempts_of(store, a.run_id)
+    assert (attempt.status, attempt.lease_status, attempt.ended_at) == (
+        "RUNNING", "ACTIVE", None)
+    assert ("CLAIMED", "FINALIZING") not in events_of(store, a.run_id)
+
+
+def test_a_revoked_lease_is_refused(store: Store) -> None:
+    """The lease fence on the lease's status: the run's token is still the lease's and
+    its expiry is ahead, but the lease is no longer ACTIVE."""
+    a, b = submit(store, 2)
+    leases = store.claim("w1", limit=2, lease_ttl=TTL)
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE attempts SET lease_status = 'REVOKED' WHERE run_id = :r"),
+                     {"r": a.run_id})
+    done = store.complete_many(leases)
+    assert [lease.run_id for lease in done.completed] == [b.run_id]
+    assert [(lease.run_id, type(exc)) for lease, exc in done.refused] == [
+        (a.run_id, LeaseLost)]
+    assert run_row(store, a.run_id).status == "CLAIMED"
+    [attempt] = attempts_of(store, a.run_id)
+    assert (attempt.status, attempt.ended_at) == ("RUNNING", None)
+
+
+def test_the_common_path_is_one_statement_on_postgresql(store: Store) -> None:
+    """No slots held, no dependents: the compare-and-set, the events and the attempts
+    ended go in one statement (COMPLETE_WRITE_PG); SQLite sends them one by one."""
+    submit(store, 3)
+    leases = store.claim("w1", limit=3, lease_ttl=TTL)
+    sent: list[str] = []
+
+    def count(conn: object, cursor: object, statement: str, *rest: object) -> None:
+        if not statement.startswith("BEGIN"):  # SQLite's BEGIN IMMEDIATE
+            sent.append(statement)
+
+    event.listen(store.engine, "before_cursor_execute", count)
+    try:
+        done = store.complete_many(leases)
+    finally:
+        event.remove(store.engine, "before_cursor_execute", count)
+    assert len(done.completed) == 3
+    assert len(sent) == (1 if store.is_postgres else 3)

@@ -704,31 +704,18 @@ class Store(SchedulingMixin):
         def work(conn: Connection) -> tuple[set[str], dict[int, Exception]]:
             if not moves:
                 return set(), {}
-            ordered = [moves[run_id][1] for run_id in sorted(moves)]
-            rows = conn.execute(self._q(sql.SET_RUN_STATUS_FENCED_MANY), {
-                **self._lease_batch(ordered), "to_status": S.SUCCEEDED.value,
-                "outcome": outcome, "now": self.clock.now()}).all()
-            won = {r.run_id: r for r in rows}
-            events: list[dict[str, Any]] = []
+            ordered = [moves[run_id][1:] for run_id in sorted(moves)]
+            won = {r.run_id: r for r in self._write_completion(conn, ordered, S.SUCCEEDED,
+                                                                   outcome)}
             for run_id, row in sorted(won.items()):
                 _, lease, path = moves[run_id]
                 self._lane_moved(conn, row.lane_id, lease.stage, path[-1])
-                events += self._hop_events(run_id, lease.stage, path, at=row.now,
-                                           actor=lease.worker_id, attempt_no=lease.attempt_no,
-                                           token=lease.fencing_token)
-            self._record(conn, events)
             for _, row in sorted(won.items()):
                 if row.has_dependents:
                     self._resolve_dependents(conn, row.task_id, row.now)
-            if won:
-                conn.execute(self._q(sql.END_ATTEMPTS), [
-                    {"status": "SUCCEEDED", "reason_code": None, "message": None,
-                     "retry_after_seconds": None, "lease_status": "RELEASED",
-                     "now": row.now, "run_id": run_id, "token": moves[run_id][1].fencing_token}
-                    for run_id, row in sorted(won.items())])
-                for run_id, row in sorted(won.items()):
-                    self._give_back_slots(conn, run_id, moves[run_id][1].fencing_token,
-                                          row.limit_scopes)
+            for run_id, row in sorted(won.items()):
+                self._give_back_slots(conn, run_id, moves[run_id][1].fencing_token,
+                                      row.limit_scopes)
             lost = {i: self._refusal(conn, lease, path[-1])
                     for run_id, (i, lease, path) in moves.items() if run_id not in won}
             return set(won), lost
@@ -742,13 +729,52 @@ class Store(SchedulingMixin):
         return Completion(tuple(completed),
                           tuple((batch[i], refused[i]) for i in sorted(refused)))
 
+    def _write_completion(self, conn: Connection,
+                          moves: Sequence[tuple[Lease, Sequence[RunStatus]]],
+                          target: RunStatus, outcome: str) -> list[Any]:
+        """The fenced compare-and-set of every lease's run along its path (checked
+        already, ending at ``target``), one event per hop of the won runs, their
+        attempts ended and leases released: one statement on PostgreSQL
+        (COMPLETE_WRITE_PG), three on SQLite. Returns ``(run_id, lane_id, task_id,
+        has_dependents, limit_scopes, now)`` per won run; a lost lease changed nothing."""
+        leases = [lease for lease, _ in moves]
+        params = {**self._lease_batch(leases), "to_status": target.value,
+                  "outcome": outcome, "now": self.clock.now()}
+        if self.is_postgres:
+            hops = [(lease.run_id, a.value, b.value) for lease, path in moves
+                    for a, b in itertools.pairwise([lease.stage, *path])]
+            rows: list[Any] = list(conn.execute(self._q(sql.COMPLETE_WRITE_PG), {
+                **params, "hop_run_ids": [h[0] for h in hops],
+                "hop_from": [h[1] for h in hops], "hop_to": [h[2] for h in hops]}))
+            # Cannot happen: a won run's lease was its ACTIVE one, and the run is locked.
+            if rows and rows[0].attempts_ended != len(rows):
+                raise TransitionRefused("a completed run's attempt was not live")
+            return rows
+        rows = list(conn.execute(self._q(sql.SET_RUN_STATUS_FENCED_MANY), params))
+        paths = {lease.run_id: (lease, path) for lease, path in moves}
+        won = [(paths[r.run_id], r.now) for r in sorted(rows, key=lambda r: r.run_id)]
+        self._record(conn, [
+            event for (lease, path), now in won for event in self._hop_events(
+                lease.run_id, lease.stage, path, at=now, actor=lease.worker_id,
+                attempt_no=lease.attempt_no, token=lease.fencing_token)])
+        if won:
+            conn.execute(self._q(sql.END_ATTEMPTS), [
+                {"status": "SUCCEEDED", "reason_code": None, "message": None,
+                 "retry_after_seconds": None, "lease_status": "RELEASED", "now": now,
+                 "run_id": lease.run_id, "token": lease.fencing_token}
+                for (lease, _), now in won])
+        return rows
+
     def _lease_batch(self, leases: Sequence[Lease]) -> dict[str, Any]:
         """The parameters of ``sql.LEASE_BATCH``: PostgreSQL arrays, SQLite JSON."""
         if self.is_postgres:
             return {"run_ids": [lease.run_id for lease in leases],
                     "tokens": [lease.fencing_token for lease in leases],
-                    "sources": [lease.stage.value for lease in leases]}
-        return {"leases": json.dumps([[lease.run_id, lease.fencing_token, lease.stage.value]
+                    "sources": [lease.stage.value for lease in leases],
+                    "attempt_nos": [lease.attempt_no for lease in leases],
+                    "actors": [lease.worker_id for lease in leases]}
+        return {"leases": json.dumps([[lease.run_id, lease.fencing_token, lease.stage.value,
+                                       lease.attempt_no, lease.worker_id]
                                       for lease in leases])}
 
     def _fenced_path(self, lease: Lease, path: list[RunStatus]) -> None:
