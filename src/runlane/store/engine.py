@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from psycopg.abc import Buffer
+from psycopg.types.array import ListDumper
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
@@ -58,7 +60,7 @@ def build_engine(url: str, pool_size: int | None = None, *,
     if dialect_of(url) == "sqlite":
         return _sqlite_engine(url)
     size = pool_size or max(4, (os.cpu_count() or 2) * 2)
-    return create_engine(
+    engine = create_engine(
         url,
         pool_size=size,
         max_overflow=size,
@@ -82,6 +84,37 @@ def build_engine(url: str, pool_size: int | None = None, *,
                       "options": "-c jit=off -c idle_in_transaction_session_timeout="
                                  f"{_milliseconds(idle_in_transaction_timeout)}"},
     )
+    event.listen(engine, "connect", _fast_arrays)
+    return engine
+
+
+class ArrayLiteralDumper(ListDumper):
+    """psycopg's text dumper of a list (an array parameter), with a fast path for the
+    arrays runlane sends (run ids, statuses, scopes, counts): every element quoted and
+    escaped in one join, where psycopg runs a regular expression per element (30 us for
+    ten run ids; a batched completion sends eight arrays). The same values reach the
+    server; any other list (floats, nested, a NUL byte) goes psycopg's way."""
+
+    def dump(self, obj: list[Any]) -> Buffer | None:
+        parts = []
+        for item in obj:
+            kind = type(item)
+            if kind is str:
+                parts.append('"' + item.replace("\\", "\\\\").replace('"', '\\"') + '"')
+            elif kind is int:
+                parts.append(str(item))
+            elif item is None:
+                parts.append("NULL")
+            else:
+                return super().dump(obj)
+        literal = "{" + ",".join(parts) + "}"
+        if "\x00" in literal or self._tx.encoding != "utf-8":
+            return super().dump(obj)
+        return literal.encode()
+
+
+def _fast_arrays(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.adapters.register_dumper(list, ArrayLiteralDumper)
 
 
 def _milliseconds(seconds: float) -> int:
