@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -601,7 +602,8 @@ class Store(SchedulingMixin):
             if leases is not None:
                 break
         leases = leases or []
-        for lease in leases:
+        # One level check per claim, not a bound logger built per lease to be dropped.
+        for lease in leases if log.is_enabled_for(logging.DEBUG) else ():
             log.debug("claimed", task_id=lease.task_id, run_id=lease.run_id,
                       attempt_id=lease.attempt_id, fencing_token=lease.fencing_token,
                       worker_id=worker_id, lease_expires_at=lease.expires_at)
