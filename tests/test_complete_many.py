@@ -304,3 +304,38 @@ def test_the_common_path_is_one_statement_on_postgresql(store: Store) -> None:
         event.remove(store.engine, "before_cursor_execute", count)
     assert len(done.completed) == 3
     assert len(sent) == (1 if store.is_postgres else 3)
+
+
+def test_a_batch_locks_all_its_counters_once_in_scope_order(store: Store) -> None:
+    """Invariant 9's lock order: the batch's counters are locked together, in scope
+    order, before any slot is given back. Run by run, the first run's repository
+    (repo:/srv/git/z.git) would be locked before the second's (repo:/srv/git/a.git):
+    the opposite of a claim's order, a deadlock with a claim holding the lower one."""
+    store.apply_policy(parse_policy(
+        "[concurrency]\nglobal_max_active = 5\nper_repository_max_active = 3\n"),
+        source="test")
+    [late] = submit(store, repo="/srv/git/z.git")
+    [early] = submit(store, repo="/srv/git/a.git")
+    leases = store.claim("w1", limit=2, lease_ttl=TTL)
+    assert sorted(lease.run_id for lease in leases) == sorted([late.run_id, early.run_id])
+    assert late.run_id < early.run_id  # the batch's run order puts repo z first
+    sent: list[tuple[str, list[str]]] = []
+
+    def record(conn: object, cursor: object, statement: str, params: object,
+               *rest: object) -> None:
+        if "FROM limit_counters" in statement and "SELECT scope, active" in statement:
+            values = params["scopes"] if isinstance(params, dict) else list(params)  # type: ignore[call-overload]
+            sent.append(("lock", list(values)))
+        elif statement.lstrip().startswith("UPDATE limit_counters SET active = active - 1"):
+            sent.append(("give", []))
+
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        done = store.complete_many(leases)
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
+    assert len(done.completed) == 2
+    scopes = ["global", "repo:/srv/git/a.git", "repo:/srv/git/z.git"]
+    assert sent == [("lock", scopes), ("give", []), ("give", [])]
+    assert counters(store) == {scope: 0 for scope in scopes}
+    assert store.audit() == []

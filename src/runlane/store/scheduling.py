@@ -315,17 +315,32 @@ class SchedulingMixin:
     def _give_back_slots(self, conn: Connection, run_id: str, token: int, raw: Any) -> None:
         """An attempt ended (``raw``: the scopes its row held, as the ending statement
         returned them): free its slots, once."""
-        if raw is None:
+        self._give_back_slots_many(conn, [(run_id, token, raw)])
+
+    def _give_back_slots_many(self, conn: Connection,
+                              ended: Sequence[tuple[str, int, Any]]) -> None:
+        """Attempts ended (``(run_id, token, raw)`` each, ``raw`` as above): free their
+        slots, once. The counters of all of them are locked first, in scope order, as
+        a claim locks them: run by run, one run's scopes would be locked before a lower
+        scope of the next (a deadlock with a claim holding that one)."""
+        held = [(run_id, token, raw if isinstance(raw, list) else json.loads(raw))
+                for run_id, token, raw in ended if raw is not None]
+        if not held:
             return
-        scopes = raw if isinstance(raw, list) else json.loads(raw)
-        conn.execute(self._q(sql.CLEAR_ATTEMPT_SLOTS), {"run_id": run_id, "token": token})
+        conn.execute(self._q(sql.CLEAR_ATTEMPT_SLOTS),
+                     [{"run_id": run_id, "token": token} for run_id, token, _ in held])
+        scopes = sorted({scope for _, _, run_scopes in held for scope in run_scopes})
         if not scopes:
             return
-        self._lock_scopes(conn, sorted(scopes))
-        for r in conn.execute(self._q(sql.GIVE_SLOTS, "scopes"), {"scopes": sorted(scopes)}):
-            if r.scope.startswith("tenant:") and r.active == r.max_active - 1:
-                conn.execute(self._q(sql.MARK_TENANT_LANES),
-                             {"tenant": r.scope.removeprefix("tenant:"), "at_limit": 0})
+        self._lock_scopes(conn, scopes)
+        for _, _, run_scopes in held:
+            if not run_scopes:
+                continue
+            for r in conn.execute(self._q(sql.GIVE_SLOTS, "scopes"),
+                                  {"scopes": sorted(run_scopes)}):
+                if r.scope.startswith("tenant:") and r.active == r.max_active - 1:
+                    conn.execute(self._q(sql.MARK_TENANT_LANES),
+                                 {"tenant": r.scope.removeprefix("tenant:"), "at_limit": 0})
 
     def _audit_slots(self, conn: Connection) -> list[Any]:
         """Each counter must equal the slots live attempts hold in its scope."""

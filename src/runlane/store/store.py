@@ -712,12 +712,14 @@ class Store(SchedulingMixin):
             for run_id, row in sorted(won.items()):
                 _, lease, path = moves[run_id]
                 self._lane_moved(conn, row.lane_id, lease.stage, path[-1])
+            # Counters before the dependents' runs and lanes: closer to the lock order
+            # (run rows, counters by scope, lanes) than the other way round.
+            self._give_back_slots_many(conn, [
+                (run_id, moves[run_id][1].fencing_token, row.limit_scopes)
+                for run_id, row in sorted(won.items())])
             for _, row in sorted(won.items()):
                 if row.has_dependents:
                     self._resolve_dependents(conn, row.task_id, row.now)
-            for run_id, row in sorted(won.items()):
-                self._give_back_slots(conn, run_id, moves[run_id][1].fencing_token,
-                                      row.limit_scopes)
             lost = {i: self._refusal(conn, lease, path[-1])
                     for run_id, (i, lease, path) in moves.items() if run_id not in won}
             return set(won), lost
