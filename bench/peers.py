@@ -450,7 +450,8 @@ class Report:
             "- runlane: `Store.submit` of TaskSpecs (8 tenants, no idempotency key); each "
             "worker loops `Store.claim(limit=B)` and completes each claimed batch with one "
             "`Store.complete_many(leases)` (CLAIMED -> FINALIZING -> SUCCEEDED, one "
-            "transaction of set-based fenced statements per batch). *runlane, worker "
+            "transaction per batch: one statement of data-modifying CTEs, "
+            "COMPLETE_WRITE_PG). *runlane, worker "
             "stages* also walks the stages a real worker's no-op attempt takes (`advance` "
             "to PREPARING_SANDBOX, RUNNING, FINALIZING, then `complete_many`). Latency: "
             "`runlane.store.wakeup.Listener`, then `claim(limit=1)`.",

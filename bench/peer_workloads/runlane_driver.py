@@ -184,10 +184,21 @@ STATEMENT_NAMES = (
 )
 
 
+# Statements of data-modifying CTEs all start alike ("WITH t AS ..."): named by a CTE.
+CTE_NAMES = (
+    ("won AS (", "complete: COMPLETE_WRITE_PG (CAS + events + attempts ended)"),
+    ("claimed AS (", "claim: CLAIM_WRITE_PG (slots + CAS + attempts + events + lanes)"),
+    ("full_scopes AS (", "claim: LANE_RUNS"),
+)
+
+
 def statement_name(sql_text: str) -> str:
     flat = " ".join(sql_text.split())
     if flat.startswith("SELECT pg_notify") or flat.upper().startswith("SELECT 1"):
         return flat[:60]
+    for cte, name in CTE_NAMES:
+        if flat.startswith("WITH") and cte in flat:
+            return name
     for prefix, name in STATEMENT_NAMES:
         if flat.startswith(prefix) or f" {prefix}" in flat[:40]:
             return name
