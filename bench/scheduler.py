@@ -605,8 +605,16 @@ def explain_all(url: str) -> list[Explained]:
                                index="ix_limit_counters_full", table="limit_counters",
                                bound=n_full, note=f"{n_full} full counters", ordered=False))
             out.append(explain(conn, "PICK_LANES", sql.PICK_LANES, pick, index="ix_lanes_pick",
-                               table="lanes", bound=16,
-                               note="a GPU worker's first page of 16 lanes"))
+                               table="lanes", bound=17,
+                               note="SQLite's pick, here on PostgreSQL: a GPU worker's "
+                                    "first page of 16 lanes (+1: the MIN(wake_at) probe)"))
+            for wanted in (1, 10):
+                out.append(explain(
+                    conn, f"PICK_AND_WALK_PG (limit {wanted})", sql.PICK_AND_WALK_PG,
+                    {**pick, "wanted": wanted}, index="ix_runs_lane_dispatch", table="runs",
+                    bound=4 * wanted,
+                    note=f"PostgreSQL's pick of 16 lanes and the walk of the lanes a claim "
+                         f"of {wanted} can share out to, one statement"))
             out.append(explain(conn, "LANE_RUNS", LANE_RUNS,
                                candidates([lane.lane_id], 1), index="ix_runs_lane_dispatch",
                                table="runs", bound=4,
@@ -629,8 +637,12 @@ def explain_all(url: str) -> list[Explained]:
                                table="limit_counters", bound=len(scopes_ten),
                                note=f"the {len(scopes_ten)} scopes of a claim of 10"))
             claimed_lanes = sorted({c.lane_id for c in firsts})
+            maxima = conn.execute(text(
+                "SELECT max_active FROM limit_counters WHERE scope = ANY(:s) ORDER BY scope"),
+                {"s": scopes_ten}).scalars().all()
             out.append(explain(conn, "CLAIM_WRITE_PG", sql.CLAIM_WRITE_PG, {
                 "now": None, "slot_scopes": scopes_ten, "slot_counts": [0] * len(scopes_ten),
+                "slot_max": maxima,
                 "run_ids": sorted(c.run_id for c in firsts), "estimated": [None] * len(firsts),
                 "scopes": [None] * len(firsts), "worker_id": WORKER, "ttl": 600.0,
                 "lane_ids": claimed_lanes, "lane_counts": [1] * len(claimed_lanes),
@@ -750,16 +762,18 @@ class Report:
             lines.append(f"- Scans that grow with the data: {', '.join(unbounded)} "
                          "(plans below).")
         lines += [
-            "", "Done (2026-11-30): the reads fused (LANE_RUNS: every lane's share in one "
-            "LATERAL statement, the full scopes, policy version, time and task "
-            "cancellation riding along), the writes fused (CLAIM_WRITE_PG: slots, "
+            "", "Done (2026-11-30): the reads fused (PICK_AND_WALK_PG: the page of lanes "
+            "and, LATERAL, each lane that can get a share walked as far as its share can "
+            "be at most, the full scopes, policy version, time and task cancellation "
+            "riding along; LANE_RUNS again only for a lane that came up short), the "
+            "writes fused (CLAIM_WRITE_PG: slots, "
             "compare-and-set, attempts, events and lanes as data-modifying CTEs), "
             "ENSURE_COUNTER only for scopes without a counter, admission once per distinct "
-            "request, arrays instead of IN lists. What is left, by the profile: each of the "
-            "four statements costs about as much as FIFO's two (the write inserts an "
-            "attempt and an event and updates a counter per scope and a lane, FIFO one row "
-            "and one attempt); fusing PICK_LANES into LANE_RUNS (stride shares computed in "
-            "SQL) would save one more round trip.", ""]
+            "request, arrays instead of IN lists, and the counters locked and checked inside "
+            "the write (LOCK_SCOPES only when a slot is short). What is left, by the "
+            "profile: each statement costs about as much as FIFO's two (the write inserts "
+            "an attempt and an event and updates a counter per scope and a lane, FIFO one "
+            "row and one attempt), and Python per claim.", ""]
         return lines
 
     def render_latency(self) -> list[str]:

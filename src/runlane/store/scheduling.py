@@ -404,22 +404,45 @@ class SchedulingMixin:
         cursors: dict[int, tuple[float, str]] = {}
         wanted = limit
         after: tuple[int, float, int] = (-(2**31), float("-inf"), -1)
+        carried: list[LaneState] = []  # earlier pages' lanes still in play
+        seen: set[int] = set()
         while wanted > 0:
-            page_rows = list(conn.execute(
-                self._q(sql.PICK_LANES, "routes"),
-                {"queue": queue, "routes": routes, "limit": max(wanted, LANE_PAGE),
-                 "after_priority": after[0], "after_pass": after[1],
-                 "after_lane": after[2], "now": now}))
-            page = [LaneState(r.lane_id, r.priority, r.weight, r.pass_, r.queued_count)
-                    for r in page_rows]
-            if not page:
-                break
-            if check_due and rows_due(page_rows):
+            size = max(wanted, LANE_PAGE)
+            fresh, walked, due = self._pick_lanes(conn, queue, routes, wanted, size, after,
+                                                  now)
+            if check_due and due:
                 raise LanesDue  # wake them first, in a transaction of their own
-            after = (page[-1].priority, page[-1].pass_, page[-1].lane_id)
+            if fresh:
+                after = (fresh[-1].priority, fresh[-1].pass_, fresh[-1].lane_id)
+            # A full page may have lanes beyond it: deal no turn due after its last lane
+            # (such a turn may belong to a lane of the next page), then read that page.
+            more = len(fresh) == size
+            until = after if more else None
+            # Each page is a statement of its own: a lane an earlier page brought can
+            # come again (another claim moved its pass meanwhile). This claim already
+            # dealt with it (carried, or it came up short), and its walk from the head
+            # would return runs already taken. (Rare: the page's walk is then not used,
+            # its bounds counted the lanes dropped here.)
+            if any(lane.lane_id in seen for lane in fresh):
+                fresh = [lane for lane in fresh if lane.lane_id not in seen]
+                walked = None
+            seen.update(lane.lane_id for lane in fresh)
+            page = sorted([*carried, *fresh], key=lambda lane: (lane.priority, lane.pass_,
+                                                                 lane.lane_id))
+            new_lanes = {lane.lane_id for lane in fresh}
             while wanted > 0 and page:
-                shares = share_slots(page, wanted)
-                got = self._lane_runs(conn, shares, cursors, now)
+                shares = share_slots(page, wanted, until=until)
+                if not shares:
+                    break
+                if walked is not None:  # the page's first walk came with the pick
+                    got = {lane: walked.get(lane, [])[:share] for lane, share in shares
+                           if lane in new_lanes}
+                    rest = [(lane, share) for lane, share in shares if lane not in new_lanes]
+                    if rest:
+                        got.update(self._lane_runs(conn, rest, cursors, now))
+                    walked = None
+                else:
+                    got = self._lane_runs(conn, shares, cursors, now)
                 short: set[int] = set()
                 for lane_id, share in shares:
                     rows = got.get(lane_id, [])
@@ -431,12 +454,13 @@ class SchedulingMixin:
                         short.add(lane_id)
                         if not rows and lane_id not in cursors:
                             empty.add(lane_id)
-                if not short:
-                    break
                 taken = {lane_id: len(got.get(lane_id, [])) for lane_id, _ in shares}
                 page = [replace(lane, queued=lane.queued - taken.get(lane.lane_id, 0),
                                 pass_=lane.pass_ + taken.get(lane.lane_id, 0) / lane.weight)
                         for lane in page if lane.lane_id not in short]
+            if not more:
+                break
+            carried = page
         return candidates, empty
 
     def _lane_upkeep(self, conn: Connection, empty: set[int], *, wake: bool) -> int:
@@ -453,6 +477,37 @@ class SchedulingMixin:
         woken = conn.execute(self._q(sql.LANES_WAKE),
                              {"now": self.clock.now(), "ahead": JOIN_AHEAD}).rowcount
         return int(woken or 0)
+
+    def _pick_lanes(self, conn: Connection, queue: str, routes: list[str], wanted: int,
+                    size: int, after: tuple[int, float, int], now: float | None
+                    ) -> tuple[list[LaneState], dict[int, list[Any]] | None, bool]:
+        """One page of ``size`` lanes in fair order after ``after``, and whether
+        sleeping lanes are due. PostgreSQL also walks, in the same statement, each
+        lane that can get a share of ``wanted`` for as many runs as its share can be
+        at most (``PICK_AND_WALK_PG``; lanes of earlier pages competing for the same
+        slots can only make a share smaller): those runs come back per lane, oldest
+        first."""
+        params = {"queue": queue, "routes": routes, "limit": size,
+                  "after_priority": after[0], "after_pass": after[1],
+                  "after_lane": after[2], "now": now}
+        if self.dialect != "postgresql":
+            rows = list(conn.execute(self._q(sql.PICK_LANES, "routes"), params))
+            return ([LaneState(r.lane_id, r.priority, r.weight, r.pass_, r.queued_count)
+                     for r in rows], None, rows_due(rows))
+        lanes: dict[int, LaneState] = {}
+        walked: dict[int, list[Any]] = {}
+        due = False
+        for r in conn.execute(self._q(sql.PICK_AND_WALK_PG), {**params, "wanted": wanted}):
+            due = due or bool(r.lanes_due)
+            lanes[r.page_lane_id] = LaneState(r.page_lane_id, r.page_priority, r.weight,
+                                              r.pass_, r.queued_count)
+            if r.run_id is not None:
+                walked.setdefault(r.page_lane_id, []).append(r)
+        for lane_rows in walked.values():
+            lane_rows.sort(key=lambda r: (r.created_at, r.run_id))
+        page = sorted(lanes.values(), key=lambda lane: (lane.priority, lane.pass_,
+                                                        lane.lane_id))
+        return page, walked, due
 
     def _lane_runs(self, conn: Connection, shares: list[tuple[int, int]],
                    cursors: dict[int, tuple[float, str]], now: float | None
@@ -478,14 +533,12 @@ class SchedulingMixin:
             lane_rows.sort(key=lambda r: (r.created_at, r.run_id))
         return by_lane
 
-    def _screen(self, conn: Connection, candidates: list[Any], *, actor: str
-                ) -> tuple[list[tuple[Any, Decision]], dict[str, int], set[str]]:
-        """Cancellation (invariant 1), policy at claim (invariant 7) and slots
-        (invariant 9): a candidate of a cancelled task is pruned; each other one is
-        re-admitted under the policy in force now; a denied run ends POLICY_DENIED,
-        a deferred one waits for capacity, one without a free slot stays queued.
-        Returns the runs that passed, the slots they take per scope, and the tenants
-        those slots bring to their limit."""
+    def _admit_candidates(self, conn: Connection, candidates: list[Any], *, actor: str
+                          ) -> list[tuple[Any, Decision]]:
+        """Cancellation (invariant 1) and policy at claim (invariant 7): a candidate of
+        a cancelled task is pruned; each other one is re-admitted under the policy in
+        force now; a denied run ends POLICY_DENIED, a deferred one waits for capacity.
+        Returns the admitted runs with their decisions (their slots come next)."""
         version, now = int(candidates[0].version or 0), float(candidates[0].now)
         for c in candidates:
             if c.task_cancelled:
@@ -496,12 +549,12 @@ class SchedulingMixin:
                     message="its task was cancelled; pruned at claim")
         candidates = [c for c in candidates if not c.task_cancelled]
         if not candidates:
-            return [], {}, set()
+            return []
         policy = self._policy_version(conn, version)
         usage = self._tenant_usage(conn, {c.tenant for c in candidates}, now) \
             if has_budgets(policy) else {}
         decisions: dict[tuple[Any, ...], Decision] = {}
-        screened = []
+        admitted = []
         for c in candidates:
             spent = usage.get(c.tenant)
             spent_usd = spent.spent_today_usd if spent else 0.0
@@ -510,14 +563,7 @@ class SchedulingMixin:
             if key not in decisions:  # runs of one tenant, repo, user... decide alike
                 decisions[key] = admit(self._request_of(c), policy, version,
                                        TenantUsage(0, spent_usd), now)
-            screened.append((c, decisions[key]))
-        # Lock order, everywhere: run rows, then counters (by scope), then lanes.
-        counters = self._lock_counters(conn, {
-            scope: limit for _, d in screened if d.decision == "ADMIT"
-            for scope, limit in d.concurrency.items()})
-        passed: list[tuple[Any, Decision]] = []
-        slots: Counter[str] = Counter()
-        for c, decision in screened:
+            decision = decisions[key]
             if decision.decision == "DENY":
                 self._set_status(
                     conn, run_id=c.run_id, source=S.QUEUED, path=[S.POLICY_DENIED],
@@ -531,22 +577,46 @@ class SchedulingMixin:
                     run_token=c.fencing_token, actor=actor, now=now,
                     reason_code=decision.reason_code, message=decision.message,
                     visible_at=decision.retry_after)
-            elif all(counters[s][0] < counters[s][1] for s in decision.concurrency):
+            else:
+                admitted.append((c, decision))
+        return admitted
+
+    def _allot_slots(self, conn: Connection, admitted: list[tuple[Any, Decision]]
+                     ) -> tuple[list[tuple[Any, Decision]], set[str]]:
+        """Slots (invariant 9): lock the counters of every scope the admitted runs
+        need, in scope order, and give each run, fairest first, one slot in every
+        scope or none (a run without one stays queued). Returns the runs that got
+        their slots and the tenants they bring to their limit."""
+        # Lock order, everywhere: run rows, then counters (by scope), then lanes.
+        counters = self._lock_counters(conn, {
+            scope: limit for _, d in admitted for scope, limit in d.concurrency.items()})
+        passed: list[tuple[Any, Decision]] = []
+        slots: Counter[str] = Counter()
+        for c, decision in admitted:
+            if all(counters[s][0] < counters[s][1] for s in decision.concurrency):
                 for s in decision.concurrency:  # one slot in every scope, or none
                     counters[s][0] += 1
                     slots[s] += 1
                 passed.append((c, decision))
         full_tenants = {s.removeprefix("tenant:") for s in slots
                         if s.startswith("tenant:") and counters[s][0] >= counters[s][1]}
-        return passed, dict(slots), full_tenants
+        return passed, full_tenants
 
     def _write_claim(self, conn: Connection, passed: list[tuple[Any, Decision]],
-                     slots: dict[str, int], full_tenants: set[str], *, worker_id: str,
-                     lease_ttl: float) -> list[Any]:
-        """Take the slots, compare-and-set the runs QUEUED -> CLAIMED with their next
-        fencing token, open their attempts (the leases), record the events and move
-        the lanes: one statement on PostgreSQL. Returns ``(run_id, fencing_token,
-        attempt_count, now)`` per claimed run."""
+                     full_tenants: set[str] | None, *, worker_id: str,
+                     lease_ttl: float) -> list[Any] | None:
+        """Take the slots (one in every scope of each run), compare-and-set the runs
+        QUEUED -> CLAIMED with their next fencing token, open their attempts (the
+        leases), record the events and move the lanes: one statement on PostgreSQL.
+        Returns ``(run_id, fencing_token, attempt_count, now)`` per claimed run.
+
+        PostgreSQL checks the counters itself (locked in scope order: each exists, has
+        the policy's maximum and room for all the slots), so a claim may write before
+        it ever read them (``full_tenants`` None: the statement says which tenants it
+        filled). When a check fails nothing is written and this returns None: the
+        claim then allots the slots run by run (``_allot_slots``) and writes again."""
+        slots = Counter(s for _, d in passed for s in d.concurrency)
+        maxima = {s: limit for _, d in passed for s, limit in d.concurrency.items()}
         run_ids = [c.run_id for c, _ in passed]
         scopes = [json.dumps(sorted(d.concurrency)) if d.concurrency else None
                   for _, d in passed]
@@ -556,11 +626,15 @@ class SchedulingMixin:
         if self.dialect == "postgresql":
             rows: list[Any] = list(conn.execute(self._q(sql.CLAIM_WRITE_PG), {
                 "slot_scopes": sorted(slots), "slot_counts": [slots[s] for s in sorted(slots)],
+                "slot_max": [maxima[s] for s in sorted(slots)],
                 "run_ids": run_ids, "estimated": [c.estimated_cost_usd for c, _ in passed],
                 "scopes": scopes, "worker_id": worker_id, "ttl": lease_ttl,
                 "lane_ids": lanes, "lane_counts": [per_lane[lane] for lane in lanes],
                 "ahead": JOIN_AHEAD, "now": now}))
-            slots_taken = int(rows[0].slots_taken) if rows else 0
+            if not rows:
+                return None  # a counter was missing, stale or short of room
+            slots_taken = int(rows[0].slots_taken)
+            full_tenants = set(rows[0].full_tenants)
         else:
             slots_taken = sum(conn.execute(self._q(sql.ADD_SLOTS), {"scope": s, "n": n})
                               .rowcount for s, n in sorted(slots.items()))
@@ -586,7 +660,7 @@ class SchedulingMixin:
         # Cannot happen: the runs and the counters are locked.
         if len(rows) != len(passed) or slots_taken != len(slots):
             raise TransitionRefused("claimed runs or their slots changed while locked")
-        for tenant in sorted(full_tenants):
+        for tenant in sorted(full_tenants or ()):
             conn.execute(self._q(sql.MARK_TENANT_LANES), {"tenant": tenant, "at_limit": 1})
         return rows
 

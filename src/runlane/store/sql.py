@@ -36,10 +36,12 @@ LOCK_WAIT = {"postgresql": "FOR UPDATE OF {alias}", "sqlite": ""}
 #   LANE_RUNS    each chosen lane's oldest runnable runs, SKIP LOCKED, with the policy
 #                version, the time and whether the run's task was cancelled
 #                (PostgreSQL: all lanes at once, LATERAL; SQLite: lane by lane);
+#   PICK_AND_WALK_PG  PostgreSQL: both at once for a page's first walk;
 #   LOCK_SCOPES  the limit counters of the candidates, locked in scope order;
 #   CLAIM_WRITE  the slots, the compare-and-set, the attempts, the events and the
-#                lanes' counts (PostgreSQL: one statement of data-modifying CTEs;
-#                SQLite: the same writes one after another).
+#                lanes' counts (PostgreSQL: one statement of data-modifying CTEs that
+#                locks and checks the counters itself, so LOCK_SCOPES runs only when
+#                that check fails; SQLite: the same writes one after another).
 #
 # Rows that cannot run never fill a LIMIT: full tenants' lanes are hidden by
 # ``tenant_at_limit``, lanes a worker cannot serve are filtered by route, full
@@ -121,6 +123,50 @@ SELECT w.*, ctx.version, ctx.now FROM ctx, (""" + _LANE_WALK.format(
 """,
 }
 
+# PostgreSQL: PICK_LANES and the first LANE_RUNS of a page in one statement. Stride
+# sharing hands ``wanted`` slots only to the page's first ``wanted`` lanes (each of
+# them has its first turn before any later lane's); when the page has that many
+# lanes, a lane's k-th extra turn comes at pass + k / weight, never past the pass of
+# the wanted-th lane (the edge) when both share a priority. So each of those lanes is
+# walked for at most 1 + floor((edge pass - its pass) * weight) runs (the 1e-6
+# absorbs float rounding; an extra row is harmless), the others not at all (LIMIT 0
+# reads nothing): ``fairness.share_bounds`` is the same bound, property-tested
+# against ``share_slots``. The claim deals the shares from what came back and walks
+# again (LANE_RUNS) only for a lane that came up short. No ORDER BY (a Sort node):
+# the claim orders the page and each lane's runs itself.
+PICK_AND_WALK_PG = _CLAIM_CTX + """,
+     page AS (
+       SELECT l.lane_id, l.priority, l.weight, l.pass AS pass_, l.queued_count,
+              row_number() OVER (ORDER BY l.priority, l.pass, l.lane_id) AS rank
+       FROM lanes l
+       WHERE l.queue = :queue
+         AND l.queued_count > 0
+         AND l.tenant_at_limit = 0
+         AND l.wake_at IS NULL
+         AND l.route_key = ANY(CAST(:routes AS text[]))
+         AND (l.priority, l.pass, l.lane_id) > (:after_priority, :after_pass, :after_lane)
+         AND NOT EXISTS (SELECT 1 FROM limit_counters c
+                         WHERE c.scope IN ('global', 'queue:' || :queue)
+                           AND c.active >= c.max_active)
+       ORDER BY l.priority, l.pass, l.lane_id
+       LIMIT :limit),
+     edge AS (SELECT priority, pass_ FROM page WHERE rank = :wanted),
+     due AS (SELECT CASE WHEN MIN(w.wake_at) <= (SELECT now FROM ctx) THEN 1 ELSE 0 END
+                      AS lanes_due
+             FROM lanes w WHERE w.wake_at IS NOT NULL)
+SELECT p.lane_id AS page_lane_id, p.priority AS page_priority, p.weight, p.pass_,
+       p.queued_count, due.lanes_due, w.*, ctx.version, ctx.now
+FROM page p LEFT JOIN edge e ON true CROSS JOIN ctx CROSS JOIN due
+LEFT JOIN LATERAL (""" + _LANE_WALK.format(
+    lane="p.lane_id", after_created="CAST('-Infinity' AS double precision)",
+    after_id="''",
+    limit="""CASE WHEN p.rank > :wanted THEN 0
+              ELSE LEAST(:wanted, p.queued_count,
+                         CASE WHEN e.priority IS NULL OR p.priority < e.priority THEN :wanted
+                              ELSE 1 + CAST(floor((e.pass_ - p.pass_) * p.weight + 1e-6)
+                                            AS integer) END) END""") + """) w ON true
+"""
+
 # A named run (a delivery that names its run): the same re-validation.
 RUN_CANDIDATE = _CLAIM_CTX + """
 SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.user_id,
@@ -176,14 +222,31 @@ LANES_WAKE = "UPDATE lanes" + _WAKE_SET + "WHERE lanes.lane_id IN (" + _DUE_LANE
 CLAIM_WRITE_PG = """
 WITH t AS (SELECT {now} AS now),
 slot_deltas AS (
-    SELECT * FROM unnest(CAST(:slot_scopes AS text[]), CAST(:slot_counts AS integer[]))
-      AS d(scope, n)),
+    SELECT * FROM unnest(CAST(:slot_scopes AS text[]), CAST(:slot_counts AS integer[]),
+                         CAST(:slot_max AS integer[]))
+      AS d(scope, n, max_active)),
+-- The counters, locked in scope order, must all exist, carry the policy's maximum and
+-- have room for every slot; else nothing is written and the claim allots the slots
+-- run by run (LOCK_SCOPES). Every write below waits for this check, so the counters
+-- are locked before the lanes.
+counter_locks AS (
+    SELECT c.scope, c.active, c.max_active FROM limit_counters c
+    WHERE c.scope = ANY(CAST(:slot_scopes AS text[]))
+    ORDER BY c.scope FOR UPDATE),
+room AS (
+    SELECT COUNT(*) = cardinality(CAST(:slot_scopes AS text[]))
+           AND COALESCE(bool_and(k.active + d.n <= k.max_active
+                                 AND k.max_active = d.max_active), true) AS ok
+    FROM counter_locks k JOIN slot_deltas d ON d.scope = k.scope),
+-- No guard on ``active`` here: this UPDATE would test it on the statement's snapshot,
+-- older than the locked rows ``room`` checked (a slot given back since would be
+-- missed); the update itself applies to the latest, locked version.
 slots AS (
     UPDATE limit_counters c
     SET active = c.active + (SELECT d.n FROM slot_deltas d WHERE d.scope = c.scope)
     WHERE c.scope = ANY(CAST(:slot_scopes AS text[]))
-      AND c.active + (SELECT d.n FROM slot_deltas d WHERE d.scope = c.scope) <= c.max_active
-    RETURNING c.scope),
+      AND (SELECT ok FROM room)
+    RETURNING c.scope, c.active >= c.max_active AS at_limit),
 claimed AS (
     UPDATE runs
     SET status = 'CLAIMED',
@@ -191,6 +254,7 @@ claimed AS (
         attempt_count = runs.attempt_count + 1,
         updated_at = (SELECT now FROM t)
     WHERE runs.run_id = ANY(CAST(:run_ids AS text[])) AND runs.status = 'QUEUED'
+      AND (SELECT ok FROM room)
     RETURNING runs.run_id, runs.fencing_token, runs.attempt_count),
 picked AS (
     SELECT * FROM unnest(CAST(:run_ids AS text[]), CAST(:estimated AS double precision[]),
@@ -216,6 +280,7 @@ lane_deltas AS (
 -- same lanes would deadlock.
 lane_locks AS (
     SELECT lane_id FROM lanes WHERE lane_id = ANY(CAST(:lane_ids AS bigint[]))
+      AND (SELECT ok FROM room)
     ORDER BY lane_id FOR UPDATE),
 lane_counts AS (
     UPDATE lanes
@@ -227,7 +292,9 @@ lane_counts AS (
     WHERE lanes.lane_id = ANY(CAST(:lane_ids AS bigint[]))
       AND (SELECT COUNT(*) FROM lane_locks) > 0)  -- a one-time filter: locks first
 SELECT claimed.run_id, claimed.fencing_token, claimed.attempt_count, t.now,
-       (SELECT COUNT(*) FROM slots) AS slots_taken
+       (SELECT COUNT(*) FROM slots) AS slots_taken,
+       ARRAY(SELECT substr(scope, 8) FROM slots
+             WHERE at_limit AND scope LIKE 'tenant:%' ORDER BY scope) AS full_tenants
 FROM claimed, t
 """
 

@@ -563,10 +563,19 @@ class Store(SchedulingMixin):
         def work(conn: Connection, check_due: bool) -> list[Lease] | None:
             candidates, empty = self._claim_candidates(conn, queue, limit, capabilities,
                                                        run_id, check_due=check_due)
-            passed, slots, full_tenants = self._screen(conn, candidates, actor=worker_id) \
-                if candidates else ([], {}, set())
-            rows = self._write_claim(conn, passed, slots, full_tenants, worker_id=worker_id,
-                                     lease_ttl=lease_ttl) if passed else []
+            admitted = self._admit_candidates(conn, candidates, actor=worker_id) \
+                if candidates else []
+            passed, rows = admitted, None
+            if admitted and self.is_postgres:  # the write checks the slots itself
+                rows = self._write_claim(conn, admitted, None, worker_id=worker_id,
+                                         lease_ttl=lease_ttl)
+            if admitted and rows is None:  # lock the counters, allot slots run by run
+                passed, full_tenants = self._allot_slots(conn, admitted)
+                rows = self._write_claim(conn, passed, full_tenants, worker_id=worker_id,
+                                         lease_ttl=lease_ttl) if passed else []
+                if rows is None:  # cannot happen: the counters are locked and checked
+                    raise TransitionRefused("slots changed while their counters were locked")
+            rows = rows or []
             woken = self._lane_upkeep(conn, empty, wake=not rows)
             if not rows:
                 return [] if not woken else None  # None: lanes woke, look once more
