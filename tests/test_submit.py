@@ -113,6 +113,17 @@ def test_admission_is_decided_per_distinct_request(store: Store) -> None:
     assert store.audit() == []
 
 
+def test_requirements_that_are_not_plain_json_are_decided_on_their_own(
+        store: Store) -> None:
+    subs = store.submit([spec(requires={"tools": {"git", "maven"}}),
+                         spec(requires={"tools": ["maven", "git"]}),
+                         spec(requires={"tools": {"git", "maven"}})])
+    assert [s.status for s in subs] == [S.QUEUED.value] * 3
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT DISTINCT route_key FROM runs")).scalars().all() == [
+            '{"tools":["git","maven"]}']
+
+
 def test_admission_with_usage_is_decided_run_by_run(store: Store) -> None:
     apply(store, "[tenants.acme]\nmax_queued = 2\n")
     subs = store.submit([spec() for _ in range(4)])

@@ -196,6 +196,17 @@ _RUN_COLUMNS = ("run_id", "task_id", "tenant", "repo", "queue", "priority", "sta
                 "limits", "estimated_cost_usd")
 
 
+def _admission_request_key(spec: TaskSpec) -> tuple[Any, ...] | None:
+    """What admission reads of a task, as a key; None when its requirements are not
+    plain JSON (a set from the Python API): such a task is decided on its own."""
+    try:
+        requires = json.dumps(spec.requires, sort_keys=True) if spec.requires else ""
+    except (TypeError, ValueError):
+        return None
+    return (spec.tenant, spec.repo, spec.queue, spec.priority, spec.user, spec.max_attempts,
+            requires)
+
+
 @dataclass
 class _SubmitBatch:
     """The rows one submit writes: tasks, runs and the distinct admission decisions
@@ -207,8 +218,13 @@ class _SubmitBatch:
     runs: list[dict[str, Any]] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
+    statuses: list[RunStatus] = field(default_factory=list)  # a decision's new run's
 
     def add_decision(self, d: Decision) -> int:
+        status = {"DENY": S.POLICY_DENIED, "DEFER": S.WAITING_CAPACITY}.get(
+            d.decision, S.QUEUED)
+        assert is_allowed(None, status) and is_allowed(None, S.ADMITTED)
+        self.statuses.append(status)
         self.decisions.append(d)
         self.records.append({
             "queue": d.queue, "priority": d.priority, "max_attempts": d.max_attempts,
@@ -223,12 +239,9 @@ class _SubmitBatch:
 
     def add(self, spec: TaskSpec, report: PayloadReport, number: int) -> None:
         """One task and its run, under decision ``number``."""
-        d = self.decisions[number]
-        status = {"DENY": S.POLICY_DENIED, "DEFER": S.WAITING_CAPACITY}.get(
-            d.decision, S.QUEUED)
+        d, status = self.decisions[number], self.statuses[number]
         if status is S.QUEUED and spec.depends_on:
             status = S.ADMITTED  # released (or cancelled) when they end
-        assert is_allowed(None, status)
         task_id = new_id()
         self.tasks.append({
             "task_id": task_id, "tenant": spec.tenant, "repo": spec.repo,
@@ -443,7 +456,7 @@ class Store(SchedulingMixin):
             planned: list[int] = []  # the spec of each planned task and run
             results: list[Submission | None] = [None] * len(fitted)
             aliases: dict[int, int] = {}
-            decided: dict[tuple[Any, ...], int] = {}  # request -> decision number
+            decided: dict[tuple[Any, ...], int] = {}  # request key -> decision number
             for i, (spec, report) in enumerate(fitted):
                 for field_name, task_id in [*(("depends_on", t) for t in spec.depends_on),
                                             ("parent_task_id", spec.parent_task_id)]:
@@ -458,10 +471,8 @@ class Store(SchedulingMixin):
                 # Without usage, admission is a function of the request alone (the
                 # policy, version and time are the batch's): decide each distinct one
                 # once. With usage, every admitted run changes the next decision.
-                request = (spec.tenant, spec.repo, spec.queue, spec.priority, spec.user,
-                           spec.max_attempts,
-                           json.dumps(spec.requires, sort_keys=True) if spec.requires else "")
-                number = None if needs_usage else decided.get(request)
+                request = None if needs_usage else _admission_request_key(spec)
+                number = None if request is None else decided.get(request)
                 if number is None:
                     tenant_usage = usage.get(spec.tenant, TenantUsage())
                     decision = admit(
@@ -476,7 +487,7 @@ class Store(SchedulingMixin):
                         usage[spec.tenant] = replace(
                             tenant_usage, queued_runs=tenant_usage.queued_runs + 1)
                     number = batch.add_decision(decision)
-                    if not needs_usage:
+                    if request is not None:
                         decided[request] = number
                 batch.add(spec, report, number)
                 planned.append(i)
