@@ -196,3 +196,54 @@ def test_submit_locks_lanes_in_lane_id_order(pg_store: Store, pg_url: str) -> No
     assert not worker.is_alive() and errors == []
     assert {key[2]: lane.queued_count for key, lane in lanes(pg_store).items()} == {
         "zeta": 2, "alpha": 2}
+
+
+def test_submits_sharing_idempotency_keys_insert_them_in_key_order(pg_store: Store,
+                                                                    pg_url: str) -> None:
+    """Another transaction holds key k1 (inserted, not committed) and will insert k2;
+    a submit of [k2, k1] must wait on k1 before it takes k2, or each waits for the
+    other."""
+    pg_store.submit([spec(idempotency_key="seed")])  # its lane and route exist
+    errors: list[BaseException] = []
+    results: list[Any] = []
+    with psycopg.connect(libpq_url(pg_url)) as other:
+        other.execute("SET lock_timeout = '5s'")
+        insert = ("INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority,"
+                  " idempotency_key, max_attempts, context, truncated_sections, payload_bytes,"
+                  " created_at) VALUES (%s, 'acme', 'r', 'p', 'default', 100, %s, 3, '{}',"
+                  " '[]', 1, 0)")
+        other.execute(insert, ("00000000-0000-7000-8000-000000000001", "k1"))
+        other.execute("INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority,"
+                      " status, max_attempts, visible_at, created_at, updated_at)"
+                      " VALUES ('r1', '00000000-0000-7000-8000-000000000001', 'acme', 'r',"
+                      " 'default', 100, 'CANCELLED', 3, 0, 0, 0)")
+
+        def submit() -> None:
+            try:
+                results.extend(pg_store.submit([spec(idempotency_key="k2"),
+                                                spec(idempotency_key="k1")]))
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        worker = threading.Thread(target=submit)
+        worker.start()
+        with psycopg.connect(libpq_url(pg_url), autocommit=True) as watch:
+            for _ in range(500):  # until the submit waits on k1
+                waiting = watch.execute(
+                    "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock' AND query LIKE '%%new_tasks%%'"
+                ).fetchone()
+                if waiting and waiting[0]:
+                    break
+                time.sleep(0.01)
+            else:
+                raise AssertionError("the submit never waited for k1")
+        other.execute(insert, ("00000000-0000-7000-8000-000000000002", "k2"))
+        other.execute("INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority,"
+                      " status, max_attempts, visible_at, created_at, updated_at)"
+                      " VALUES ('r2', '00000000-0000-7000-8000-000000000002', 'acme', 'r',"
+                      " 'default', 100, 'CANCELLED', 3, 0, 0, 0)")
+        other.commit()
+    worker.join(10)
+    assert not worker.is_alive() and errors == []
+    assert [(r.run_id, r.created) for r in results] == [("r2", False), ("r1", False)]

@@ -355,6 +355,9 @@ ON CONFLICT (route_key) DO NOTHING
 # lanes are inserted in lane key order, so two submits creating the same lanes queue
 # on the first one. (A lane another submit commits between this statement's
 # snapshot and its upsert is locked by the upsert, out of order: a rare race.)
+# Tasks are inserted in (tenant, idempotency key) order: two submits whose batches
+# share keys wait on the first shared key instead of each holding one the other
+# needs (an insert waits for another transaction's uncommitted row of its key).
 SUBMIT_WRITE_PG = """
 WITH new_tasks AS (
     INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
@@ -366,6 +369,7 @@ WITH new_tasks AS (
            cancel_requested_at, created_at, user_id, requires, parent_task_id,
            estimated_cost_usd
     FROM json_populate_recordset(NULL::tasks, CAST(:tasks AS json))
+    ORDER BY tenant, idempotency_key  -- the key order: see "Lock order" above
     ON CONFLICT (tenant, idempotency_key) DO NOTHING
     RETURNING task_id),
 -- Materialized: each decision's record is read from the JSON once, not once per run.
