@@ -123,16 +123,18 @@ class SchedulingMixin:
         return version, self._policy_version(conn, version)
 
     def _policy_version(self, conn: Connection, version: int) -> Policy:
-        """One version of the policy, parsed once per store (version 0, the default,
-        too: building it is a pydantic validation, 25 us, and every claim asks)."""
+        """One version of the policy, parsed once per store (the empty default too:
+        building it validates a model tree, and every claim and submit asks)."""
         policy = self._policy_cache.get(version)
-        if policy is None and version == 0:
-            policy = self._policy_cache[0] = Policy.default()
         if policy is None:
-            row = conn.execute(self._q(sql.POLICY_BY_VERSION), {"version": version}).one()
-            document = row.document if isinstance(row.document, dict) else json.loads(
-                row.document)
-            policy = policy_from_document(document, source=f"policy v{version}")
+            if version == 0:
+                policy = Policy.default()
+            else:
+                row = conn.execute(self._q(sql.POLICY_BY_VERSION),
+                                   {"version": version}).one()
+                document = row.document if isinstance(row.document, dict) else json.loads(
+                    row.document)
+                policy = policy_from_document(document, source=f"policy v{version}")
             self._policy_cache[version] = policy
         return policy
 

@@ -354,17 +354,19 @@ WHERE tenant = :tenant AND tenant_at_limit <> :at_limit
 # Lane bookkeeping. A lane that gains work after being empty joins just ahead of the
 # current virtual time of its (queue, priority), never further: an idle tenant cannot
 # bank credit, and a new tenant's first run is the next one claimed in its priority.
-LANE_VIRTUAL_TIME = """
+_LANE_HEAD = """
 SELECT MIN(l.pass) FROM lanes l
-WHERE l.queue = :queue AND l.priority = :priority
+WHERE l.queue = {queue} AND l.priority = {priority}
   AND l.queued_count > 0 AND l.tenant_at_limit = 0 AND l.wake_at IS NULL
 """
-LANE_UPSERT = """
-INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, pass,
-                   tenant_at_limit)
-VALUES (:queue, :route_key, :priority, :tenant, :weight, :queued, :vtime,
-        (SELECT COUNT(*) FROM limit_counters c
-         WHERE c.scope = :tenant_scope AND c.active >= c.max_active))
+LANE_VIRTUAL_TIME = _LANE_HEAD.format(queue=":queue", priority=":priority")
+_TENANT_FULL = """(SELECT COUNT(*) FROM limit_counters c
+         WHERE c.scope = {scope} AND c.active >= c.max_active)"""
+# The upsert of a lane runs are going into (SQLite: one per lane, in lane key order;
+# PostgreSQL: all lanes of a submit in SUBMIT_WRITE_PG). A lane that gains work
+# after being empty rejoins at ``pass`` (the head's virtual time), never behind
+# its own.
+_LANE_UPSERT_CONFLICT = """
 ON CONFLICT (queue, route_key, priority, tenant) DO UPDATE
 SET weight = excluded.weight,
     pass = CASE WHEN lanes.queued_count = 0 AND excluded.queued_count > 0
@@ -373,6 +375,11 @@ SET weight = excluded.weight,
     wake_at = NULL
 RETURNING lane_id, queue, route_key, priority, tenant
 """
+LANE_UPSERT = """
+INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, pass,
+                   tenant_at_limit)
+VALUES (:queue, :route_key, :priority, :tenant, :weight, :queued, :vtime,
+        """ + _TENANT_FULL.format(scope=":tenant_scope") + ")" + _LANE_UPSERT_CONFLICT
 LANE_ENTER = """
 UPDATE lanes
 SET pass = CASE WHEN queued_count = 0 THEN {greatest}(pass, COALESCE(
@@ -395,6 +402,119 @@ WHERE lane_id = :lane_id
 ROUTE_INSERT = """
 INSERT INTO routes (route_key, created_at) VALUES (:route_key, :now)
 ON CONFLICT (route_key) DO NOTHING
+"""
+
+# --- submit ---------------------------------------------------------------------------
+#
+# After SUBMIT_CONTEXT (the time and the policy version), the writes of a submit.
+# PostgreSQL: one statement of data-modifying CTEs whose inputs are three JSON
+# documents (so its text never changes): ``:tasks`` (task rows), ``:decisions`` (each
+# distinct admission decision of the batch once: its terms, its record, the event
+# message) and ``:runs`` (one row per run, naming its decision by position). Only the
+# runs of tasks really inserted (an idempotency key already taken inserts nothing)
+# are inserted, are counted into their lanes and wake their queues. SQLite: the same
+# writes one after another (the task insert, ROUTE_INSERT, LANE_VIRTUAL_TIME and
+# LANE_UPSERT per lane, the runs, the events).
+#
+# Lock order (as everywhere: run rows, then counters, then lanes by lane_id): a
+# submit locks no run or counter another transaction can see, and the lanes it
+# already finds are locked in lane_id order before the upsert touches them; new
+# lanes are inserted in lane key order, so two submits creating the same lanes queue
+# on the first one. (A lane another submit commits between this statement's
+# snapshot and its upsert is locked by the upsert, out of order: a rare race.)
+# Tasks are inserted in (tenant, idempotency key) order: two submits whose batches
+# share keys wait on the first shared key instead of each holding one the other
+# needs (an insert waits for another transaction's uncommitted row of its key).
+SUBMIT_WRITE_PG = """
+WITH new_tasks AS (
+    INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
+                       max_attempts, context, truncated_sections, payload_bytes,
+                       cancel_requested_at, created_at, user_id, requires, parent_task_id,
+                       estimated_cost_usd)
+    SELECT task_id, tenant, repo, prompt, queue, priority, idempotency_key,
+           max_attempts, context, truncated_sections, payload_bytes,
+           cancel_requested_at, created_at, user_id, requires, parent_task_id,
+           estimated_cost_usd
+    FROM json_populate_recordset(NULL::tasks, CAST(:tasks AS json))
+    ORDER BY tenant, idempotency_key  -- the key order: see "Lock order" above
+    ON CONFLICT (tenant, idempotency_key) DO NOTHING
+    RETURNING task_id),
+-- Materialized: each decision's record is read from the JSON once, not once per run.
+decisions AS MATERIALIZED (
+    SELECT CAST(d.n AS integer) - 1 AS decision_no,
+           x.queue, x.priority, x.max_attempts, x.risk_class, x.route_key,
+           x.policy_version, x.reason_code, x.message, x.weight, x.event_message,
+           d.value -> 'admission' AS admission, d.value -> 'limits' AS limits
+    FROM json_array_elements(CAST(:decisions AS json)) WITH ORDINALITY AS d(value, n)
+    CROSS JOIN LATERAL json_to_record(d.value) AS x(
+        queue text, priority integer, max_attempts integer, risk_class text,
+        route_key text, policy_version integer, reason_code text, message text,
+        weight double precision, event_message text)),
+new_runs AS (
+    SELECT r.run_id, r.task_id, r.tenant, r.repo, r.user_id, r.status, r.visible_at,
+           r.ended_at, r.estimated_cost_usd, d.*
+    FROM json_to_recordset(CAST(:runs AS json)) AS r(
+        run_id text, task_id text, tenant text, repo text, user_id text, status text,
+        visible_at double precision, ended_at double precision,
+        estimated_cost_usd double precision, decision_no integer)
+    JOIN new_tasks t ON t.task_id = r.task_id
+    JOIN decisions d ON d.decision_no = r.decision_no),
+lane_plan AS (
+    SELECT queue, route_key, priority, tenant, MAX(weight) AS weight,
+           COUNT(*) FILTER (WHERE status = 'QUEUED') AS entering
+    FROM new_runs GROUP BY queue, route_key, priority, tenant),
+new_routes AS (
+    INSERT INTO routes (route_key, created_at)
+    SELECT DISTINCT route_key, CAST(:now AS double precision) FROM lane_plan
+    ORDER BY route_key
+    ON CONFLICT (route_key) DO NOTHING),
+lane_locks AS (
+    SELECT l.lane_id FROM lanes l
+    JOIN lane_plan p ON l.queue = p.queue AND l.route_key = p.route_key
+                    AND l.priority = p.priority AND l.tenant = p.tenant
+    ORDER BY l.lane_id FOR UPDATE OF l),
+lane_ids AS (
+    INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, pass,
+                       tenant_at_limit)
+    SELECT p.queue, p.route_key, p.priority, p.tenant, p.weight, p.entering,
+           COALESCE((""" + _LANE_HEAD.format(queue="p.queue", priority="p.priority") + """)
+                    - CAST(:ahead AS double precision), 0.0),
+           """ + _TENANT_FULL.format(scope="'tenant:' || p.tenant") + """
+    FROM lane_plan p
+    WHERE (SELECT COUNT(*) FROM lane_locks) >= 0  -- a one-time filter: locks first
+    ORDER BY p.queue, p.route_key, p.priority, p.tenant""" + _LANE_UPSERT_CONFLICT + """),
+inserted_runs AS (
+    INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority, status,
+                      attempt_count, max_attempts, fencing_token, visible_at, created_at,
+                      updated_at, ended_at, reason_code, message, cost_usd, user_id,
+                      risk_class, route_key, lane_id, policy_version, admission, limits,
+                      estimated_cost_usd)
+    SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.status,
+           0, r.max_attempts, 0, r.visible_at, CAST(:now AS double precision),
+           CAST(:now AS double precision), r.ended_at, r.reason_code, r.message, 0,
+           r.user_id, r.risk_class, r.route_key, l.lane_id, r.policy_version,
+           r.admission, r.limits, r.estimated_cost_usd
+    FROM new_runs r
+    JOIN lane_ids l ON l.queue = r.queue AND l.route_key = r.route_key
+                   AND l.priority = r.priority AND l.tenant = r.tenant
+    RETURNING run_id, queue, status),
+events AS (
+    INSERT INTO run_events (run_id, attempt_no, at, actor, from_status, to_status,
+                            reason_code, fencing_token, message)
+    SELECT r.run_id, NULL, CAST(:now AS double precision), :actor, NULL, r.status,
+           r.reason_code, NULL, r.event_message
+    FROM new_runs r JOIN inserted_runs i ON i.run_id = r.run_id),
+woken AS (
+    SELECT pg_notify(:channel, q.queue)
+    FROM (SELECT DISTINCT queue FROM inserted_runs WHERE status = 'QUEUED'
+          ORDER BY queue) q)
+SELECT t.task_id, (SELECT COUNT(*) FROM woken) AS queues_woken FROM new_tasks t
+"""
+# An idempotency key already taken: the task and run it names.
+EXISTING_RUN = """
+SELECT t.task_id, r.run_id, r.status FROM tasks t
+JOIN runs r ON r.task_id = t.task_id
+WHERE t.tenant = :tenant AND t.idempotency_key = :key
 """
 ROUTES = "SELECT route_key FROM routes"
 LIVE_WORKERS = """

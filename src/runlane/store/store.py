@@ -41,6 +41,7 @@ from runlane.domain.states import (
 )
 from runlane.domain.tasks import (
     DEFAULT_PAYLOAD_CAP_BYTES,
+    PayloadReport,
     TaskInvalid,
     TaskSpec,
     enforce_payload_cap,
@@ -54,7 +55,12 @@ from runlane.errors import (
 )
 from runlane.store import sql
 from runlane.store.engine import build_engine, dialect_of
-from runlane.store.scheduling import LanesDue, SchedulingMixin, policy_needs_usage
+from runlane.store.scheduling import (
+    JOIN_AHEAD,
+    LanesDue,
+    SchedulingMixin,
+    policy_needs_usage,
+)
 from runlane.store.schema import run_events, runs, task_dependencies, tasks, workers
 
 log = structlog.get_logger("runlane.store")
@@ -182,6 +188,78 @@ class _Snapshot:
             and self.run_token == self.fencing_token
             and self.lease_expires_at > self.now
         )
+
+
+# The run columns a submit takes from its plan (the rest are the batch's or zero).
+_RUN_COLUMNS = ("run_id", "task_id", "tenant", "repo", "queue", "priority", "status",
+                "max_attempts", "visible_at", "ended_at", "reason_code", "message",
+                "user_id", "risk_class", "route_key", "policy_version", "admission",
+                "limits", "estimated_cost_usd")
+
+
+def _admission_request_key(spec: TaskSpec) -> tuple[Any, ...] | None:
+    """What admission reads of a task, as a key; None when its requirements are not
+    plain JSON (a set from the Python API): such a task is decided on its own."""
+    try:
+        requires = json.dumps(spec.requires, sort_keys=True) if spec.requires else ""
+    except (TypeError, ValueError):
+        return None
+    return (spec.tenant, spec.repo, spec.queue, spec.priority, spec.user, spec.max_attempts,
+            requires)
+
+
+@dataclass
+class _SubmitBatch:
+    """The rows one submit writes: tasks, runs and the distinct admission decisions
+    the runs name by number (a decision shared by many runs is serialised once)."""
+
+    now: float
+    actor: str
+    tasks: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    statuses: list[RunStatus] = field(default_factory=list)  # a decision's new run's
+
+    def add_decision(self, d: Decision) -> int:
+        status = {"DENY": S.POLICY_DENIED, "DEFER": S.WAITING_CAPACITY}.get(
+            d.decision, S.QUEUED)
+        assert is_allowed(None, status) and is_allowed(None, S.ADMITTED)
+        self.statuses.append(status)
+        self.decisions.append(d)
+        self.records.append({
+            "queue": d.queue, "priority": d.priority, "max_attempts": d.max_attempts,
+            "risk_class": d.risk_class, "route_key": d.requires,
+            "policy_version": d.policy_version, "reason_code": d.reason_code,
+            "message": d.message, "weight": d.weight, "admission": d.to_json(),
+            "limits": d.limits,
+            "event_message": f"admitted under policy v{d.policy_version}"
+            if d.decision == "ADMIT"
+            else f"{d.decision} under policy v{d.policy_version}: {d.message}"})
+        return len(self.decisions) - 1
+
+    def add(self, spec: TaskSpec, report: PayloadReport, number: int) -> None:
+        """One task and its run, under decision ``number``."""
+        d, status = self.decisions[number], self.statuses[number]
+        if status is S.QUEUED and spec.depends_on:
+            status = S.ADMITTED  # released (or cancelled) when they end
+        task_id = new_id()
+        self.tasks.append({
+            "task_id": task_id, "tenant": spec.tenant, "repo": spec.repo,
+            "prompt": spec.prompt, "queue": d.queue, "priority": d.priority,
+            "idempotency_key": spec.idempotency_key, "max_attempts": d.max_attempts,
+            "context": spec.context, "truncated_sections": list(report.truncated_sections),
+            "payload_bytes": report.size_bytes, "cancel_requested_at": None,
+            "created_at": self.now, "user_id": spec.user, "requires": d.requires,
+            "parent_task_id": spec.parent_task_id,
+            "estimated_cost_usd": spec.estimated_cost_usd})
+        self.runs.append({
+            "run_id": new_id(), "task_id": task_id, "tenant": spec.tenant,
+            "repo": spec.repo, "user_id": spec.user, "status": status.value,
+            "visible_at": d.retry_after if status is S.WAITING_CAPACITY
+            and d.retry_after is not None else self.now,
+            "ended_at": self.now if status is S.POLICY_DENIED else None,
+            "estimated_cost_usd": spec.estimated_cost_usd, "decision_no": number})
 
 
 class Store(SchedulingMixin):
@@ -360,27 +438,26 @@ class Store(SchedulingMixin):
         idempotency key) again returns the existing task and run.
         """
         fitted = [enforce_payload_cap(spec, self.payload_cap_bytes) for spec in specs]
-        insert_task = sqlite_dialect.insert(tasks).on_conflict_do_nothing(
-            index_elements=["tenant", "idempotency_key"]
-        ).returning(tasks.c.task_id)
 
         def work(conn: Connection) -> list[Submission]:
             context = conn.execute(self._q(sql.SUBMIT_CONTEXT),
                                    {"now": self.clock.now()}).one()
             now, version = float(context.now), int(context.version or 0)
             policy = self._policy_version(conn, version)
+            needs_usage = policy_needs_usage(policy)
             usage = self._tenant_usage(conn, {spec.tenant for spec, _ in fitted}, now) \
-                if policy_needs_usage(policy) else {}
+                if needs_usage else {}
             referenced = sorted({t for spec, _ in fitted
                                  for t in [*spec.depends_on, spec.parent_task_id] if t})
             known = {r.task_id: S(r.status) for r in conn.execute(
                 self._q(sql.TASKS_WITH_STATUS, "task_ids"), {"task_ids": referenced})
             } if referenced else {}
+            batch = _SubmitBatch(now=now, actor=actor)
             first_of_key: dict[tuple[str, str], int] = {}
-            task_rows: list[dict[str, Any]] = []
-            plan: list[tuple[int, dict[str, Any], str, Decision]] = []
+            planned: list[int] = []  # the spec of each planned task and run
             results: list[Submission | None] = [None] * len(fitted)
             aliases: dict[int, int] = {}
+            decided: dict[tuple[Any, ...], int] = {}  # request key -> decision number
             for i, (spec, report) in enumerate(fitted):
                 for field_name, task_id in [*(("depends_on", t) for t in spec.depends_on),
                                             ("parent_task_id", spec.parent_task_id)]:
@@ -392,79 +469,47 @@ class Store(SchedulingMixin):
                         aliases[i] = first_of_key[key]
                         continue
                     first_of_key[key] = i
-                tenant_usage = usage.get(spec.tenant, TenantUsage())
-                decision = admit(
-                    AdmissionRequest(
-                        tenant=spec.tenant, repo=spec.repo, queue=spec.queue,
-                        priority=spec.priority, user=spec.user,
-                        max_attempts=spec.max_attempts,
-                        requires=parse_requirements(spec.requires)),
-                    policy, version, tenant_usage, now,
-                    default_max_attempts=default_max_attempts)
-                if decision.decision == "ADMIT":
-                    usage[spec.tenant] = replace(tenant_usage,
-                                                 queued_runs=tenant_usage.queued_runs + 1)
-                row = {
-                    "task_id": new_id(),
-                    "tenant": spec.tenant,
-                    "repo": spec.repo,
-                    "prompt": spec.prompt,
-                    "queue": decision.queue,
-                    "priority": decision.priority,
-                    "idempotency_key": spec.idempotency_key,
-                    "max_attempts": decision.max_attempts,
-                    "context": spec.context,
-                    "truncated_sections": list(report.truncated_sections),
-                    "payload_bytes": report.size_bytes,
-                    "cancel_requested_at": None,
-                    "created_at": now,
-                    "user_id": spec.user,
-                    "requires": decision.requires,
-                    "parent_task_id": spec.parent_task_id,
-                    "estimated_cost_usd": spec.estimated_cost_usd,
-                }
-                task_rows.append(row)
-                plan.append((i, row, new_id(), decision))
-            inserted: set[str] = set()
-            if task_rows and self.is_postgres:
-                inserted = {r.task_id for r in self._bulk_insert(
-                    conn, tasks, task_rows,
-                    "ON CONFLICT (tenant, idempotency_key) DO NOTHING RETURNING task_id")}
-            elif task_rows:
-                inserted = {r.task_id for r in conn.execute(insert_task, task_rows)}
-            dependencies = [{"task_id": row["task_id"], "depends_on": dep}
-                            for i, row, _, _ in plan if row["task_id"] in inserted
+                # Without usage, admission is a function of the request alone (the
+                # policy, version and time are the batch's): decide each distinct one
+                # once. With usage, every admitted run changes the next decision.
+                request = None if needs_usage else _admission_request_key(spec)
+                number = None if request is None else decided.get(request)
+                if number is None:
+                    tenant_usage = usage.get(spec.tenant, TenantUsage())
+                    decision = admit(
+                        AdmissionRequest(
+                            tenant=spec.tenant, repo=spec.repo, queue=spec.queue,
+                            priority=spec.priority, user=spec.user,
+                            max_attempts=spec.max_attempts,
+                            requires=parse_requirements(spec.requires)),
+                        policy, version, tenant_usage, now,
+                        default_max_attempts=default_max_attempts)
+                    if needs_usage and decision.decision == "ADMIT":
+                        usage[spec.tenant] = replace(
+                            tenant_usage, queued_runs=tenant_usage.queued_runs + 1)
+                    number = batch.add_decision(decision)
+                    if request is not None:
+                        decided[request] = number
+                batch.add(spec, report, number)
+                planned.append(i)
+            inserted = self._write_submission(conn, batch) if planned else set()
+            dependencies = [{"task_id": task["task_id"], "depends_on": dep}
+                            for i, task in zip(planned, batch.tasks, strict=True)
+                            if task["task_id"] in inserted
                             for dep in fitted[i][0].depends_on]
             if dependencies:
                 conn.execute(insert(task_dependencies), dependencies)
-            created: list[tuple[dict[str, Any], Decision, RunStatus]] = []
-            for i, row, run_id, decision in plan:
+            for i, task, run in zip(planned, batch.tasks, batch.runs, strict=True):
                 report = fitted[i][1]
-                if row["task_id"] not in inserted:
-                    existing = conn.execute(
-                        text(
-                            "SELECT t.task_id, r.run_id, r.status FROM tasks t "
-                            "JOIN runs r ON r.task_id = t.task_id "
-                            "WHERE t.tenant = :tenant AND t.idempotency_key = :key"
-                        ),
-                        {"tenant": row["tenant"], "key": row["idempotency_key"]},
-                    ).one()
-                    results[i] = Submission(existing.task_id, existing.run_id, existing.status,
-                                            False)
+                if task["task_id"] not in inserted:  # the key was taken before
+                    existing = conn.execute(self._q(sql.EXISTING_RUN), {
+                        "tenant": task["tenant"], "key": task["idempotency_key"]}).one()
+                    results[i] = Submission(existing.task_id, existing.run_id,
+                                            existing.status, False)
                     continue
-                status = {"DENY": S.POLICY_DENIED, "DEFER": S.WAITING_CAPACITY}.get(
-                    decision.decision, S.QUEUED)
-                if status is S.QUEUED and fitted[i][0].depends_on:
-                    status = S.ADMITTED  # released (or cancelled) below / when they end
-                created.append(({**row, "run_id": run_id}, decision, status))
-                results[i] = Submission(row["task_id"], run_id, status.value, True,
-                                        report.truncated_sections, report.size_bytes,
-                                        decision.reason_code)
-            if created:
-                self._insert_runs(conn, created, now, actor)
-            for run, _, status in created:
+                status = S(run["status"])
                 if status is S.ADMITTED:  # dependencies may all have ended already
-                    outcome = self._dependency_outcome(conn, run["task_id"])
+                    outcome = self._dependency_outcome(conn, task["task_id"])
                     if outcome is not S.ADMITTED:
                         self._set_status(
                             conn, run_id=run["run_id"], source=S.ADMITTED, path=[outcome],
@@ -473,9 +518,10 @@ class Store(SchedulingMixin):
                                          if outcome is S.CANCELLED else None),
                             message=("a dependency ended without success"
                                      if outcome is S.CANCELLED else "dependencies succeeded"))
-                        for k, result in enumerate(results):
-                            if result is not None and result.run_id == run["run_id"]:
-                                results[k] = replace(result, status=outcome.value)
+                        status = outcome
+                results[i] = Submission(task["task_id"], run["run_id"], status.value, True,
+                                        report.truncated_sections, report.size_bytes,
+                                        batch.decisions[run["decision_no"]].reason_code)
             for i, first in aliases.items():  # a repeat inside the batch creates nothing
                 original = results[first]
                 assert original is not None
@@ -487,62 +533,46 @@ class Store(SchedulingMixin):
         log.info("submitted", tasks=len(submissions), created=created)
         return submissions
 
-    def _insert_runs(self, conn: Connection,
-                     created: list[tuple[dict[str, Any], Decision, RunStatus]],
-                     now: float, actor: str) -> None:
-        """Insert admitted runs into their lanes, with their admission record."""
+    def _write_submission(self, conn: Connection, batch: _SubmitBatch) -> set[str]:
+        """Insert the batch's tasks; for those really inserted (an idempotency key
+        already taken inserts nothing), their routes, lanes, runs and admission events,
+        and wake the queues that got QUEUED runs. Returns the inserted task ids.
+        PostgreSQL: one statement (SUBMIT_WRITE_PG); SQLite: one per table."""
+        if self.is_postgres:
+            return set(conn.execute(self._q(sql.SUBMIT_WRITE_PG), {
+                "tasks": json.dumps(batch.tasks), "runs": json.dumps(batch.runs),
+                "decisions": json.dumps(batch.records), "now": batch.now,
+                "actor": batch.actor, "ahead": JOIN_AHEAD, "channel": WAKEUP_CHANNEL,
+            }).scalars().all())
+        insert_task = sqlite_dialect.insert(tasks).on_conflict_do_nothing(
+            index_elements=["tenant", "idempotency_key"]).returning(tasks.c.task_id)
+        inserted = set(conn.execute(insert_task, batch.tasks).scalars().all())
+        created = [{**batch.records[run["decision_no"]], **run}
+                   for run in batch.runs if run["task_id"] in inserted]
+        if not created:
+            return inserted
         lane_plan: dict[tuple[str, str, int, str], tuple[int, float]] = {}
-        for row, decision, status in created:
-            key = (row["queue"], decision.requires, row["priority"], row["tenant"])
-            entering, _ = lane_plan.get(key, (0, decision.weight))
-            lane_plan[key] = (entering + (status is S.QUEUED), decision.weight)
-        conn.execute(self._q(sql.ROUTE_INSERT),
-                     [{"route_key": k, "now": now} for k in sorted({k[1] for k in lane_plan})])
+        for run in created:
+            key = (run["queue"], run["route_key"], run["priority"], run["tenant"])
+            entering, _ = lane_plan.get(key, (0, run["weight"]))
+            lane_plan[key] = (entering + (run["status"] == S.QUEUED.value), run["weight"])
+        conn.execute(self._q(sql.ROUTE_INSERT), [{"route_key": k, "now": batch.now}
+                                                 for k in sorted({k[1] for k in lane_plan})])
         lane_ids = self._lane_ids(conn, lane_plan)
-        run_rows = []
-        for row, decision, status in created:
-            assert is_allowed(None, status)
-            run_rows.append({
-                "run_id": row["run_id"],
-                "task_id": row["task_id"],
-                "tenant": row["tenant"],
-                "repo": row["repo"],
-                "queue": row["queue"],
-                "priority": row["priority"],
-                "status": status.value,
-                "attempt_count": 0,
-                "max_attempts": row["max_attempts"],
-                "fencing_token": 0,
-                "visible_at": (decision.retry_after if status is S.WAITING_CAPACITY
-                               and decision.retry_after is not None else now),
-                "created_at": now,
-                "updated_at": now,
-                "ended_at": now if status is S.POLICY_DENIED else None,
-                "reason_code": decision.reason_code,
-                "message": decision.message,
-                "cost_usd": 0.0,
-                "user_id": row["user_id"],
-                "risk_class": decision.risk_class,
-                "route_key": decision.requires,
-                "lane_id": lane_ids[(row["queue"], decision.requires, row["priority"],
-                                     row["tenant"])],
-                "policy_version": decision.policy_version,
-                "admission": decision.to_json(),
-                "limits": decision.limits,
-                "estimated_cost_usd": row["estimated_cost_usd"],
-            })
-        self._bulk_insert(conn, runs, run_rows)
+        self._bulk_insert(conn, runs, [
+            {column: run[column] for column in _RUN_COLUMNS}
+            | {"attempt_count": 0, "fencing_token": 0, "cost_usd": 0.0,
+               "created_at": batch.now, "updated_at": batch.now,
+               "lane_id": lane_ids[(run["queue"], run["route_key"], run["priority"],
+                                    run["tenant"])]}
+            for run in created])
         self._record(conn, [
-            {"run_id": r["run_id"], "attempt_no": None, "at": now, "actor": actor,
-             "from_status": None, "to_status": r["status"], "reason_code": r["reason_code"],
-             "fencing_token": None,
-             "message": f"admitted under policy v{d.policy_version}"
-             if d.decision == "ADMIT" else f"{d.decision} under policy v{d.policy_version}: "
-             f"{d.message}"}
-            for r, (_, d, _) in zip(run_rows, created, strict=True)
-        ])
-        for queue in sorted({r["queue"] for r in run_rows if r["status"] == S.QUEUED.value}):
-            self._notify(conn, WAKEUP_CHANNEL, queue)
+            {"run_id": run["run_id"], "attempt_no": None, "at": batch.now,
+             "actor": batch.actor, "from_status": None, "to_status": run["status"],
+             "reason_code": run["reason_code"], "fencing_token": None,
+             "message": run["event_message"]}
+            for run in created])
+        return inserted
 
     # --- claim --------------------------------------------------------------------
 

@@ -1,0 +1,249 @@
+"""Batch submit on both engines: the writes of a submit (PostgreSQL: one statement)
+insert only the runs of tasks really inserted, count them into their lanes, place
+new lanes at the virtual time, wake only the queues that got queued runs, lock lanes
+in lane_id order; admission is decided once per distinct request when the policy
+needs no usage."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import text
+
+from runlane.domain.policy import parse_policy
+from runlane.domain.states import RunStatus
+from runlane.store.scheduling import JOIN_AHEAD
+from runlane.store.store import WAKEUP_CHANNEL, Store
+from runlane.store.wakeup import Listener, libpq_url
+
+from .conftest import truncate_pg
+from .support import events_of, execute, spec
+
+S = RunStatus
+
+
+def lanes(store: Store) -> dict[tuple[str, int, str], Any]:
+    with store.engine.connect() as conn:
+        return {(r.queue, r.priority, r.tenant): r for r in conn.execute(text(
+            "SELECT lane_id, queue, priority, tenant, queued_count, pass AS pass_ FROM lanes"))}
+
+
+def apply(store: Store, source: str) -> None:
+    store.apply_policy(parse_policy(source), source="test")
+
+
+def test_a_batch_with_repeated_keys_and_several_lanes_counts_only_what_it_inserts(
+        store: Store) -> None:
+    [before] = store.submit([spec(idempotency_key="k1")])
+    subs = store.submit([
+        spec(idempotency_key="k1", prompt="again"),  # taken by an earlier submit
+        spec(idempotency_key="k2"),
+        spec(idempotency_key="k2"),  # a repeat inside the batch
+        spec(),
+        spec(tenant="globex", queue="java", idempotency_key="k1"),  # another tenant's k1
+        spec(tenant="globex", priority=10),
+        spec(tenant="globex", queue="java", depends_on=[before.task_id]),  # ADMITTED
+    ])
+    assert [s.created for s in subs] == [False, True, False, True, True, True, True]
+    assert (subs[0].task_id, subs[0].run_id, subs[0].status) == (
+        before.task_id, before.run_id, S.QUEUED.value)
+    assert subs[2].run_id == subs[1].run_id
+    assert [s.status for s in subs[3:]] == [S.QUEUED.value] * 3 + [S.ADMITTED.value]
+    by_lane = {key: lane.queued_count for key, lane in lanes(store).items()}
+    assert by_lane == {("default", 100, "acme"): 3, ("java", 100, "globex"): 1,
+                       ("default", 10, "globex"): 1}
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT COUNT(*) FROM runs")).scalar_one() == 6
+        assert conn.execute(text("SELECT COUNT(*) FROM tasks")).scalar_one() == 6
+        assert conn.execute(text("SELECT COUNT(*) FROM run_events")).scalar_one() == 6
+    for s in subs[1:]:
+        assert events_of(store, s.run_id) == [(None, s.status)]
+    assert store.audit() == []
+
+
+def test_new_lanes_join_at_the_virtual_time_of_their_queue_and_priority(
+        store: Store) -> None:
+    store.submit([spec(tenant="a"), spec(tenant="c")])
+    execute(store, "UPDATE lanes SET pass = 5.0 WHERE tenant = 'a'")
+    execute(store, "UPDATE lanes SET pass = 1.0, queued_count = 0 WHERE tenant = 'c'")
+    execute(store, "UPDATE runs SET status = 'CANCELLED' WHERE tenant = 'c'")
+    store.submit([spec(tenant="b"), spec(tenant="d"), spec(tenant="c"), spec(tenant="a"),
+                  spec(tenant="b", priority=7)])
+    got = {key: (lane.queued_count, lane.pass_) for key, lane in lanes(store).items()}
+    head = 5.0 - JOIN_AHEAD
+    assert got == {
+        ("default", 100, "a"): (2, 5.0),  # had work: keeps its pass
+        ("default", 100, "b"): (1, head),  # new: just ahead of the head
+        ("default", 100, "c"): (1, head),  # empty, rejoins at the head, not behind it
+        ("default", 100, "d"): (1, head),
+        ("default", 7, "b"): (1, 0.0),  # the first lane of its priority
+    }
+    assert store.audit() == []
+
+
+def test_lanes_remember_a_pass_ahead_of_the_head(store: Store) -> None:
+    store.submit([spec(tenant="a"), spec(tenant="c")])
+    execute(store, "UPDATE lanes SET pass = 5.0 WHERE tenant = 'a'")
+    execute(store, "UPDATE lanes SET pass = 9.0, queued_count = 0 WHERE tenant = 'c'")
+    execute(store, "UPDATE runs SET status = 'CANCELLED' WHERE tenant = 'c'")
+    store.submit([spec(tenant="c")])
+    assert lanes(store)[("default", 100, "c")].pass_ == 9.0  # no credit banked, none lost
+
+
+def test_admission_is_decided_per_distinct_request(store: Store) -> None:
+    apply(store, "[[rules]]\nwhen = { user = 'bob' }\naction = 'deny'\n"
+                 "[[rules]]\nwhen = { repo = '*/slow*' }\naction = 'defer'\n"
+                 "retry_after_seconds = 60\n")
+    batch = [spec(user="alice"), spec(user="bob"), spec(user="alice"), spec(user="bob"),
+             spec(repo="/srv/git/slow.git"), spec(requires={"gpu": 1}),
+             spec(requires={"gpu": 1}, user="bob"), spec(requires={"gpu": 2})]
+    subs = store.submit(batch)
+    assert [s.status for s in subs] == [
+        S.QUEUED.value, S.POLICY_DENIED.value, S.QUEUED.value, S.POLICY_DENIED.value,
+        S.WAITING_CAPACITY.value, S.QUEUED.value, S.POLICY_DENIED.value, S.QUEUED.value]
+    with store.engine.connect() as conn:
+        routes = {r.run_id: r.route_key for r in conn.execute(
+            text("SELECT run_id, route_key FROM runs"))}
+    assert routes[subs[5].run_id] != routes[subs[7].run_id]
+    assert store.audit() == []
+
+
+def test_requirements_that_are_not_plain_json_are_decided_on_their_own(
+        store: Store) -> None:
+    subs = store.submit([spec(requires={"tools": {"git", "maven"}}),
+                         spec(requires={"tools": ["maven", "git"]}),
+                         spec(requires={"tools": {"git", "maven"}})])
+    assert [s.status for s in subs] == [S.QUEUED.value] * 3
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT DISTINCT route_key FROM runs")).scalars().all() == [
+            '{"tools":["git","maven"]}']
+
+
+def test_admission_with_usage_is_decided_run_by_run(store: Store) -> None:
+    apply(store, "[tenants.acme]\nmax_queued = 2\n")
+    subs = store.submit([spec() for _ in range(4)])
+    assert Counter(s.status for s in subs) == {S.QUEUED.value: 2, S.WAITING_CAPACITY.value: 2}
+    assert [s.reason_code for s in subs[2:]] == ["TENANT_QUEUE_FULL"] * 2
+
+
+# --- PostgreSQL: the wake-up and the lock order ---------------------------------------
+
+
+@pytest.fixture
+def pg_store(pg_url: str) -> Any:
+    truncate_pg(pg_url)
+    store = Store(pg_url)
+    yield store
+    store.close()
+
+
+def test_submit_wakes_only_the_queues_that_got_queued_runs(pg_store: Store,
+                                                           pg_url: str) -> None:
+    apply(pg_store, "[[rules]]\nwhen = { queue = 'python' }\naction = 'deny'\n")
+    pg_store.submit([spec(queue="ruby", idempotency_key="k")])
+    with Listener(pg_url) as listener:
+        assert listener.wait_connected()
+        pg_store.submit([spec(queue="java"), spec(queue="java"), spec(queue="python"),
+                         spec(queue="ruby", idempotency_key="k"), spec(queue="go")])
+        woken: list[str] = []
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            woken += [w.payload for w in listener.wait(0.1) if w.channel == WAKEUP_CHANNEL]
+    assert sorted(woken) == ["go", "java"]
+
+
+def test_submit_locks_lanes_in_lane_id_order(pg_store: Store, pg_url: str) -> None:
+    """A claim locks lanes in lane_id order; so must a submit, else a claim holding
+    the first lane and a submit holding the second wait for each other. Here lane
+    "zeta" has the smaller id but the larger key."""
+    pg_store.submit([spec(tenant="zeta")])
+    pg_store.submit([spec(tenant="alpha")])
+    ids = {key[2]: lane.lane_id for key, lane in lanes(pg_store).items()}
+    assert ids["zeta"] < ids["alpha"]
+    errors: list[BaseException] = []
+    with psycopg.connect(libpq_url(pg_url)) as claim:
+        claim.execute("SET lock_timeout = '5s'")
+        claim.execute("SELECT 1 FROM lanes WHERE lane_id = %s FOR UPDATE", (ids["zeta"],))
+
+        def submit() -> None:
+            try:
+                pg_store.submit([spec(tenant="alpha"), spec(tenant="zeta")])
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        worker = threading.Thread(target=submit)
+        worker.start()
+        with psycopg.connect(libpq_url(pg_url), autocommit=True) as watch:
+            for _ in range(500):  # until the submit waits on the claim's lane
+                waiting = watch.execute(
+                    "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock' AND query LIKE '%%new_tasks%%'"
+                ).fetchone()
+                if waiting and waiting[0]:
+                    break
+                time.sleep(0.01)
+            else:
+                raise AssertionError("the submit never waited for the claim's lane")
+        # The claim goes on to its second lane: free, since the submit holds none yet.
+        claim.execute("SELECT 1 FROM lanes WHERE lane_id = %s FOR UPDATE", (ids["alpha"],))
+        claim.commit()
+    worker.join(10)
+    assert not worker.is_alive() and errors == []
+    assert {key[2]: lane.queued_count for key, lane in lanes(pg_store).items()} == {
+        "zeta": 2, "alpha": 2}
+
+
+def test_submits_sharing_idempotency_keys_insert_them_in_key_order(pg_store: Store,
+                                                                    pg_url: str) -> None:
+    """Another transaction holds key k1 (inserted, not committed) and will insert k2;
+    a submit of [k2, k1] must wait on k1 before it takes k2, or each waits for the
+    other."""
+    pg_store.submit([spec(idempotency_key="seed")])  # its lane and route exist
+    errors: list[BaseException] = []
+    results: list[Any] = []
+    with psycopg.connect(libpq_url(pg_url)) as other:
+        other.execute("SET lock_timeout = '5s'")
+        insert = ("INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority,"
+                  " idempotency_key, max_attempts, context, truncated_sections, payload_bytes,"
+                  " created_at) VALUES (%s, 'acme', 'r', 'p', 'default', 100, %s, 3, '{}',"
+                  " '[]', 1, 0)")
+        other.execute(insert, ("00000000-0000-7000-8000-000000000001", "k1"))
+        other.execute("INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority,"
+                      " status, max_attempts, visible_at, created_at, updated_at)"
+                      " VALUES ('r1', '00000000-0000-7000-8000-000000000001', 'acme', 'r',"
+                      " 'default', 100, 'CANCELLED', 3, 0, 0, 0)")
+
+        def submit() -> None:
+            try:
+                results.extend(pg_store.submit([spec(idempotency_key="k2"),
+                                                spec(idempotency_key="k1")]))
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        worker = threading.Thread(target=submit)
+        worker.start()
+        with psycopg.connect(libpq_url(pg_url), autocommit=True) as watch:
+            for _ in range(500):  # until the submit waits on k1
+                waiting = watch.execute(
+                    "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock' AND query LIKE '%%new_tasks%%'"
+                ).fetchone()
+                if waiting and waiting[0]:
+                    break
+                time.sleep(0.01)
+            else:
+                raise AssertionError("the submit never waited for k1")
+        other.execute(insert, ("00000000-0000-7000-8000-000000000002", "k2"))
+        other.execute("INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority,"
+                      " status, max_attempts, visible_at, created_at, updated_at)"
+                      " VALUES ('r2', '00000000-0000-7000-8000-000000000002', 'acme', 'r',"
+                      " 'default', 100, 'CANCELLED', 3, 0, 0, 0)")
+        other.commit()
+    worker.join(10)
+    assert not worker.is_alive() and errors == []
+    assert [(r.run_id, r.created) for r in results] == [("r2", False), ("r1", False)]
