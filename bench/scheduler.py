@@ -386,6 +386,8 @@ class StatementTimer:
         normal = _normal(statement)
         if normal in self.names:
             return self.names[normal]
+        if normal.replace("%%", "%") in self.names:  # a literal % as the driver gets it
+            return self.names[normal.replace("%%", "%")]
         if "unnest(" in normal:
             return "INSERT run_events (unnest)"
         if "fifo_jobs" in normal:

@@ -12,6 +12,7 @@ from the transition table by the store, never written by hand.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from sqlalchemy import String, Table, TextClause, bindparam, text
@@ -1065,6 +1066,19 @@ def bulk_insert_json(table: Table, columns: list[str], suffix: str = "") -> str:
             f"FROM json_populate_recordset(NULL::{table.name}, CAST(:rows AS json)) {suffix}")
 
 
+# A "-- " comment: a whole line, or the end of one where no quote follows (so never
+# inside a literal).
+_COMMENT = re.compile(r"^\s*--\s[^\n]*$|\s+--\s[^'\n]*$", re.M)
+
+
+def compact(sql: str) -> str:
+    """The statement as sent: without its comments and indentation. psycopg caches
+    its parsing of a statement only up to 4,096 characters; the comments are for the
+    reader of this file."""
+    lines = (line.strip() for line in _COMMENT.sub("", sql).splitlines())
+    return "\n".join(line for line in lines if line)
+
+
 @dataclass(frozen=True)
 class Statements:
     """The statements above, rendered for one dialect."""
@@ -1072,7 +1086,7 @@ class Statements:
     dialect: str
 
     def render(self, sql: str, *expanding: str) -> TextClause:
-        rendered = sql.format(
+        rendered = compact(sql).format(
             now=NOW[self.dialect],
             lock_r=LOCK_WAIT[self.dialect].format(alias="r"),
             lock_r_skip=LOCK_SKIP[self.dialect].format(alias="r"),
