@@ -128,6 +128,20 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "")
     return "\n".join(lines)
 
 
+def merge_section(path: Path, section: str, start: str, end: str) -> None:
+    """Replace a benchmark's section of ``path`` (between its ``start`` and ``end``
+    markers, which the section carries), or append it at the end; nothing else in the
+    file changes (it is re-read right before writing)."""
+    existing = path.read_text() if path.exists() else ""
+    if start in existing and end in existing:
+        head, _, rest = existing.partition(start)
+        _, _, tail = rest.partition(end)
+        updated = head + section.rstrip("\n") + tail
+    else:
+        updated = existing.rstrip("\n") + "\n\n" + section
+    path.write_text(updated)
+
+
 def libpq(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 

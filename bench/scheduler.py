@@ -50,6 +50,7 @@ from lifecycle import (
     libpq,
     load_average,
     memory_total,
+    merge_section,
     percentile,
     postgres_facts,
     progress,
@@ -894,19 +895,6 @@ class Report:
 # --- main -----------------------------------------------------------------------------------
 
 
-def merge_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of ``path``, or append it at the end; nothing
-    else in the file changes (it is re-read right before writing)."""
-    existing = path.read_text() if path.exists() else ""
-    if START in existing and END in existing:
-        head, _, rest = existing.partition(START)
-        _, _, tail = rest.partition(END)
-        updated = head + section.rstrip("\n") + tail
-    else:
-        updated = existing.rstrip("\n") + "\n\n" + section
-    path.write_text(updated)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true",
@@ -977,7 +965,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
     sys.stdout.write(section)
     if args.write is not None:
-        merge_section(args.write, section)
+        merge_section(args.write, section, START, END)
         progress(f"wrote {args.write}")
     for limit in LIMITS:
         progress(f"limit {limit}: runlane p50 / FIFO p50 = {report.ratio(limit):.2f} "

@@ -47,6 +47,7 @@ from lifecycle import (
     libpq,
     load_average,
     memory_total,
+    merge_section,
     postgres_facts,
     progress,
     runlane_source,
@@ -612,19 +613,6 @@ class Report:
         return "\n".join(lines)
 
 
-def merge_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section of ``path``, or append it at the end; nothing
-    else in the file changes (it is re-read right before writing)."""
-    existing = path.read_text() if path.exists() else ""
-    if START in existing and END in existing:
-        head, _, rest = existing.partition(START)
-        _, _, tail = rest.partition(END)
-        updated = head + section.rstrip("\n") + tail
-    else:
-        updated = existing.rstrip("\n") + "\n\n" + section
-    path.write_text(updated)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--runs", type=int, default=1_000_000,
@@ -699,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
     sys.stdout.write(section)
     if args.write is not None:
-        merge_section(args.write, section)
+        merge_section(args.write, section, START, END)
         progress(f"wrote {args.write}")
     return 0
 

@@ -5,6 +5,7 @@ stale, lost or cancelled lease is refused and never stops the others."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from sqlalchemy import event, text
@@ -13,7 +14,7 @@ from runlane.clock import ManualClock
 from runlane.domain.policy import parse_policy
 from runlane.domain.states import IllegalTransition, RunStatus
 from runlane.errors import CancelRequested, LeaseLost, TransitionRefused
-from runlane.store.store import Store
+from runlane.store.store import Lease, Store
 
 from .support import attempts_of, events_of, run_row, spec, submit
 
@@ -25,6 +26,19 @@ def counters(store: Store) -> dict[str, int]:
     with store.engine.connect() as conn:
         return {r.scope: r.active for r in conn.execute(
             text("SELECT scope, active FROM limit_counters"))}
+
+
+
+def completes_b_refuses_a(store: Store, leases: list[Lease], a: str, b: str) -> Any:
+    """Complete both leases: run ``b`` completes, ``a``'s lease is refused as lost and
+    changes nothing (the run CLAIMED, its attempt running). Returns ``a``'s attempt."""
+    done = store.complete_many(leases)
+    assert [lease.run_id for lease in done.completed] == [b]
+    assert [(lease.run_id, type(exc)) for lease, exc in done.refused] == [(a, LeaseLost)]
+    assert run_row(store, a).status == "CLAIMED"
+    [attempt] = attempts_of(store, a)
+    assert (attempt.status, attempt.ended_at) == ("RUNNING", None)
+    return attempt
 
 
 def test_a_batch_completes_every_lease_with_its_events_and_attempt(store: Store) -> None:
@@ -258,14 +272,8 @@ def test_a_lease_whose_run_moved_to_a_newer_token_is_refused(store: Store) -> No
     with store.engine.begin() as conn:
         conn.execute(text("UPDATE runs SET fencing_token = fencing_token + 1 "
                           "WHERE run_id = :r"), {"r": a.run_id})
-    done = store.complete_many(leases)
-    assert [lease.run_id for lease in done.completed] == [b.run_id]
-    assert [(lease.run_id, type(exc)) for lease, exc in done.refused] == [
-        (a.run_id, LeaseLost)]
-    assert run_row(store, a.run_id).status == "CLAIMED"
-    [attempt] = attempts_of(store, a.run_id)
-    assert (attempt.status, attempt.lease_status, attempt.ended_at) == (
-        "RUNNING", "ACTIVE", None)
+    attempt = completes_b_refuses_a(store, leases, a.run_id, b.run_id)
+    assert attempt.lease_status == "ACTIVE"
     assert ("CLAIMED", "FINALIZING") not in events_of(store, a.run_id)
 
 
@@ -277,13 +285,7 @@ def test_a_revoked_lease_is_refused(store: Store) -> None:
     with store.engine.begin() as conn:
         conn.execute(text("UPDATE attempts SET lease_status = 'REVOKED' WHERE run_id = :r"),
                      {"r": a.run_id})
-    done = store.complete_many(leases)
-    assert [lease.run_id for lease in done.completed] == [b.run_id]
-    assert [(lease.run_id, type(exc)) for lease, exc in done.refused] == [
-        (a.run_id, LeaseLost)]
-    assert run_row(store, a.run_id).status == "CLAIMED"
-    [attempt] = attempts_of(store, a.run_id)
-    assert (attempt.status, attempt.ended_at) == ("RUNNING", None)
+    completes_b_refuses_a(store, leases, a.run_id, b.run_id)
 
 
 def test_the_common_path_is_one_statement_on_postgresql(store: Store) -> None:

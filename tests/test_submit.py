@@ -37,6 +37,22 @@ def apply(store: Store, source: str) -> None:
     store.apply_policy(parse_policy(source), source="test")
 
 
+
+def wait_until_the_submit_waits(pg_url: str, on: str) -> None:
+    """Poll until a session running the submit's write waits for a lock (``on``: what
+    it should be waiting for, for the message)."""
+    with psycopg.connect(libpq_url(pg_url), autocommit=True) as watch:
+        for _ in range(500):
+            waiting = watch.execute(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock' AND query LIKE '%%new_tasks%%'"
+            ).fetchone()
+            if waiting and waiting[0]:
+                return
+            time.sleep(0.01)
+    raise AssertionError(f"the submit never waited for {on}")
+
+
 def test_a_batch_with_repeated_keys_and_several_lanes_counts_only_what_it_inserts(
         store: Store) -> None:
     [before] = store.submit([spec(idempotency_key="k1")])
@@ -178,17 +194,7 @@ def test_submit_locks_lanes_in_lane_id_order(pg_store: Store, pg_url: str) -> No
 
         worker = threading.Thread(target=submit)
         worker.start()
-        with psycopg.connect(libpq_url(pg_url), autocommit=True) as watch:
-            for _ in range(500):  # until the submit waits on the claim's lane
-                waiting = watch.execute(
-                    "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock' AND query LIKE '%%new_tasks%%'"
-                ).fetchone()
-                if waiting and waiting[0]:
-                    break
-                time.sleep(0.01)
-            else:
-                raise AssertionError("the submit never waited for the claim's lane")
+        wait_until_the_submit_waits(pg_url, "the claim's lane")
         # The claim goes on to its second lane: free, since the submit holds none yet.
         claim.execute("SELECT 1 FROM lanes WHERE lane_id = %s FOR UPDATE", (ids["alpha"],))
         claim.commit()
@@ -227,17 +233,7 @@ def test_submits_sharing_idempotency_keys_insert_them_in_key_order(pg_store: Sto
 
         worker = threading.Thread(target=submit)
         worker.start()
-        with psycopg.connect(libpq_url(pg_url), autocommit=True) as watch:
-            for _ in range(500):  # until the submit waits on k1
-                waiting = watch.execute(
-                    "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock' AND query LIKE '%%new_tasks%%'"
-                ).fetchone()
-                if waiting and waiting[0]:
-                    break
-                time.sleep(0.01)
-            else:
-                raise AssertionError("the submit never waited for k1")
+        wait_until_the_submit_waits(pg_url, "k1")
         other.execute(insert, ("00000000-0000-7000-8000-000000000002", "k2"))
         other.execute("INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority,"
                       " status, max_attempts, visible_at, created_at, updated_at)"
