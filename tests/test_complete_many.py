@@ -288,22 +288,30 @@ def test_a_revoked_lease_is_refused(store: Store) -> None:
     completes_b_refuses_a(store, leases, a.run_id, b.run_id)
 
 
+
+def complete_recording(store: Store, leases: list[Lease]) -> tuple[Any, list[tuple[str, Any]]]:
+    """``complete_many(leases)``, and every (statement, parameters) it sent."""
+    sent: list[tuple[str, Any]] = []
+
+    def record(conn: object, cursor: object, statement: str, params: Any,
+               *rest: object) -> None:
+        sent.append((statement, params))
+
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        done = store.complete_many(leases)
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
+    return done, sent
+
+
 def test_the_common_path_is_one_statement_on_postgresql(store: Store) -> None:
     """No slots held, no dependents: the compare-and-set, the events and the attempts
     ended go in one statement (COMPLETE_WRITE_PG); SQLite sends them one by one."""
     submit(store, 3)
     leases = store.claim("w1", limit=3, lease_ttl=TTL)
-    sent: list[str] = []
-
-    def count(conn: object, cursor: object, statement: str, *rest: object) -> None:
-        if not statement.startswith("BEGIN"):  # SQLite's BEGIN IMMEDIATE
-            sent.append(statement)
-
-    event.listen(store.engine, "before_cursor_execute", count)
-    try:
-        done = store.complete_many(leases)
-    finally:
-        event.remove(store.engine, "before_cursor_execute", count)
+    done, statements = complete_recording(store, leases)
+    sent = [s for s, _ in statements if not s.startswith("BEGIN")]  # SQLite's IMMEDIATE
     assert len(done.completed) == 3
     assert len(sent) == (1 if store.is_postgres else 3)
 
@@ -321,21 +329,14 @@ def test_a_batch_locks_all_its_counters_once_in_scope_order(store: Store) -> Non
     leases = store.claim("w1", limit=2, lease_ttl=TTL)
     assert sorted(lease.run_id for lease in leases) == sorted([late.run_id, early.run_id])
     assert late.run_id < early.run_id  # the batch's run order puts repo z first
+    done, statements = complete_recording(store, leases)
     sent: list[tuple[str, list[str]]] = []
-
-    def record(conn: object, cursor: object, statement: str, params: object,
-               *rest: object) -> None:
+    for statement, params in statements:
         if "FROM limit_counters" in statement and "SELECT scope, active" in statement:
-            values = params["scopes"] if isinstance(params, dict) else list(params)  # type: ignore[call-overload]
+            values = params["scopes"] if isinstance(params, dict) else list(params)
             sent.append(("lock", list(values)))
         elif statement.lstrip().startswith("UPDATE limit_counters SET active = active - 1"):
             sent.append(("give", []))
-
-    event.listen(store.engine, "before_cursor_execute", record)
-    try:
-        done = store.complete_many(leases)
-    finally:
-        event.remove(store.engine, "before_cursor_execute", record)
     assert len(done.completed) == 2
     scopes = ["global", "repo:/srv/git/a.git", "repo:/srv/git/z.git"]
     assert sent == [("lock", scopes), ("give", []), ("give", [])]
