@@ -468,7 +468,8 @@ class Explained:
     table: str
     read: dict[str, int]  # rows read per table
     bound: int
-    sorts: bool
+    sorted_rows: int  # rows into the largest Sort node (0: none)
+    sort_bound: int  # a Sort may merge this many rows (pages walked in order)
     bitmap: bool
     seq: list[str]
     ms: float
@@ -476,7 +477,8 @@ class Explained:
 
     @property
     def bounded(self) -> bool:
-        in_order = not self.ordered or (not self.sorts and not self.bitmap)
+        in_order = not self.ordered or (self.sorted_rows <= self.sort_bound
+                                         and not self.bitmap)
         return (in_order and not self.seq
                 and all(n <= self.bound for t, n in self.read.items()
                         if t in (self.table, "tasks")))
@@ -530,7 +532,7 @@ def bind(statement: str, params: dict[str, Any]) -> tuple[TextClause, dict[str, 
 
 def explain(conn: Connection, name: str, statement: str, params: dict[str, Any], *,
             index: str, table: str, bound: int, note: str = "", generic: bool = False,
-            ordered: bool = True) -> Explained:
+            ordered: bool = True, sort_bound: int = 0) -> Explained:
     """EXPLAIN (ANALYZE, BUFFERS) as text and as JSON, each in a rolled-back transaction;
     ``generic``: PREPAREd and run with plan_cache_mode = force_generic_plan."""
     body, values = _compiled(conn, *bind(statement, params))
@@ -559,7 +561,10 @@ def explain(conn: Connection, name: str, statement: str, params: dict[str, Any],
     return Explained(
         name=name, note=note, plan_text=_trim(lines), index=index, table=table,
         read=_reads(plan), bound=bound,
-        sorts=any("Sort" in n["Node Type"] for n in nodes),
+        sorted_rows=max((sum(int(c["Actual Rows"] * c["Actual Loops"])
+                             for c in n.get("Plans", []))
+                         for n in nodes if "Sort" in n["Node Type"]), default=0),
+        sort_bound=sort_bound,
         bitmap=any(n["Node Type"] == "Bitmap Heap Scan" for n in nodes),
         seq=sorted({n["Relation Name"] for n in nodes if n["Node Type"] == "Seq Scan"
                     and n["Relation Name"] in ("runs", "tasks", "lanes", "limit_counters",
@@ -583,7 +588,7 @@ def explain_all(url: str) -> list[Explained]:
             pick = {"queue": QUEUE, "routes": routes, "full_tenants": names("tenant"),
                     "limit": 16, "after_priority": -(2**31), "after_pass": float("-inf"),
                     "after_lane": -1, "now": None}
-            lanes = conn.execute(*bind(sql.PICK_LANES, pick)).all()
+            lanes = conn.execute(*bind(sql.PICK_LANES["postgresql"], pick)).all()
             conn.rollback()
 
             def candidates(lane_ids: list[int], limit: int) -> dict[str, Any]:
@@ -607,15 +612,22 @@ def explain_all(url: str) -> list[Explained]:
             out.append(explain(conn, "FULL_SCOPES", sql.FULL_SCOPES, {},
                                index="ix_limit_counters_full", table="limit_counters",
                                bound=n_full, note=f"{n_full} full counters", ordered=False))
-            out.append(explain(conn, "PICK_LANES", sql.PICK_LANES, pick, index="ix_lanes_pick",
-                               table="lanes", bound=17,
-                               note="SQLite's pick, here on PostgreSQL: a GPU worker's "
-                                    "first page of 16 lanes (+1: the MIN(wake_at) probe)"))
+            out.append(explain(conn, "PICK_LANES", sql.PICK_LANES["postgresql"], pick,
+                               index="ix_lanes_route_pick", table="lanes", bound=33,
+                               sort_bound=32,
+                               note="a GPU worker's first page of 16 lanes: a page per "
+                                    "served route (2), merged (+1: the MIN(wake_at) probe)"))
+            plain = {**pick, "routes": [""]}
+            out.append(explain(conn, "PICK_LANES (no GPU)", sql.PICK_LANES["postgresql"],
+                               plain, index="ix_lanes_route_pick", table="lanes", bound=17,
+                               sort_bound=16,
+                               note="a worker without a GPU: the GPU lanes nobody serves "
+                                    "sort first and are not read"))
             for wanted in (1, 10):
                 out.append(explain(
                     conn, f"PICK_AND_WALK_PG (limit {wanted})", sql.PICK_AND_WALK_PG,
                     {**pick, "wanted": wanted}, index="ix_runs_lane_dispatch", table="runs",
-                    bound=4 * wanted,
+                    bound=4 * wanted, sort_bound=32,
                     note=f"PostgreSQL's pick of 16 lanes and the walk of the lanes a claim "
                          f"of {wanted} can share out to, one statement"))
             out.append(explain(conn, "LANE_RUNS", LANE_RUNS,
@@ -841,7 +853,8 @@ class Report:
                  f"{p.bound:,}", f"{p.ms:.3f}",
                  "bounded" if p.bounded else "**NOT bounded**: " + "; ".join(
                      x for x in [
-                         "sorts" if p.sorts and p.ordered else "",
+                         f"sorts {p.sorted_rows:,} rows" if p.ordered
+                         and p.sorted_rows > p.sort_bound else "",
                          "bitmap scan" if p.bitmap and p.ordered else "",
                          f"seq scan of {', '.join(p.seq)}" if p.seq else "",
                          *(f"reads {n:,} rows of {t} (bound {p.bound:,})"

@@ -493,7 +493,7 @@ class SchedulingMixin:
                   "after_priority": after[0], "after_pass": after[1],
                   "after_lane": after[2], "now": now}
         if self.dialect != "postgresql":
-            rows = list(conn.execute(self._q(sql.PICK_LANES, "routes"), params))
+            rows = list(conn.execute(self._q(sql.PICK_LANES["sqlite"], "routes"), params))
             return ([LaneState(r.lane_id, r.priority, r.weight, r.pass_, r.queued_count)
                      for r in rows], None, rows_due(rows))
         lanes: dict[int, LaneState] = {}

@@ -153,6 +153,14 @@ lanes = Table(
         postgresql_where=text("queued_count > 0 AND tenant_at_limit = 0 AND wake_at IS NULL"),
         sqlite_where=text("queued_count > 0 AND tenant_at_limit = 0 AND wake_at IS NULL"),
     ),
+    # PostgreSQL's page of lanes walks each served route on its own (sql.PICK_LANES):
+    # lanes of routes nobody serves are never read.
+    Index(
+        "ix_lanes_route_pick",
+        "queue", "route_key", "priority", "pass", "lane_id",
+        postgresql_where=text("queued_count > 0 AND tenant_at_limit = 0 AND wake_at IS NULL"),
+        sqlite_where=text("queued_count > 0 AND tenant_at_limit = 0 AND wake_at IS NULL"),
+    ),
     Index(
         "ix_lanes_wake",
         "wake_at",

@@ -58,7 +58,34 @@ SELECT scope FROM limit_counters WHERE active >= max_active
 # among the tenants of one priority), then age of the lane. Paged with a keyset: a
 # lane whose runs cannot run now (backoff, full repository) gives its turn to the next.
 # Nothing at all when the whole queue (or everything) is at its limit.
-PICK_LANES = """
+#
+# PostgreSQL walks each route the worker serves on its own (ix_lanes_route_pick,
+# LATERAL) and keeps the best ``limit`` of them: lanes of routes nobody serves (a GPU
+# with no GPU worker) never advance their pass, so they sort first, and a scan of the
+# whole queue in pass order would read every one of them before a lane it can serve,
+# on every claim. Rows read: at most ``limit`` per served route, whatever the
+# unservable lanes. SQLite keeps the one ordered scan (no LATERAL; a small queue).
+_PICK_PAGE_PG = """
+SELECT l.lane_id, l.tenant, l.priority, l.weight, l.pass_, l.queued_count
+FROM unnest(CAST(:routes AS text[])) AS served(route_key)
+CROSS JOIN LATERAL (
+    SELECT r.lane_id, r.tenant, r.priority, r.weight, r.pass AS pass_, r.queued_count
+    FROM lanes r
+    WHERE r.queue = :queue
+      AND r.route_key = served.route_key
+      AND r.queued_count > 0
+      AND r.tenant_at_limit = 0
+      AND r.wake_at IS NULL
+      AND (r.priority, r.pass, r.lane_id) > (:after_priority, :after_pass, :after_lane)
+    ORDER BY r.priority, r.pass, r.lane_id
+    LIMIT :limit) l
+WHERE NOT EXISTS (SELECT 1 FROM limit_counters c
+                  WHERE c.scope IN ('global', 'queue:' || :queue)
+                    AND c.active >= c.max_active)
+ORDER BY l.priority, l.pass_, l.lane_id
+LIMIT :limit
+"""
+_PICK_LANES_SQLITE = """
 SELECT l.lane_id, l.tenant, l.priority, l.weight, l.pass AS pass_, l.queued_count,
        CASE WHEN (SELECT MIN(w.wake_at) FROM lanes w WHERE w.wake_at IS NOT NULL) <= {now}
             THEN 1 ELSE 0 END AS lanes_due
@@ -75,6 +102,12 @@ WHERE l.queue = :queue
 ORDER BY l.priority, l.pass, l.lane_id
 LIMIT :limit
 """
+PICK_LANES = {
+    "postgresql": _PICK_PAGE_PG.replace("SELECT l.lane_id, l.tenant,", """SELECT
+       CASE WHEN (SELECT MIN(w.wake_at) FROM lanes w WHERE w.wake_at IS NOT NULL) <= {now}
+            THEN 1 ELSE 0 END AS lanes_due, l.lane_id, l.tenant,""", 1),
+    "sqlite": _PICK_LANES_SQLITE,
+}
 
 # One lane's oldest runnable runs after a keyset cursor (a claim that comes back to a
 # lane continues past the runs it already took; a row comparison, so it is an index
@@ -137,20 +170,8 @@ SELECT w.*, ctx.version, ctx.now FROM ctx, (""" + _LANE_WALK.format(
 # the claim orders the page and each lane's runs itself.
 PICK_AND_WALK_PG = _CLAIM_CTX + """,
      page AS (
-       SELECT l.lane_id, l.priority, l.weight, l.pass AS pass_, l.queued_count,
-              row_number() OVER (ORDER BY l.priority, l.pass, l.lane_id) AS rank
-       FROM lanes l
-       WHERE l.queue = :queue
-         AND l.queued_count > 0
-         AND l.tenant_at_limit = 0
-         AND l.wake_at IS NULL
-         AND l.route_key = ANY(CAST(:routes AS text[]))
-         AND (l.priority, l.pass, l.lane_id) > (:after_priority, :after_pass, :after_lane)
-         AND NOT EXISTS (SELECT 1 FROM limit_counters c
-                         WHERE c.scope IN ('global', 'queue:' || :queue)
-                           AND c.active >= c.max_active)
-       ORDER BY l.priority, l.pass, l.lane_id
-       LIMIT :limit),
+       SELECT p.*, row_number() OVER (ORDER BY p.priority, p.pass_, p.lane_id) AS rank
+       FROM (""" + _PICK_PAGE_PG + """) p),
      edge AS (SELECT priority, pass_ FROM page WHERE rank = :wanted),
      due AS (SELECT CASE WHEN MIN(w.wake_at) <= (SELECT now FROM ctx) THEN 1 ELSE 0 END
                       AS lanes_due
