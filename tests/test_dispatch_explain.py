@@ -921,7 +921,8 @@ def activity(conn: Connection) -> dict[str, tuple[int, int]]:
             for r in conn.execute(text(XACT_ACTIVITY))}
 
 
-def claims_activity(url: str, queue: str, limit: int, times: int
+def claims_activity(url: str, queue: str, limit: int, times: int,
+                    capabilities: dict[str, Any] | None = None
                     ) -> list[dict[str, tuple[int, int]]]:
     """Per claim (``times`` in a row, so psycopg prepares and PostgreSQL may switch to
     generic plans), what it scanned. Each claim's leases plus the runs it pruned (runs
@@ -931,7 +932,8 @@ def claims_activity(url: str, queue: str, limit: int, times: int
         pruned = 0
         for _ in range(times):
             before = activity(conn)
-            leases = store.claim("explain-worker", queue, limit=limit, capabilities=GPU)
+            leases = store.claim("explain-worker", queue, limit=limit,
+                                 capabilities=GPU if capabilities is None else capabilities)
             after = activity(conn)
             now_pruned = len(pruned_runs(conn, queue))  # outside the measured window
             assert len(leases) + now_pruned - pruned == limit
@@ -939,6 +941,18 @@ def claims_activity(url: str, queue: str, limit: int, times: int
             out.append({k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
                         for k, v in after.items()})
     return out
+
+
+def lane_reads(delta: dict[str, tuple[int, int]]) -> int:
+    """Entries a claim read from the lane indexes it may page through."""
+    return sum(delta.get(index, (0, 0))[1] for index in (ROUTE_PICK, "ix_lanes_pick"))
+
+
+def test_a_worker_without_a_gpu_reads_no_gpu_lane(explain_db: ExplainDb) -> None:
+    """The GPU lanes nobody serves sort first in (default, 50) (95 of them, one per
+    tenant with GPU runs); a worker without a GPU pages through its own route only."""
+    for delta in claims_activity(explain_db.url, "default", 1, 3, capabilities={}):
+        assert lane_reads(delta) <= LANE_PAGE * 2, delta
 
 
 @pytest.mark.parametrize("limit", [1, 50])
@@ -974,4 +988,4 @@ def test_real_claims_read_rows_bounded_by_the_batch(explain_db: ExplainDb, queue
         assert not seq, f"sequential scans (count, rows) {seq}"
         for index in (DISPATCH_INDEX_NAME, "tasks_pkey"):
             assert delta[index][1] <= bound, f"{index}: {delta[index][1]} entries, bound {bound}"
-        assert delta["ix_lanes_pick"][1] <= max(limit, LANE_PAGE) * 2, delta["ix_lanes_pick"]
+        assert lane_reads(delta) <= max(limit, LANE_PAGE) * len(ALL_ROUTES) * 2, delta
