@@ -367,6 +367,28 @@ def assert_bounded(plan: dict[str, Any], *, index: str, table: str, bound: int,
     assert read.get("tasks", 0) <= bound, f"read {read} rows, bound {bound} on tasks:\n{shown}"
 
 
+def assert_counter_probes(plan: dict[str, Any], scopes: int, *, per_scope: int = 1) -> None:
+    """The counters are read by primary-key probes, one per scope and ``per_scope``
+    times (CLAIM_WRITE_PG: locked, then updated), each returning at most one row:
+    however many counters there are and however many scopes are asked for, no scan of
+    ``limit_counters`` and nothing read but the scopes' rows. A Sort is allowed only
+    over the parameters (LOCK_SCOPES sorts the scopes it is given), never over a
+    table's rows."""
+    shown = describe(plan)
+    scans = [n for n in nodes(plan)
+             if n["Node Type"] in SCANS and n["Relation Name"] == "limit_counters"]
+    assert scans, shown
+    assert all((n["Node Type"], n["Index Name"]) == ("Index Scan", "limit_counters_pkey")
+               for n in scans), shown
+    assert all(n["Actual Rows"] + n.get("Rows Removed by Filter", 0) <= 1 for n in scans), \
+        f"a scan returned more than one counter per probe:\n{shown}"
+    assert sum(n["Actual Loops"] for n in scans) == per_scope * scopes, shown
+    assert reads(plan)["limit_counters"] <= per_scope * scopes, shown
+    for sort in (n for n in nodes(plan) if "Sort" in n["Node Type"]):
+        below = [n["Relation Name"] for n in nodes({"Plan": sort}) if n["Node Type"] in SCANS]
+        assert not below, f"the plan sorts rows of {below}:\n{shown}"
+
+
 def bug(reason: str) -> pytest.MarkDecorator:
     return pytest.mark.xfail(strict=True, reason=f"BUG (scan grows with the data): {reason}")
 
@@ -707,25 +729,59 @@ def test_slots_of_one_run_use_the_primary_key(explain_db: ExplainDb) -> None:
         plan = explain(conn, LOCK_SCOPES, {"scopes": scopes})
         conn.rollback()
     assert len(scopes) == 4 and plan["Plan"]["Actual Rows"] == 4, describe(plan)
-    # LOCK_SCOPES locks in scope order (deadlock avoidance): an ordered walk.
-    assert_bounded(plan, index="limit_counters_pkey", table="limit_counters", bound=4)
+    assert_counter_probes(plan, 4)
 
 
-@pytest.mark.parametrize("n", [
-    10, pytest.param(50, marks=bug(
-        "LOCK_SCOPES with the scopes of a claim of 50 runs (~150: global, tenants, "
-        "repositories, users; an array since 2026-11-30) is planned as a Seq Scan of "
-        "limit_counters plus a Sort: it reads every counter (16,001 here: 113 pages, "
-        "which the planner prices below ~150 primary-key probes; with a generic plan "
-        "it walks the primary key)."))])
-def test_lock_scopes_of_a_batch_use_the_primary_key(explain_db: ExplainDb, n: int) -> None:
+# n = 50: ~150 scopes (global, tenants, repositories, users). The old form, ``scope =
+# ANY(:scopes) ORDER BY scope FOR UPDATE``, was planned as a Seq Scan of all 16,001
+# counters and a Sort (113 pages priced below ~150 primary-key probes).
+@pytest.mark.parametrize("plan_kind", ["custom", "generic"])
+@pytest.mark.parametrize("n", [10, 50])
+def test_lock_scopes_of_a_batch_use_the_primary_key(explain_db: ExplainDb, n: int,
+                                                    plan_kind: str) -> None:
+    """LOCK_SCOPES probes each scope's counter, in scope order (deadlock avoidance:
+    ``test_counter_locks.py`` checks the order itself), as the planner plans it for
+    these values and as a prepared statement's generic plan."""
+    probe = explain if plan_kind == "custom" else explain_generic
     with explain_db.engine.connect() as conn:
         scopes = sample_of_many_lanes(conn, n)
-        plan = explain(conn, LOCK_SCOPES, {"scopes": scopes})
+        plan = probe(conn, LOCK_SCOPES, {"scopes": scopes})
         conn.rollback()
-    assert plan["Plan"]["Actual Rows"] == len(scopes), describe(plan)
-    assert_bounded(plan, index="limit_counters_pkey", table="limit_counters",
-                   bound=len(scopes))
+    assert plan["Plan"]["Actual Rows"] == len(scopes) > 2 * n, describe(plan)
+    assert_counter_probes(plan, len(scopes))
+
+
+def claim_write_params(conn: Connection, n_lanes: int) -> dict[str, Any]:
+    """CLAIM_WRITE_PG for the 50 oldest runs of the plain lane, taking no slot in the
+    scopes of the heads of ``n_lanes`` lanes (so that every counter has room and the
+    write goes through: the slots are updated, by +0)."""
+    run_ids, _ = claim_sample(conn, 50)
+    scopes = sample_of_many_lanes(conn, n_lanes)
+    maxima = conn.execute(text(
+        "SELECT max_active FROM limit_counters WHERE scope = ANY(:s) ORDER BY scope"),
+        {"s": scopes}).scalars().all()
+    assert len(maxima) == len(scopes)
+    return {"now": None, "slot_scopes": scopes, "slot_counts": [0] * len(scopes),
+            "slot_max": maxima, "run_ids": run_ids, "estimated": [None] * 50,
+            "scopes": [None] * 50, "worker_id": "explain-worker", "ttl": 60.0,
+            "lane_ids": [_lane(conn, "tenant-0010")], "lane_counts": [50], "ahead": 1e-6}
+
+
+@pytest.mark.parametrize("plan_kind", ["custom", "generic"])
+def test_claim_write_probes_the_counters_of_a_batch(explain_db: ExplainDb,
+                                                   plan_kind: str) -> None:
+    """The common path of a claim of 50 from 50 lanes: CLAIM_WRITE_PG locks its ~150
+    counters (``counter_locks``) and updates them (``slots``) by primary-key probes.
+    Both were Seq Scans of every counter (``scope = ANY(...)``, 32,002 rows read)."""
+    probe = explain if plan_kind == "custom" else explain_generic
+    with explain_db.engine.connect() as conn:
+        params = claim_write_params(conn, 50)
+        plan = probe(conn, sql.CLAIM_WRITE_PG, params)
+        conn.rollback()
+    assert plan["Plan"]["Actual Rows"] == 50, describe(plan)  # room was found: it wrote
+    scopes = len(params["slot_scopes"])
+    assert scopes > 100, scopes
+    assert_counter_probes(plan, scopes, per_scope=2)
 
 
 def test_ensure_counter_is_a_primary_key_upsert(explain_db: ExplainDb) -> None:
@@ -956,11 +1012,12 @@ def test_a_worker_without_a_gpu_reads_no_gpu_lane(explain_db: ExplainDb) -> None
 
 
 @pytest.mark.parametrize("limit", [1, 50])
-def test_real_claims_never_scan_runs_tasks_or_lanes(explain_db: ExplainDb,
-                                                    limit: int) -> None:
+def test_real_claims_never_scan_a_large_table(explain_db: ExplainDb, limit: int) -> None:
+    """A claim of 50 locks ~150 counters: it read all 16,001 (limit_counters scanned
+    twice) until LOCK_SCOPES and CLAIM_WRITE_PG probed them one by one."""
     for delta in claims_activity(explain_db.url, "default", limit, 6 if limit == 1 else 2):
-        seq = {t: delta[t] for t in ("runs", "tasks", "lanes", "attempts", "run_events")
-               if delta[t][0]}
+        seq = {t: delta[t] for t in ("runs", "tasks", "lanes", "limit_counters", "attempts",
+                                     "run_events") if delta[t][0]}
         assert not seq, f"sequential scans (count, rows) {seq}"
 
 

@@ -250,11 +250,14 @@ slot_deltas AS (
 -- The counters, locked in scope order, must all exist, carry the policy's maximum and
 -- have room for every slot; else nothing is written and the claim allots the slots
 -- run by run (LOCK_SCOPES). Every write below waits for this check, so the counters
--- are locked before the lanes.
+-- are locked before the lanes. One primary-key probe per distinct scope, in scope
+-- order, as LOCK_SCOPES (see there): one row per existing scope, as ``room`` counts.
 counter_locks AS (
-    SELECT c.scope, c.active, c.max_active FROM limit_counters c
-    WHERE c.scope = ANY(CAST(:slot_scopes AS text[]))
-    ORDER BY c.scope FOR UPDATE),
+    SELECT s.scope, c.active, c.max_active
+    FROM (SELECT DISTINCT a.scope FROM unnest(CAST(:slot_scopes AS text[])) AS a(scope)
+          ORDER BY a.scope) s
+    CROSS JOIN LATERAL (SELECT k.active, k.max_active FROM limit_counters k
+                        WHERE k.scope = s.scope FOR UPDATE) c),
 room AS (
     SELECT COUNT(*) = cardinality(CAST(:slot_scopes AS text[]))
            AND COALESCE(bool_and(k.active + d.n <= k.max_active
@@ -262,11 +265,15 @@ room AS (
     FROM counter_locks k JOIN slot_deltas d ON d.scope = k.scope),
 -- No guard on ``active`` here: this UPDATE would test it on the statement's snapshot,
 -- older than the locked rows ``room`` checked (a slot given back since would be
--- missed); the update itself applies to the latest, locked version.
+-- missed); the update itself applies to the latest, locked version. ``= ANY(ARRAY[..])``
+-- on purpose: a join condition the planner can neither hash nor merge, so the join is
+-- a nested loop of primary-key probes, one per scope (``c.scope = d.scope`` got a hash
+-- join on a Seq Scan of every counter at ~150 scopes). The store sends each scope once.
 slots AS (
     UPDATE limit_counters c
-    SET active = c.active + (SELECT d.n FROM slot_deltas d WHERE d.scope = c.scope)
-    WHERE c.scope = ANY(CAST(:slot_scopes AS text[]))
+    SET active = c.active + d.n
+    FROM slot_deltas d
+    WHERE c.scope = ANY(ARRAY[d.scope])
       AND (SELECT ok FROM room)
     RETURNING c.scope, c.active >= c.max_active AS at_limit),
 claimed AS (
@@ -347,12 +354,20 @@ WHERE limit_counters.max_active <> excluded.max_active
 # ... lock them in one global order (a plain UPDATE locks in whatever order its scan
 # meets the rows, and two claims, or a claim and a release, would deadlock) ...
 LOCK_SCOPES = {
-    # An array, not an IN list: the planner walks the primary key in order for any
-    # number of scopes (an IN list of ~150 was planned as a Seq Scan and a Sort).
+    # One primary-key probe per distinct scope, in scope order, whatever their number:
+    # a subquery with FOR UPDATE is never pulled up, so the LATERAL one runs (and locks
+    # its row) once per outer row, in the outer row's order: the distinct scopes,
+    # sorted here by the database's own collation, as the reconciler's LOCK_COUNTERS
+    # orders them (a Python sort may disagree with it). ``scope = ANY(:scopes) ORDER
+    # BY scope FOR UPDATE`` was planned, at ~150 scopes, as a Seq Scan of every counter
+    # and a Sort. Scopes without a counter return no row; duplicates one.
     "postgresql": """
-SELECT scope, active, max_active FROM limit_counters
-WHERE scope = ANY(CAST(:scopes AS text[]))
-ORDER BY scope FOR UPDATE
+SELECT scope, active, max_active
+FROM (SELECT DISTINCT a.scope FROM unnest(CAST(:scopes AS text[])) AS a(scope)
+      ORDER BY a.scope) s
+CROSS JOIN LATERAL (SELECT c.active, c.max_active FROM limit_counters c
+                    WHERE c.scope = s.scope FOR UPDATE) c
+ORDER BY scope
 """,
     "sqlite": """
 SELECT scope, active, max_active FROM limit_counters WHERE scope IN :scopes ORDER BY scope
