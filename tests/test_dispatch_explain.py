@@ -1024,9 +1024,11 @@ def test_real_claims_never_scan_a_large_table(explain_db: ExplainDb, limit: int)
 @pytest.mark.parametrize(("queue", "limit"), [
     pytest.param("batch", 1, id="batch-1"),
     pytest.param("default", 50, id="default-50", marks=bug(
-        "a claim of 50 locks its ~150 scopes with LOCK_SCOPES, planned as a Seq Scan of "
-        "limit_counters: every claim reads all 16,001 counters. (Its LANE_RUNS reads are "
-        "within the bound: ~300 dispatch-index entries, 50 tasks lookups.)")),
+        "LANES_SLEEP, asked about the lanes a claim found nothing runnable in, takes "
+        "MIN(visible_at) over each one's queued runs: tenant-0004's lane (all of a full "
+        "repository) is read a second time, whole (159 dispatch-index entries; 459 in "
+        "all against a bound of 453). (Until 2026-11-30 this test also failed on Seq "
+        "Scans of limit_counters: test_real_claims_never_scan_a_large_table.)")),
 ])
 def test_real_claims_read_rows_bounded_by_the_batch(explain_db: ExplainDb, queue: str,
                                                     limit: int) -> None:
