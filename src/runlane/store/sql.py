@@ -214,7 +214,9 @@ WHERE r.run_id = :run_id
 # lane whose time came is woken before a claim goes on (PICK_LANES says so, and the
 # claim wakes them in a transaction of its own, LANES_WAKE), rejoining its priority
 # at the current virtual time. Both skip lanes another transaction holds: they are
-# bookkeeping, never worth a wait (or a deadlock).
+# bookkeeping, never worth a wait (or a deadlock). A lane the claim found empty for
+# another reason (its runs' repository is full) has a visible run near its head: the
+# EXISTS stops there (CASE: before the MIN, which reads every queued run of the lane).
 _LANES_SLEEP = """
 UPDATE lanes
 SET wake_at = (SELECT MIN(r.visible_at) FROM runs r
@@ -222,8 +224,12 @@ SET wake_at = (SELECT MIN(r.visible_at) FROM runs r
 WHERE lanes.lane_id IN (SELECT l.lane_id FROM lanes l
                         WHERE l.lane_id {in_lanes} AND l.wake_at IS NULL
                         ORDER BY l.lane_id {{lock_l_skip}})
-  AND (SELECT MIN(r.visible_at) FROM runs r
-       WHERE r.lane_id = lanes.lane_id AND r.status = 'QUEUED') > {{now}}
+  AND CASE WHEN EXISTS (SELECT 1 FROM runs r
+                        WHERE r.lane_id = lanes.lane_id AND r.status = 'QUEUED'
+                          AND r.visible_at <= {{now}})
+           THEN false
+           ELSE (SELECT MIN(r.visible_at) FROM runs r
+                 WHERE r.lane_id = lanes.lane_id AND r.status = 'QUEUED') > {{now}} END
 """
 LANES_SLEEP = {"postgresql": _LANES_SLEEP.format(in_lanes="= ANY(CAST(:lane_ids AS bigint[]))"),
                "sqlite": _LANES_SLEEP.format(in_lanes="IN :lane_ids")}
