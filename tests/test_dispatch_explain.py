@@ -999,6 +999,21 @@ def claims_activity(url: str, queue: str, limit: int, times: int,
     return out
 
 
+def test_later_claims_do_not_walk_parked_lanes_again(explain_db: ExplainDb) -> None:
+    """The first claim of 50 finds tenant-0002's lane all in backoff (it sleeps) and
+    tenant-0004's all of a full repository (it is parked on that scope); the next
+    claim walks neither: it reads its batch and at most tenant-0003's full-repository
+    head, never the parked lanes' backlogs again."""
+    with explain_db.engine.connect() as conn:
+        heads = {k: head_reads(lane_order(conn, explain_db.lanes[k], candidates=True), 1)[1]
+                 for k in ("backoff", "full_repo", "blocked")}
+    first, second = claims_activity(explain_db.url, "default", 50, 2)
+    assert first[DISPATCH_INDEX_NAME][1] >= heads["backoff"] + heads["blocked"], first
+    # One entry per run taken, plus that head: 51 here; 211 when the blocked lane was
+    # walked again (its 159 runs).
+    assert second[DISPATCH_INDEX_NAME][1] <= 50 + heads["full_repo"], (heads, second)
+
+
 def lane_reads(delta: dict[str, tuple[int, int]]) -> int:
     """Entries a claim read from the lane indexes it may page through."""
     return sum(delta.get(index, (0, 0))[1] for index in (ROUTE_PICK, "ix_lanes_pick"))
