@@ -999,6 +999,32 @@ def claims_activity(url: str, queue: str, limit: int, times: int,
     return out
 
 
+def test_lanes_sleep_reads_each_lane_from_its_head(explain_db: ExplainDb) -> None:
+    """LANES_SLEEP, asked about lanes with visible runs (all of a full repository; the
+    50,000-run lane; runs in backoff ahead of runnable ones), walks each from its head
+    to its first visible run and parks or leaves it: no scan of ``runs`` (as an
+    EXISTS, the planner chose a Seq Scan of every run for it: 39 ms after a drain)."""
+    keys = ("blocked", "big", "backoff")
+    with explain_db.engine.connect() as conn:
+        heads = {k: head_reads(lane_order(conn, explain_db.lanes[k], candidates=True), 1)[1]
+                 for k in keys}
+        visible_first = conn.execute(text(
+            "SELECT COUNT(*) FROM runs WHERE lane_id = :l AND status = 'QUEUED' "
+            "AND visible_at > EXTRACT(EPOCH FROM clock_timestamp())"),
+            {"l": explain_db.lanes["backoff"]}).scalar_one()
+        plan = explain(conn, sql.LANES_SLEEP["postgresql"],
+                       {"lane_ids": sorted(explain_db.lanes[k] for k in keys), "now": None,
+                        "recheck": 2.0})
+        parked = conn.execute(text("SELECT lane_id, blocked_scope FROM lanes "
+                                   "WHERE wake_at IS NOT NULL")).all()
+        conn.rollback()
+    assert [r.lane_id for r in parked] == [explain_db.lanes["blocked"]], parked
+    # Each lane's head walk, up to four times per lane (the check, the scope, twice).
+    assert_bounded(plan, index=DISPATCH_INDEX_NAME, table="runs",
+                   bound=4 * (visible_first + 3), ordered=False)
+    assert heads["blocked"] > 4 * 3, heads  # the lane is long: reading it whole would show
+
+
 def test_later_claims_do_not_walk_parked_lanes_again(explain_db: ExplainDb) -> None:
     """The first claim of 50 finds tenant-0002's lane all in backoff (it sleeps) and
     tenant-0004's all of a full repository (it is parked on that scope); the next

@@ -17,6 +17,7 @@ from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
 from runlane.errors import CostLimitExceeded, PolicyDenied
 from runlane.services.scheduler import PassTrigger
+from runlane.store import sql
 from runlane.store.scheduling import BLOCKED_RECHECK_SECONDS
 from runlane.store.store import Store
 
@@ -306,6 +307,30 @@ def test_a_parked_lane_is_walked_again_after_the_recheck_interval(
     got = store.claim("w1", limit=1, lease_ttl=TTL)
     assert [lease.run_id for lease in got] == [behind.run_id]
     assert store.audit() == []
+
+
+def test_lanes_sleep_walks_the_dispatch_index_when_statistics_are_stale(
+        store: Store, db_url: str) -> None:
+    """After a drain and before the next ANALYZE, the planner still believes each lane
+    holds ~1,000 queued runs: LANES_SLEEP's "is a run visible?" must still be a walk of
+    the dispatch index from the lane's head (as an EXISTS it became a Seq Scan of every
+    run, 39 ms per claim that found a lane empty, seen after the peer bench's drain)."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL's planner (SQLite has no statistics here)")
+    submit_each(store, [f"t{i % 8}" for i in range(8000)])
+    with store.engine.begin() as conn:
+        conn.execute(text("ANALYZE runs"))
+        conn.execute(text("UPDATE runs SET status = 'SUCCEEDED'"))  # a drain, not analyzed
+        lane_ids = list(conn.execute(text("SELECT lane_id FROM lanes")).scalars())
+    statement = store._q(sql.LANES_SLEEP["postgresql"]).compile(dialect=store.engine.dialect)
+    with store.engine.connect() as conn:
+        cursor = conn.connection.driver_connection.cursor()
+        cursor.execute("EXPLAIN " + statement.string,
+                       {"lane_ids": lane_ids, "now": None, "recheck": 2.0})
+        plan = "\n".join(r[0] for r in cursor.fetchall())
+        conn.rollback()
+    assert "Seq Scan on runs" not in plan, plan
+    assert "Index Scan using ix_runs_lane_dispatch" in plan, plan
 
 
 def submit_each(store: Store, tenants: list[str], **fields: Any) -> list[Any]:
