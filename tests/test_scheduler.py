@@ -18,7 +18,6 @@ from runlane.domain.states import RunStatus
 from runlane.errors import CostLimitExceeded, PolicyDenied
 from runlane.services.scheduler import PassTrigger
 from runlane.store import sql
-from runlane.store.scheduling import BLOCKED_RECHECK_SECONDS
 from runlane.store.store import Store
 
 from .support import events_of, execute, run_row, spec, submit
@@ -246,69 +245,6 @@ def test_lanes_whose_runs_all_wait_for_backoff_sleep_until_due(
     assert store.audit() == []
 
 
-def lane_park(store: Store, tenant: str) -> tuple[Any, Any]:
-    with store.engine.connect() as conn:
-        row = conn.execute(text("SELECT wake_at, blocked_scope FROM lanes WHERE tenant = :t"),
-                           {"t": tenant}).one()
-    return row.wake_at, row.blocked_scope
-
-
-def test_a_lane_blocked_by_a_full_repository_is_parked_until_its_slot_is_given_back(
-        store: Store, clock: ManualClock) -> None:
-    """b's 30 runs all wait for repository one, whose only slot a's run holds: the first
-    claim walks b's lane, finds nothing and parks it on that scope; later claims do not
-    walk it again (one lane walk each); a's completion gives the slot back and wakes
-    the lane at once (no clock advance): the next claim takes b's oldest run."""
-    apply(store, "[concurrency]\nper_repository_max_active = 1\n")
-    held = store.claim("w0", limit=1, lease_ttl=TTL)
-    assert held == []
-    first = submit(store, tenant="a", repo="/srv/git/one.git")[0]
-    held = store.claim("w0", limit=1, lease_ttl=TTL)
-    assert [lease.run_id for lease in held] == [first.run_id]
-    other = submit(store, tenant="c", repo="/srv/git/two.git")[0]
-    blocked = submit(store, 30, tenant="b", repo="/srv/git/one.git")  # joins ahead of c
-    walks = LaneWalks(store)
-    got, n = walks.during(lambda: store.claim("w1", limit=1, lease_ttl=TTL))
-    assert [lease.run_id for lease in got] == [other.run_id]
-    assert n == 2  # b's lane first, found empty; then c's
-    wake_at, scope = lane_park(store, "b")
-    assert scope == "repo:/srv/git/one.git" and wake_at is not None
-    for i in range(3):
-        later = submit(store, tenant="c", repo=f"/srv/git/three-{i}.git")[0]
-        got, n = walks.during(lambda: store.claim("w1", limit=1, lease_ttl=TTL))
-        assert [lease.run_id for lease in got] == [later.run_id]
-        assert n == 1, "the parked lane was walked again"
-    store.complete(held[0])
-    assert lane_park(store, "b")[0] is None  # woken by the slot given back
-    got = store.claim("w1", limit=1, lease_ttl=TTL)
-    # b's oldest: one instant for the batch, then run_id (the lane's order).
-    assert [lease.run_id for lease in got] == [min(r.run_id for r in blocked)]
-    assert store.audit() == []
-
-
-def test_a_parked_lane_is_walked_again_after_the_recheck_interval(
-        store: Store, clock: ManualClock) -> None:
-    """b's lane is parked on repository one (its head run's); the run behind it waits
-    for repository two. Two's slot coming back does not wake the lane (it is parked on
-    one); the recheck interval does, and the claim then takes the run of two."""
-    apply(store, "[concurrency]\nper_repository_max_active = 1\n")
-    one = submit(store, tenant="a", repo="/srv/git/one.git")[0]
-    two = submit(store, tenant="a", repo="/srv/git/two.git")[0]
-    held = {lease.run_id: lease for lease in store.claim("w0", limit=2, lease_ttl=TTL)}
-    assert set(held) == {one.run_id, two.run_id}
-    submit(store, tenant="b", repo="/srv/git/one.git")
-    clock.advance(1.0)
-    behind = submit(store, tenant="b", repo="/srv/git/two.git")[0]
-    assert store.claim("w1", limit=1, lease_ttl=TTL) == []
-    assert lane_park(store, "b")[1] == "repo:/srv/git/one.git"
-    store.complete(held[two.run_id])
-    assert store.claim("w1", limit=1, lease_ttl=TTL) == []  # still parked on one
-    clock.advance(BLOCKED_RECHECK_SECONDS + 0.1)
-    got = store.claim("w1", limit=1, lease_ttl=TTL)
-    assert [lease.run_id for lease in got] == [behind.run_id]
-    assert store.audit() == []
-
-
 def test_lanes_sleep_walks_the_dispatch_index_when_statistics_are_stale(
         store: Store, db_url: str) -> None:
     """After a drain and before the next ANALYZE, the planner still believes each lane
@@ -326,7 +262,7 @@ def test_lanes_sleep_walks_the_dispatch_index_when_statistics_are_stale(
     with store.engine.connect() as conn:
         cursor = conn.connection.driver_connection.cursor()
         cursor.execute("EXPLAIN " + statement.string,
-                       {"lane_ids": lane_ids, "now": None, "recheck": 2.0})
+                       {"lane_ids": lane_ids, "now": None})
         plan = "\n".join(r[0] for r in cursor.fetchall())
         conn.rollback()
     assert "Seq Scan on runs" not in plan, plan

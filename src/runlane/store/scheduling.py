@@ -44,9 +44,6 @@ T = TypeVar("T")
 ROUTES_TTL_SECONDS = 2.0
 SCHEDULE_CHANNEL = "runlane_schedule"  # payload: the new policy version
 LANE_PAGE = 16  # lanes read per page of a claim
-# A lane parked because its head run's scope is full is walked again after this long
-# at the latest, even if no slot of that scope is given back (sql.LANES_SLEEP).
-BLOCKED_RECHECK_SECONDS = 2.0
 # A lane that gains work joins this far ahead of the head of its (queue, priority),
 # far below one stride (1 / weight; weights are at most 1,000).
 JOIN_AHEAD = 1e-6
@@ -338,22 +335,14 @@ class SchedulingMixin:
         if not scopes:
             return
         self._lock_scopes(conn, scopes)
-        freed: set[str] = set()  # scopes that were full: lanes may be parked on them
         for _, _, run_scopes in held:
             if not run_scopes:
                 continue
             for r in conn.execute(self._q(sql.GIVE_SLOTS, "scopes"),
                                   {"scopes": sorted(run_scopes)}):
-                if r.active != r.max_active - 1:
-                    continue
-                if r.scope.startswith("tenant:"):
+                if r.scope.startswith("tenant:") and r.active == r.max_active - 1:
                     conn.execute(self._q(sql.MARK_TENANT_LANES),
                                  {"tenant": r.scope.removeprefix("tenant:"), "at_limit": 0})
-                else:
-                    freed.add(r.scope)
-        if freed:
-            conn.execute(self._q(sql.LANES_UNBLOCK, "scopes"),
-                         {"scopes": sorted(freed), "ahead": JOIN_AHEAD})
 
     def _audit_slots(self, conn: Connection) -> list[Any]:
         """Each counter must equal the slots live attempts hold in its scope."""
@@ -479,14 +468,12 @@ class SchedulingMixin:
     def _lane_upkeep(self, conn: Connection, empty: set[int], *, wake: bool) -> int:
         """Last in a claim, or in a transaction of its own (lanes are last in the lock
         order; both statements skip lanes others hold): put to sleep the lanes that
-        gave nothing because all their runs wait for a backoff, park those whose head
-        run waits for a full scope, and wake the lanes whose time came. Returns the
-        lanes woken."""
+        gave nothing because all their runs wait for a backoff, and wake the lanes
+        whose time came. Returns the lanes woken."""
         if empty:
             sleep = self._q(sql.LANES_SLEEP["postgresql"]) if self.dialect == "postgresql" \
                 else self._q(sql.LANES_SLEEP["sqlite"], "lane_ids")
-            conn.execute(sleep, {"lane_ids": sorted(empty), "now": self.clock.now(),
-                                 "recheck": BLOCKED_RECHECK_SECONDS})
+            conn.execute(sleep, {"lane_ids": sorted(empty), "now": self.clock.now()})
         if not wake:
             return 0
         woken = conn.execute(self._q(sql.LANES_WAKE),

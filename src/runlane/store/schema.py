@@ -145,9 +145,6 @@ lanes = Table(
     # Set while every queued run of the lane waits for its backoff: the lane is out of
     # the pick index until then (migration 0005).
     Column("wake_at", Timestamp),
-    # While parked because its head run's repository, user or risk class is full: that
-    # scope (a slot given back there wakes the lane; migration 0007).
-    Column("blocked_scope", String(400)),
     UniqueConstraint("queue", "route_key", "priority", "tenant", name="uq_lanes_key"),
     Index("ix_lanes_tenant", "tenant"),
     Index(
@@ -163,12 +160,6 @@ lanes = Table(
         "queue", "route_key", "priority", "pass", "lane_id",
         postgresql_where=text("queued_count > 0 AND tenant_at_limit = 0 AND wake_at IS NULL"),
         sqlite_where=text("queued_count > 0 AND tenant_at_limit = 0 AND wake_at IS NULL"),
-    ),
-    Index(
-        "ix_lanes_blocked",
-        "blocked_scope",
-        postgresql_where=text("blocked_scope IS NOT NULL AND wake_at IS NOT NULL"),
-        sqlite_where=text("blocked_scope IS NOT NULL AND wake_at IS NOT NULL"),
     ),
     Index(
         "ix_lanes_wake",

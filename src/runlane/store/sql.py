@@ -216,40 +216,25 @@ WHERE r.run_id = :run_id
 # at the current virtual time. Both skip lanes another transaction holds: they are
 # bookkeeping, never worth a wait (or a deadlock).
 #
-# A lane the claim found empty although its head run is visible is blocked: that run's
-# repository, user or risk class is full (FULL_SCOPES). It is parked the same way,
-# with the full scope it waits for (``blocked_scope``), so later claims do not walk
-# its backlog again: the attempt that gives that scope's slot back wakes it at once
-# (LANES_UNBLOCK), and ``:recheck`` seconds bound the wait whatever else frees (a run
-# further back waiting for another scope, a limit raised by a new policy, a wake-up
-# lost to a concurrent park). A lane empty only because other claims hold its runs
-# (SKIP LOCKED) has a head in no full scope and is left alone.
-# The lane's oldest visible queued run: an ordered walk of the dispatch index that
-# stops at the first (as EXISTS, the planner may read all of ``runs`` instead when its
-# statistics promise many queued runs per lane: 39 ms after a drain, seen).
+# A lane the claim found empty for another reason (its runs' repository is full) has a
+# visible run near its head: the head walk (an ordered walk of the dispatch index,
+# stopping at the first visible run) says so before the MIN, which reads every queued
+# run of the lane (CASE: in order). Not as an EXISTS: with statistics that promise many
+# queued runs per lane (before the ANALYZE after a drain) the planner made that a Seq
+# Scan of every run (39 ms per claim that found a lane empty, seen).
 _HEAD_RUN = """(
     SELECT r.run_id FROM runs r
     WHERE r.lane_id = lanes.lane_id AND r.status = 'QUEUED' AND r.visible_at <= {{now}}
     ORDER BY r.created_at, r.run_id LIMIT 1)"""
-_HEAD_BLOCKED_BY = """(
-    SELECT MIN(c.scope) FROM runs h, limit_counters c
-    WHERE h.run_id = """ + _HEAD_RUN + """
-      AND c.scope IN ('repo:' || h.repo, 'user:' || COALESCE(h.user_id, ''),
-                      'risk:' || h.risk_class)
-      AND c.active >= c.max_active)"""
 _LANES_SLEEP = """
 UPDATE lanes
-SET blocked_scope = """ + _HEAD_BLOCKED_BY + """,
-    wake_at = CASE WHEN """ + _HEAD_BLOCKED_BY + """ IS NOT NULL THEN {{now}} + :recheck
-                   ELSE (SELECT MIN(r.visible_at) FROM runs r
-                         WHERE r.lane_id = lanes.lane_id AND r.status = 'QUEUED') END
+SET wake_at = (SELECT MIN(r.visible_at) FROM runs r
+               WHERE r.lane_id = lanes.lane_id AND r.status = 'QUEUED')
 WHERE lanes.lane_id IN (SELECT l.lane_id FROM lanes l
                         WHERE l.lane_id {in_lanes} AND l.wake_at IS NULL
                         ORDER BY l.lane_id {{lock_l_skip}})
-  -- The head walk stops at the lane's first visible run; the MIN reads every queued
-  -- run of the lane, so it is taken only for a lane with none visible (CASE: in order).
   AND CASE WHEN """ + _HEAD_RUN + """ IS NOT NULL
-           THEN """ + _HEAD_BLOCKED_BY + """ IS NOT NULL
+           THEN false
            ELSE (SELECT MIN(r.visible_at) FROM runs r
                  WHERE r.lane_id = lanes.lane_id AND r.status = 'QUEUED') > {{now}} END
 """
@@ -268,11 +253,6 @@ SELECT l.lane_id FROM lanes l WHERE l.wake_at IS NOT NULL AND l.wake_at <= {now}
 ORDER BY l.wake_at LIMIT 100 {lock_l_skip}
 """
 LANES_WAKE = "UPDATE lanes" + _WAKE_SET + "WHERE lanes.lane_id IN (" + _DUE_LANES + ")"
-# Slots of these scopes were given back (each was full): wake the lanes parked on them.
-LANES_UNBLOCK = "UPDATE lanes" + _WAKE_SET + """WHERE lanes.lane_id IN (
-SELECT l.lane_id FROM lanes l
-WHERE l.blocked_scope IN :scopes AND l.wake_at IS NOT NULL
-ORDER BY l.lane_id {lock_l_skip})"""
 
 CLAIM_WRITE_PG = """
 WITH t AS (SELECT {now} AS now),
