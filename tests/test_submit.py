@@ -2,7 +2,7 @@
 insert only the runs of tasks really inserted, count them into their lanes, place
 new lanes at the virtual time, wake only the queues that got queued runs, lock lanes
 in lane_id order; admission is decided once per distinct request when the policy
-needs no usage."""
+needs no usage; a policy applied before the write is the one the run records."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from runlane.domain.policy import parse_policy
 from runlane.domain.states import RunStatus
@@ -22,7 +22,7 @@ from runlane.store.store import WAKEUP_CHANNEL, Store
 from runlane.store.wakeup import Listener, libpq_url
 
 from .conftest import truncate_pg
-from .support import events_of, execute, spec
+from .support import events_of, execute, run_row, spec
 
 S = RunStatus
 
@@ -243,3 +243,40 @@ def test_submits_sharing_idempotency_keys_insert_them_in_key_order(pg_store: Sto
     worker.join(10)
     assert not worker.is_alive() and errors == []
     assert [(r.run_id, r.created) for r in results] == [("r2", False), ("r1", False)]
+
+
+# --- PostgreSQL: the policy version a submit records -------------------------------
+
+
+@pytest.mark.parametrize("with_dependency", [False, True], ids=["no_dependency", "dependency"])
+def test_a_policy_applied_between_the_decision_and_the_write_is_the_one_recorded(
+        pg_store: Store, pg_url: str, with_dependency: bool) -> None:
+    """The write reads its own snapshot: when a newer policy version is in force by
+    then, it writes nothing and the submit decides again, so the run records the
+    version in force and that version's decision."""
+    apply(pg_store, "[[rules]]\nwhen = { queue = 'ruby' }\naction = 'deny'\n")
+    [parent] = pg_store.submit([spec()])
+    other = Store(pg_url)  # another process applies a policy
+    applied: list[int] = []
+
+    @event.listens_for(pg_store.engine, "before_cursor_execute")
+    def between(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        if "new_tasks" in statement and not applied:
+            applied.append(other.apply_policy(parse_policy(
+                "[[rules]]\nwhen = { queue = 'python' }\naction = 'deny'\n"),
+                source="test").version)
+
+    try:
+        [sub] = pg_store.submit([spec(queue="python", depends_on=[parent.task_id]
+                                      if with_dependency else [])])
+    finally:
+        event.remove(pg_store.engine, "before_cursor_execute", between)
+        other.close()
+    assert applied == [2]
+    assert sub.status == S.POLICY_DENIED.value
+    run = run_row(pg_store, sub.run_id)
+    assert (run.status, run.policy_version) == (S.POLICY_DENIED.value, 2)
+    assert events_of(pg_store, sub.run_id) == [(None, S.POLICY_DENIED.value)]
+    with pg_store.engine.connect() as conn:  # nothing was written under version 1
+        assert conn.execute(text("SELECT COUNT(*) FROM tasks")).scalar_one() == 2
+        assert conn.execute(text("SELECT COUNT(*) FROM runs")).scalar_one() == 2

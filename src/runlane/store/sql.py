@@ -475,8 +475,16 @@ ON CONFLICT (route_key) DO NOTHING
 # Tasks are inserted in (tenant, idempotency key) order: two submits whose batches
 # share keys wait on the first shared key instead of each holding one the other
 # needs (an insert waits for another transaction's uncommitted row of its key).
+#
+# Policy: ``:version`` is the version the batch was decided under (SUBMIT_CONTEXT).
+# The write reads a snapshot of its own (every statement does, under READ COMMITTED):
+# if a newer version is in force by then, it inserts nothing (every other write
+# follows the inserted tasks) and returns the newest version, and the submit decides
+# again. One row always: the version in force, the inserted task ids.
 SUBMIT_WRITE_PG = """
-WITH new_tasks AS (
+WITH policy AS MATERIALIZED (
+    SELECT COALESCE(MAX(version), 0) AS version FROM policy_versions),
+new_tasks AS (
     INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
                        max_attempts, context, truncated_sections, payload_bytes,
                        cancel_requested_at, created_at, user_id, requires, parent_task_id,
@@ -486,6 +494,7 @@ WITH new_tasks AS (
            cancel_requested_at, created_at, user_id, requires, parent_task_id,
            estimated_cost_usd
     FROM json_populate_recordset(NULL::tasks, CAST(:tasks AS json))
+    WHERE (SELECT version FROM policy) = CAST(:version AS integer)  -- see "Policy" above
     ORDER BY tenant, idempotency_key  -- the key order: see "Lock order" above
     ON CONFLICT (tenant, idempotency_key) DO NOTHING
     RETURNING task_id),
@@ -558,7 +567,9 @@ woken AS (
     SELECT pg_notify(:channel, q.queue)
     FROM (SELECT DISTINCT queue FROM inserted_runs WHERE status = 'QUEUED'
           ORDER BY queue) q)
-SELECT t.task_id, (SELECT COUNT(*) FROM woken) AS queues_woken FROM new_tasks t
+SELECT (SELECT version FROM policy) AS policy_version,
+       ARRAY(SELECT task_id FROM new_tasks) AS task_ids,
+       (SELECT COUNT(*) FROM woken) AS queues_woken
 """
 # An idempotency key already taken: the task and run it names.
 EXISTING_RUN = """

@@ -215,6 +215,7 @@ class _SubmitBatch:
 
     now: float
     actor: str
+    policy_version: int  # the version the batch was decided under
     tasks: list[dict[str, Any]] = field(default_factory=list)
     runs: list[dict[str, Any]] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
@@ -440,59 +441,16 @@ class Store(SchedulingMixin):
         fitted = [enforce_payload_cap(spec, self.payload_cap_bytes) for spec in specs]
 
         def work(conn: Connection) -> list[Submission]:
-            context = conn.execute(self._q(sql.SUBMIT_CONTEXT),
-                                   {"now": self.clock.now()}).one()
-            now, version = float(context.now), int(context.version or 0)
-            policy = self._policy_version(conn, version)
-            needs_usage = policy_needs_usage(policy)
-            usage = self._tenant_usage(conn, {spec.tenant for spec, _ in fitted}, now) \
-                if needs_usage else {}
-            referenced = sorted({t for spec, _ in fitted
-                                 for t in [*spec.depends_on, spec.parent_task_id] if t})
-            known = {r.task_id: S(r.status) for r in conn.execute(
-                self._q(sql.TASKS_WITH_STATUS, "task_ids"), {"task_ids": referenced})
-            } if referenced else {}
-            batch = _SubmitBatch(now=now, actor=actor)
-            first_of_key: dict[tuple[str, str], int] = {}
-            planned: list[int] = []  # the spec of each planned task and run
+            while True:
+                batch, planned, aliases = self._plan_submission(
+                    conn, fitted, default_max_attempts=default_max_attempts, actor=actor)
+                inserted = self._write_submission(conn, batch) if planned else set()
+                if inserted is not None:
+                    break
+                # A newer policy version came in after SUBMIT_CONTEXT: nothing was
+                # written; decide again under it, so the runs record the version in force.
+                log.info("submit_policy_changed", decided_under=batch.policy_version)
             results: list[Submission | None] = [None] * len(fitted)
-            aliases: dict[int, int] = {}
-            decided: dict[tuple[Any, ...], int] = {}  # request key -> decision number
-            for i, (spec, report) in enumerate(fitted):
-                for field_name, task_id in [*(("depends_on", t) for t in spec.depends_on),
-                                            ("parent_task_id", spec.parent_task_id)]:
-                    if task_id and task_id not in known:
-                        raise TaskInvalid(field_name, f"no task {task_id!r}")
-                if spec.idempotency_key is not None:
-                    key = (spec.tenant, spec.idempotency_key)
-                    if key in first_of_key:
-                        aliases[i] = first_of_key[key]
-                        continue
-                    first_of_key[key] = i
-                # Without usage, admission is a function of the request alone (the
-                # policy, version and time are the batch's): decide each distinct one
-                # once. With usage, every admitted run changes the next decision.
-                request = None if needs_usage else _admission_request_key(spec)
-                number = None if request is None else decided.get(request)
-                if number is None:
-                    tenant_usage = usage.get(spec.tenant, TenantUsage())
-                    decision = admit(
-                        AdmissionRequest(
-                            tenant=spec.tenant, repo=spec.repo, queue=spec.queue,
-                            priority=spec.priority, user=spec.user,
-                            max_attempts=spec.max_attempts,
-                            requires=parse_requirements(spec.requires)),
-                        policy, version, tenant_usage, now,
-                        default_max_attempts=default_max_attempts)
-                    if needs_usage and decision.decision == "ADMIT":
-                        usage[spec.tenant] = replace(
-                            tenant_usage, queued_runs=tenant_usage.queued_runs + 1)
-                    number = batch.add_decision(decision)
-                    if request is not None:
-                        decided[request] = number
-                batch.add(spec, report, number)
-                planned.append(i)
-            inserted = self._write_submission(conn, batch) if planned else set()
             dependencies = [{"task_id": task["task_id"], "depends_on": dep}
                             for i, task in zip(planned, batch.tasks, strict=True)
                             if task["task_id"] in inserted
@@ -513,7 +471,7 @@ class Store(SchedulingMixin):
                     if outcome is not S.ADMITTED:
                         self._set_status(
                             conn, run_id=run["run_id"], source=S.ADMITTED, path=[outcome],
-                            run_token=0, actor=actor, now=now,
+                            run_token=0, actor=actor, now=batch.now,
                             reason_code=(Reason.DEPENDENCY_FAILED
                                          if outcome is S.CANCELLED else None),
                             message=("a dependency ended without success"
@@ -533,17 +491,81 @@ class Store(SchedulingMixin):
         log.info("submitted", tasks=len(submissions), created=created)
         return submissions
 
-    def _write_submission(self, conn: Connection, batch: _SubmitBatch) -> set[str]:
+    def _plan_submission(self, conn: Connection, fitted: list[tuple[TaskSpec, PayloadReport]],
+                         *, default_max_attempts: int, actor: str
+                         ) -> tuple[_SubmitBatch, list[int], dict[int, int]]:
+        """Read the time and the policy in force, check the tasks the specs name and
+        decide admission: the batch to write, the spec of each planned task and run,
+        and the specs that repeat an earlier key of the batch (spec -> its first)."""
+        context = conn.execute(self._q(sql.SUBMIT_CONTEXT),
+                               {"now": self.clock.now()}).one()
+        now, version = float(context.now), int(context.version or 0)
+        policy = self._policy_version(conn, version)
+        needs_usage = policy_needs_usage(policy)
+        usage = self._tenant_usage(conn, {spec.tenant for spec, _ in fitted}, now) \
+            if needs_usage else {}
+        referenced = sorted({t for spec, _ in fitted
+                             for t in [*spec.depends_on, spec.parent_task_id] if t})
+        known = {r.task_id: S(r.status) for r in conn.execute(
+            self._q(sql.TASKS_WITH_STATUS, "task_ids"), {"task_ids": referenced})
+        } if referenced else {}
+        batch = _SubmitBatch(now=now, actor=actor, policy_version=version)
+        first_of_key: dict[tuple[str, str], int] = {}
+        planned: list[int] = []  # the spec of each planned task and run
+        aliases: dict[int, int] = {}
+        decided: dict[tuple[Any, ...], int] = {}  # request key -> decision number
+        for i, (spec, report) in enumerate(fitted):
+            for field_name, task_id in [*(("depends_on", t) for t in spec.depends_on),
+                                        ("parent_task_id", spec.parent_task_id)]:
+                if task_id and task_id not in known:
+                    raise TaskInvalid(field_name, f"no task {task_id!r}")
+            if spec.idempotency_key is not None:
+                key = (spec.tenant, spec.idempotency_key)
+                if key in first_of_key:
+                    aliases[i] = first_of_key[key]
+                    continue
+                first_of_key[key] = i
+            # Without usage, admission is a function of the request alone (the
+            # policy, version and time are the batch's): decide each distinct one
+            # once. With usage, every admitted run changes the next decision.
+            request = None if needs_usage else _admission_request_key(spec)
+            number = None if request is None else decided.get(request)
+            if number is None:
+                tenant_usage = usage.get(spec.tenant, TenantUsage())
+                decision = admit(
+                    AdmissionRequest(
+                        tenant=spec.tenant, repo=spec.repo, queue=spec.queue,
+                        priority=spec.priority, user=spec.user,
+                        max_attempts=spec.max_attempts,
+                        requires=parse_requirements(spec.requires)),
+                    policy, version, tenant_usage, now,
+                    default_max_attempts=default_max_attempts)
+                if needs_usage and decision.decision == "ADMIT":
+                    usage[spec.tenant] = replace(
+                        tenant_usage, queued_runs=tenant_usage.queued_runs + 1)
+                number = batch.add_decision(decision)
+                if request is not None:
+                    decided[request] = number
+            batch.add(spec, report, number)
+            planned.append(i)
+        return batch, planned, aliases
+
+    def _write_submission(self, conn: Connection, batch: _SubmitBatch) -> set[str] | None:
         """Insert the batch's tasks; for those really inserted (an idempotency key
         already taken inserts nothing), their routes, lanes, runs and admission events,
         and wake the queues that got QUEUED runs. Returns the inserted task ids.
-        PostgreSQL: one statement (SUBMIT_WRITE_PG); SQLite: one per table."""
+        PostgreSQL: one statement (SUBMIT_WRITE_PG), which writes nothing and returns
+        None when the newest policy version is no longer the batch's (the submit
+        decides again); SQLite: one per table, in a transaction that began with the
+        write lock (BEGIN IMMEDIATE), so the policy cannot change meanwhile."""
         if self.is_postgres:
-            return set(conn.execute(self._q(sql.SUBMIT_WRITE_PG), {
+            row = conn.execute(self._q(sql.SUBMIT_WRITE_PG), {
                 "tasks": json.dumps(batch.tasks), "runs": json.dumps(batch.runs),
                 "decisions": json.dumps(batch.records), "now": batch.now,
                 "actor": batch.actor, "ahead": JOIN_AHEAD, "channel": WAKEUP_CHANNEL,
-            }).scalars().all())
+                "version": batch.policy_version,
+            }).one()
+            return set(row.task_ids) if row.policy_version == batch.policy_version else None
         insert_task = sqlite_dialect.insert(tasks).on_conflict_do_nothing(
             index_elements=["tenant", "idempotency_key"]).returning(tasks.c.task_id)
         inserted = set(conn.execute(insert_task, batch.tasks).scalars().all())
