@@ -9,10 +9,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import pq
 from sqlalchemy import event, text
 
 from runlane.domain.policy import parse_policy
@@ -245,7 +248,84 @@ def test_submits_sharing_idempotency_keys_insert_them_in_key_order(pg_store: Sto
     assert [(r.run_id, r.created) for r in results] == [("r2", False), ("r1", False)]
 
 
-# --- PostgreSQL: the policy version a submit records -------------------------------
+# --- PostgreSQL: a submit of one write runs without a transaction ---------------------
+
+
+def traced_round_trips(store: Store, path: Path, action: Callable[[], object]) -> list[str]:
+    """What the store's connections send to the server while ``action`` runs, one
+    entry per round trip: the text of a simple query (BEGIN, COMMIT), or "statement"
+    for an extended-protocol one (it ends with a Sync and waits for its reply)."""
+    sent = path.read_text()
+    action()
+    trips = []
+    for line in path.read_text()[len(sent):].splitlines():
+        parts = line.split("\t")
+        if len(parts) > 2 and parts[0] == "F" and parts[2] in ("Query", "Sync"):
+            trips.append(parts[3].strip(" \"") if parts[2] == "Query" else "statement")
+    return trips
+
+
+@pytest.fixture
+def traced(pg_url: str, tmp_path: Path) -> Iterator[tuple[Store, Path]]:
+    """A store whose every PostgreSQL connection writes libpq's protocol trace."""
+    truncate_pg(pg_url)
+    store = Store(pg_url)
+    path = tmp_path / "libpq.trace"
+    path.touch()
+    handles: list[Any] = []
+
+    @event.listens_for(store.engine, "connect")
+    def trace(dbapi_connection: Any, _record: Any) -> None:
+        handles.append(path.open("a"))
+        dbapi_connection.pgconn.trace(handles[-1].fileno())
+        dbapi_connection.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+
+    yield store, path
+    store.close()
+    for handle in handles:
+        handle.close()
+
+
+def test_a_submit_without_dependencies_is_two_round_trips_with_no_begin_or_commit(
+        traced: tuple[Store, Path]) -> None:
+    """SUBMIT_WRITE_PG is the submit's one write, atomic by itself: in autocommit it
+    commits as it ends, so psycopg sends neither BEGIN nor COMMIT (nor a ROLLBACK when
+    the pool takes the connection back); and the pooled connection is transactional
+    again for the next caller (a claim's locks must last until its write)."""
+    store, path = traced
+    store.submit([spec()])  # connected, policy cache filled
+    trips = traced_round_trips(store, path, lambda: store.submit([spec(), spec(queue="b")]))
+    assert trips == ["statement", "statement"]  # SUBMIT_CONTEXT, SUBMIT_WRITE_PG
+    trips = traced_round_trips(store, path, lambda: store.claim("w1"))
+    assert trips[0].startswith("BEGIN") and trips[-1] == "COMMIT"
+    with store.engine.connect() as conn:
+        assert conn.connection.dbapi_connection is not None
+        assert conn.connection.dbapi_connection.autocommit is False
+
+
+def test_a_submit_with_dependencies_stays_one_transaction(
+        traced: tuple[Store, Path]) -> None:
+    """Dependencies are more writes (their rows, the release of a run whose
+    dependencies already ended): that submit keeps its BEGIN … COMMIT."""
+    store, path = traced
+    [parent] = store.submit([spec()])
+    trips = traced_round_trips(
+        store, path, lambda: store.submit([spec(depends_on=[parent.task_id])]))
+    assert trips[0].startswith("BEGIN") and trips[-1] == "COMMIT"
+    assert len(trips) > 4
+
+
+def test_a_submit_on_a_pooled_session_that_died_runs_on_a_new_one(pg_store: Store,
+                                                                    pg_url: str) -> None:
+    """The autocommit submit keeps the stale-connection retry: its first statement
+    fails before anything reached the server, and the submit runs again."""
+    pg_store.submit([spec()])
+    with pg_store.engine.connect() as conn:
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    with psycopg.connect(libpq_url(pg_url), autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    [sub] = pg_store.submit([spec(idempotency_key="after")])
+    assert sub.created and sub.status == S.QUEUED.value
 
 
 @pytest.mark.parametrize("with_dependency", [False, True], ids=["no_dependency", "dependency"])
