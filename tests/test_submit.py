@@ -18,6 +18,7 @@ import pytest
 from psycopg import pq
 from sqlalchemy import event, text
 
+from runlane.clock import ManualClock
 from runlane.domain.policy import parse_policy
 from runlane.domain.states import RunStatus
 from runlane.store.scheduling import JOIN_AHEAD
@@ -286,21 +287,62 @@ def traced(pg_url: str, tmp_path: Path) -> Iterator[tuple[Store, Path]]:
         handle.close()
 
 
-def test_a_submit_without_dependencies_is_two_round_trips_with_no_begin_or_commit(
+def test_a_submit_without_dependencies_is_one_round_trip_with_no_begin_or_commit(
         traced: tuple[Store, Path]) -> None:
     """SUBMIT_WRITE_PG is the submit's one write, atomic by itself: in autocommit it
     commits as it ends, so psycopg sends neither BEGIN nor COMMIT (nor a ROLLBACK when
-    the pool takes the connection back); and the pooled connection is transactional
+    the pool takes the connection back). A store's first submit reads the time and the
+    policy version (SUBMIT_CONTEXT); later ones decide under the version the last
+    write found and send the write alone. The pooled connection is transactional
     again for the next caller (a claim's locks must last until its write)."""
     store, path = traced
-    store.submit([spec()])  # connected, policy cache filled
-    trips = traced_round_trips(store, path, lambda: store.submit([spec(), spec(queue="b")]))
+    with store.engine.connect() as conn:  # connected: the dialect's first queries
+        conn.execute(text("SELECT 1"))
+    trips = traced_round_trips(store, path, lambda: store.submit([spec()]))
     assert trips == ["statement", "statement"]  # SUBMIT_CONTEXT, SUBMIT_WRITE_PG
+    trips = traced_round_trips(store, path, lambda: store.submit([spec(), spec(queue="b")]))
+    assert trips == ["statement"]  # SUBMIT_WRITE_PG
     trips = traced_round_trips(store, path, lambda: store.claim("w1"))
     assert trips[0].startswith("BEGIN") and trips[-1] == "COMMIT"
     with store.engine.connect() as conn:
         assert conn.connection.dbapi_connection is not None
         assert conn.connection.dbapi_connection.autocommit is False
+
+
+def test_a_submit_decided_without_the_time_is_stamped_once_by_the_database_clock(
+        pg_store: Store) -> None:
+    """A submit that read no time before its write stamps every row with one reading
+    of the database clock (created_at, visible_at, the event, a denied run's
+    ended_at), as SUBMIT_CONTEXT's time stamped them before."""
+    apply(pg_store, "[[rules]]\nwhen = { queue = 'python' }\naction = 'deny'\n")
+    pg_store.submit([spec()])  # the store has seen the version in force
+    before = time.time()
+    queued, denied = pg_store.submit([spec(), spec(queue="python")])
+    after = time.time()
+    assert (queued.status, denied.status) == (S.QUEUED.value, S.POLICY_DENIED.value)
+    with pg_store.engine.connect() as conn:
+        stamps = conn.execute(text(
+            "SELECT r.created_at, r.updated_at, r.visible_at, t.created_at AS task_at,"
+            " e.at, r.ended_at, r.status FROM runs r JOIN tasks t USING (task_id)"
+            " JOIN run_events e USING (run_id) WHERE r.run_id IN (:a, :b)"),
+            {"a": queued.run_id, "b": denied.run_id}).all()
+    [at] = {r.created_at for r in stamps}
+    assert before <= at <= after
+    for r in stamps:
+        assert (r.updated_at, r.visible_at, r.task_at, r.at) == (at, at, at, at)
+        assert r.ended_at == (at if r.status == S.POLICY_DENIED.value else None)
+
+
+def test_a_deferral_under_the_version_seen_reads_the_time(store: Store,
+                                                          clock: ManualClock) -> None:
+    """A DEFER's retry-after is the time plus the wait: a submit that decided without
+    the time reads it and decides again."""
+    apply(store, "[[rules]]\nwhen = { queue = 'later' }\naction = 'defer'\n"
+                 "retry_after_seconds = 3600\n")
+    store.submit([spec()])
+    [deferred] = store.submit([spec(queue="later")])
+    assert deferred.status == S.WAITING_CAPACITY.value
+    assert run_row(store, deferred.run_id).visible_at == clock.now() + 3600
 
 
 def test_a_submit_with_dependencies_stays_one_transaction(

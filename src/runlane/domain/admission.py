@@ -81,12 +81,23 @@ def next_utc_midnight(now: float) -> float:
     return float((math.floor(now / DAY_SECONDS) + 1) * DAY_SECONDS)
 
 
+class TimeNeeded(Exception):
+    """Admission was asked without the time (``now=None``) and this decision needs it:
+    a DEFER's retry-after. The caller reads the time and decides again."""
+
+
+def _known(now: float | None) -> float:
+    if now is None:
+        raise TimeNeeded
+    return now
+
+
 def admit(
     request: AdmissionRequest,
     policy: Policy,
     policy_version: int,
     usage: TenantUsage,
-    now: float,
+    now: float | None,
     *,
     default_max_attempts: int = DEFAULT_MAX_ATTEMPTS,
 ) -> Decision:
@@ -95,6 +106,8 @@ def admit(
     Checks, first hit decides: rules, unknown tenant, repository blocks agents,
     risk class, requirements contract, daily budget, queued runs.
     ``default_max_attempts`` is the setting used when neither task nor policy says.
+    ``now`` None: the caller has not read the time (a submit saves that round trip);
+    ADMIT and DENY never depend on it, a DEFER raises ``TimeNeeded``.
     """
     tenant = request.tenant
     repo_rule = policy.repository_rule(request.repo)
@@ -154,7 +167,7 @@ def admit(
         if rule.action == "defer":
             wait = rule.retry_after_seconds or DEFER_SECONDS
             return decide("DEFER", rule.reason_code or Reason.POLICY_RULE_DEFERRED,
-                          rule.message or f"deferred by {label}", now + wait)
+                          rule.message or f"deferred by {label}", _known(now) + wait)
         # An admit rule skips the policy checks below, never the task's own contract.
         return contract_denied() if contract_error else decide("ADMIT")
 
@@ -178,10 +191,11 @@ def admit(
     if budget is not None and usage.spent_today_usd >= budget:
         return decide("DEFER", Reason.TENANT_DAILY_MODEL_BUDGET_EXCEEDED,
                       f"tenant {tenant!r} spent {usage.spent_today_usd:.2f} USD today, its "
-                      f"daily model budget is {budget:.2f} USD", next_utc_midnight(now))
+                      f"daily model budget is {budget:.2f} USD",
+                      next_utc_midnight(_known(now)))
     max_queued = tenant_policy.max_queued if tenant_policy else None
     if max_queued is not None and usage.queued_runs >= max_queued:
         return decide("DEFER", Reason.TENANT_QUEUE_FULL,
                       f"tenant {tenant!r} has {usage.queued_runs} queued runs "
-                      f"(max_queued {max_queued})", now + DEFER_SECONDS)
+                      f"(max_queued {max_queued})", _known(now) + DEFER_SECONDS)
     return decide("ADMIT")

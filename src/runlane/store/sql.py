@@ -481,9 +481,16 @@ ON CONFLICT (route_key) DO NOTHING
 # if a newer version is in force by then, it inserts nothing (every other write
 # follows the inserted tasks) and returns the newest version, and the submit decides
 # again. One row always: the version in force, the inserted task ids.
+#
+# Time: rows are stamped with ``:now``, the batch's time (SUBMIT_CONTEXT's). A batch
+# decided without reading the time (Store._plan_submission: nothing to read, no
+# decision that depends on it) sends the clock's value instead, NULL in production:
+# the database clock, read once for the whole statement; its runs and tasks carry no
+# time of their own (visible_at only for a DEFER, ended_at for none).
 SUBMIT_WRITE_PG = """
 WITH policy AS MATERIALIZED (
     SELECT COALESCE(MAX(version), 0) AS version FROM policy_versions),
+clock AS MATERIALIZED (SELECT {now} AS now),  -- see "Time" above
 new_tasks AS (
     INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
                        max_attempts, context, truncated_sections, payload_bytes,
@@ -491,8 +498,8 @@ new_tasks AS (
                        estimated_cost_usd)
     SELECT task_id, tenant, repo, prompt, queue, priority, idempotency_key,
            max_attempts, context, truncated_sections, payload_bytes,
-           cancel_requested_at, created_at, user_id, requires, parent_task_id,
-           estimated_cost_usd
+           cancel_requested_at, COALESCE(created_at, (SELECT now FROM clock)), user_id,
+           requires, parent_task_id, estimated_cost_usd
     FROM json_populate_recordset(NULL::tasks, CAST(:tasks AS json))
     WHERE (SELECT version FROM policy) = CAST(:version AS integer)  -- see "Policy" above
     ORDER BY tenant, idempotency_key  -- the key order: see "Lock order" above
@@ -524,7 +531,7 @@ lane_plan AS (
     FROM new_runs GROUP BY queue, route_key, priority, tenant),
 new_routes AS (
     INSERT INTO routes (route_key, created_at)
-    SELECT DISTINCT route_key, CAST(:now AS double precision) FROM lane_plan
+    SELECT DISTINCT route_key, (SELECT now FROM clock) FROM lane_plan
     ORDER BY route_key
     ON CONFLICT (route_key) DO NOTHING),
 lane_locks AS (
@@ -549,18 +556,19 @@ inserted_runs AS (
                       risk_class, route_key, lane_id, policy_version, admission, limits,
                       estimated_cost_usd)
     SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.status,
-           0, r.max_attempts, 0, r.visible_at, CAST(:now AS double precision),
-           CAST(:now AS double precision), r.ended_at, r.reason_code, r.message, 0,
+           0, r.max_attempts, 0, COALESCE(r.visible_at, c.now), c.now, c.now,
+           COALESCE(r.ended_at, CASE WHEN r.status = 'POLICY_DENIED' THEN c.now END),
+           r.reason_code, r.message, 0,
            r.user_id, r.risk_class, r.route_key, l.lane_id, r.policy_version,
            r.admission, r.limits, r.estimated_cost_usd
-    FROM new_runs r
+    FROM new_runs r CROSS JOIN clock c
     JOIN lane_ids l ON l.queue = r.queue AND l.route_key = r.route_key
                    AND l.priority = r.priority AND l.tenant = r.tenant
     RETURNING run_id, queue, status),
 events AS (
     INSERT INTO run_events (run_id, attempt_no, at, actor, from_status, to_status,
                             reason_code, fencing_token, message)
-    SELECT r.run_id, NULL, CAST(:now AS double precision), :actor, NULL, r.status,
+    SELECT r.run_id, NULL, (SELECT now FROM clock), :actor, NULL, r.status,
            r.reason_code, NULL, r.event_message
     FROM new_runs r JOIN inserted_runs i ON i.run_id = r.run_id),
 woken AS (

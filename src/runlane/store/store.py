@@ -24,7 +24,13 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from runlane.clock import Clock, DatabaseClock
-from runlane.domain.admission import AdmissionRequest, Decision, TenantUsage, admit
+from runlane.domain.admission import (
+    AdmissionRequest,
+    Decision,
+    TenantUsage,
+    TimeNeeded,
+    admit,
+)
 from runlane.domain.ids import new_id
 from runlane.domain.policy import Policy
 from runlane.domain.reasons import Reason
@@ -213,7 +219,7 @@ class _SubmitBatch:
     """The rows one submit writes: tasks, runs and the distinct admission decisions
     the runs name by number (a decision shared by many runs is serialised once)."""
 
-    now: float
+    now: float | None  # None: decided without the time; the write stamps its own
     actor: str
     policy_version: int  # the version the batch was decided under
     tasks: list[dict[str, Any]] = field(default_factory=list)
@@ -285,6 +291,9 @@ class Store(SchedulingMixin):
         self._cache: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._policy_cache: dict[int, Policy] = {}
         self._routes_cache: dict[str, tuple[float, frozenset[str]]] = {}
+        # The policy version in force at this store's last submit write (PostgreSQL):
+        # the next submit may decide under it without reading it first.
+        self._submit_policy_seen: int | None = None
         if isinstance(self.engine, Engine) and \
                 not event.contains(self.engine, "after_cursor_execute", _statement_sent):
             event.listen(self.engine, "after_cursor_execute", _statement_sent)
@@ -460,15 +469,19 @@ class Store(SchedulingMixin):
         one_write = self.is_postgres and not any(spec.depends_on for spec, _ in fitted)
 
         def work(conn: Connection) -> list[Submission]:
+            presumed = self._submit_policy_seen if self.is_postgres else None
             while True:
                 batch, planned, aliases = self._plan_submission(
-                    conn, fitted, default_max_attempts=default_max_attempts, actor=actor)
+                    conn, fitted, default_max_attempts=default_max_attempts, actor=actor,
+                    presumed=presumed)
                 inserted = self._write_submission(conn, batch) if planned else set()
                 if inserted is not None:
                     break
-                # A newer policy version came in after SUBMIT_CONTEXT: nothing was
-                # written; decide again under it, so the runs record the version in force.
+                # A newer policy version is in force than the one decided under: nothing
+                # was written; decide again under it, so the runs record the version in
+                # force.
                 log.info("submit_policy_changed", decided_under=batch.policy_version)
+                presumed = None
             results: list[Submission | None] = [None] * len(fitted)
             dependencies = [{"task_id": task["task_id"], "depends_on": dep}
                             for i, task in zip(planned, batch.tasks, strict=True)
@@ -511,23 +524,49 @@ class Store(SchedulingMixin):
         return submissions
 
     def _plan_submission(self, conn: Connection, fitted: list[tuple[TaskSpec, PayloadReport]],
-                         *, default_max_attempts: int, actor: str
+                         *, default_max_attempts: int, actor: str, presumed: int | None
                          ) -> tuple[_SubmitBatch, list[int], dict[int, int]]:
         """Read the time and the policy in force, check the tasks the specs name and
         decide admission: the batch to write, the spec of each planned task and run,
-        and the specs that repeat an earlier key of the batch (spec -> its first)."""
+        and the specs that repeat an earlier key of the batch (spec -> its first).
+
+        ``presumed``: the version in force at this store's last write. When its policy
+        needs no usage and no spec names another task, there is nothing to read: the
+        batch is decided under it without the time (ADMIT and DENY do not depend on
+        it), SUBMIT_WRITE_PG checks the version and stamps the rows with the database
+        clock (or the test's pinned one), and the submit is one round trip. A
+        decision that needs the time (a DEFER) reads it first, as every other case."""
+        referenced = sorted({t for spec, _ in fitted
+                             for t in [*spec.depends_on, spec.parent_task_id] if t})
+        policy = self._policy_cache.get(presumed) \
+            if presumed is not None and not referenced else None
+        if policy is not None and not policy_needs_usage(policy):
+            assert presumed is not None
+            try:
+                return self._decide_submission(
+                    fitted, policy, presumed, None, {}, {},
+                    default_max_attempts=default_max_attempts, actor=actor)
+            except TimeNeeded:
+                pass
         context = conn.execute(self._q(sql.SUBMIT_CONTEXT),
                                {"now": self.clock.now()}).one()
         now, version = float(context.now), int(context.version or 0)
         policy = self._policy_version(conn, version)
-        needs_usage = policy_needs_usage(policy)
         usage = self._tenant_usage(conn, {spec.tenant for spec, _ in fitted}, now) \
-            if needs_usage else {}
-        referenced = sorted({t for spec, _ in fitted
-                             for t in [*spec.depends_on, spec.parent_task_id] if t})
+            if policy_needs_usage(policy) else {}
         known = {r.task_id: S(r.status) for r in conn.execute(
             self._q(sql.TASKS_WITH_STATUS, "task_ids"), {"task_ids": referenced})
         } if referenced else {}
+        return self._decide_submission(fitted, policy, version, now, usage, known,
+                                       default_max_attempts=default_max_attempts, actor=actor)
+
+    @staticmethod
+    def _decide_submission(fitted: list[tuple[TaskSpec, PayloadReport]], policy: Policy,
+                           version: int, now: float | None, usage: dict[str, TenantUsage],
+                           known: dict[str, RunStatus], *, default_max_attempts: int,
+                           actor: str) -> tuple[_SubmitBatch, list[int], dict[int, int]]:
+        """Admission for each spec under ``policy``, with what was read for it."""
+        needs_usage = policy_needs_usage(policy)
         batch = _SubmitBatch(now=now, actor=actor, policy_version=version)
         first_of_key: dict[tuple[str, str], int] = {}
         planned: list[int] = []  # the spec of each planned task and run
@@ -580,10 +619,12 @@ class Store(SchedulingMixin):
         if self.is_postgres:
             row = conn.execute(self._q(sql.SUBMIT_WRITE_PG), {
                 "tasks": json.dumps(batch.tasks), "runs": json.dumps(batch.runs),
-                "decisions": json.dumps(batch.records), "now": batch.now,
+                "decisions": json.dumps(batch.records),
+                "now": self.clock.now() if batch.now is None else batch.now,
                 "actor": batch.actor, "ahead": JOIN_AHEAD, "channel": WAKEUP_CHANNEL,
                 "version": batch.policy_version,
             }).one()
+            self._submit_policy_seen = row.policy_version
             return set(row.task_ids) if row.policy_version == batch.policy_version else None
         insert_task = sqlite_dialect.insert(tasks).on_conflict_do_nothing(
             index_elements=["tenant", "idempotency_key"]).returning(tasks.c.task_id)
