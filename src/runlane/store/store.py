@@ -465,7 +465,7 @@ class Store(SchedulingMixin):
         # PostgreSQL writes a submit in one statement (SUBMIT_WRITE_PG), atomic by itself,
         # unless a task has dependencies: their rows, and the release of a run whose
         # dependencies already ended, are more writes. Such a submit needs no BEGIN and
-        # no COMMIT (see _transaction): two round trips of four.
+        # no COMMIT (see _transaction): one or two round trips where it was four.
         one_write = self.is_postgres and not any(spec.depends_on for spec, _ in fitted)
 
         def work(conn: Connection) -> list[Submission]:
@@ -626,6 +626,7 @@ class Store(SchedulingMixin):
             }).one()
             self._submit_policy_seen = row.policy_version
             return set(row.task_ids) if row.policy_version == batch.policy_version else None
+        assert batch.now is not None  # SQLite always reads the time first (no presumed version)
         insert_task = sqlite_dialect.insert(tasks).on_conflict_do_nothing(
             index_elements=["tenant", "idempotency_key"]).returning(tasks.c.task_id)
         inserted = set(conn.execute(insert_task, batch.tasks).scalars().all())
