@@ -377,7 +377,7 @@ def main() -> int:
     try:
         store.submit(specs(10, "warm-up"))
         with store.engine.begin() as conn:  # the warm-up runs are not part of the drain
-            for table in ("run_events", "runs", "tasks"):
+            for table in ("run_events", "runs", "tasks", "lanes"):  # lanes: their counts
                 conn.execute(text(f"DELETE FROM {table}"))
         todo = specs(args.jobs, "drain")
         enqueue = common.timed_batches(lambda lo, hi: store.submit(todo[lo:hi]), args.jobs,
