@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import psycopg
 from sqlalchemy import text
 
 from runlane.domain.tasks import TaskSpec, parse_task
 from runlane.store.store import Store, Submission
+from runlane.store.wakeup import libpq_url
 
 
 def spec(**fields: Any) -> TaskSpec:
@@ -41,3 +44,19 @@ def events_of(store: Store, run_id: str) -> list[tuple[str | None, str]]:
 def execute(store: Store, sql: str, **params: Any) -> None:
     with store.engine.begin() as conn:
         conn.execute(text(sql), params)
+
+
+def wait_for_a_lock_wait(url: str, statement_part: str, what: str) -> None:
+    """Poll until a session of the database waits for a lock while running a statement
+    that contains ``statement_part`` (``what``: what it should be waiting for, for the
+    message)."""
+    with psycopg.connect(libpq_url(url), autocommit=True) as watch:
+        for _ in range(500):
+            waiting = watch.execute(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock' AND query LIKE %s",
+                (f"%{statement_part}%",)).fetchone()
+            if waiting and waiting[0]:
+                return
+            time.sleep(0.01)
+    raise AssertionError(f"no session waited for {what}")

@@ -7,7 +7,6 @@ one row per distinct scope that has a counter."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ from runlane.store.engine import build_engine
 from runlane.store.wakeup import libpq_url
 
 from .conftest import truncate_pg
+from .support import wait_for_a_lock_wait
 
 PG = sql.Statements("postgresql")
 COUNTERS = {"global": 10, "repo:a": 2, "repo:m": 2, "repo:z": 2, "tenant:acme": 3}
@@ -56,20 +56,6 @@ def active(conn: Connection) -> dict[str, int]:
         text("SELECT scope, active FROM limit_counters"))}
 
 
-def wait_until_waiting(url: str) -> None:
-    """Poll until a session waits for a row lock on a counter."""
-    with psycopg.connect(libpq_url(url), autocommit=True) as watch:
-        for _ in range(500):
-            row = watch.execute(
-                "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
-                " AND wait_event_type = 'Lock' AND query LIKE '%%limit_counters%%'"
-            ).fetchone()
-            if row and row[0]:
-                return
-            time.sleep(0.01)
-    raise AssertionError("the locker never waited")
-
-
 def lockable(url: str, scope: str) -> bool:
     """Whether another transaction could lock ``scope``'s counter right now."""
     with psycopg.connect(libpq_url(url)) as probe:
@@ -104,7 +90,7 @@ def test_counters_are_locked_in_scope_order_whatever_the_array_order(
         thread = threading.Thread(target=lock)
         thread.start()
         try:
-            wait_until_waiting(pg_url)
+            wait_for_a_lock_wait(pg_url, "limit_counters", "a counter")
             held = {s: not lockable(pg_url, s) for s in ("repo:a", "repo:z")}
         finally:
             holder.rollback()

@@ -26,7 +26,7 @@ from runlane.store.store import WAKEUP_CHANNEL, Store
 from runlane.store.wakeup import Listener, libpq_url
 
 from .conftest import truncate_pg
-from .support import events_of, execute, run_row, spec
+from .support import events_of, execute, run_row, spec, wait_for_a_lock_wait
 
 S = RunStatus
 
@@ -39,22 +39,6 @@ def lanes(store: Store) -> dict[tuple[str, int, str], Any]:
 
 def apply(store: Store, source: str) -> None:
     store.apply_policy(parse_policy(source), source="test")
-
-
-
-def wait_until_the_submit_waits(pg_url: str, on: str) -> None:
-    """Poll until a session running the submit's write waits for a lock (``on``: what
-    it should be waiting for, for the message)."""
-    with psycopg.connect(libpq_url(pg_url), autocommit=True) as watch:
-        for _ in range(500):
-            waiting = watch.execute(
-                "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
-                " AND wait_event_type = 'Lock' AND query LIKE '%%new_tasks%%'"
-            ).fetchone()
-            if waiting and waiting[0]:
-                return
-            time.sleep(0.01)
-    raise AssertionError(f"the submit never waited for {on}")
 
 
 def test_a_batch_with_repeated_keys_and_several_lanes_counts_only_what_it_inserts(
@@ -198,7 +182,7 @@ def test_submit_locks_lanes_in_lane_id_order(pg_store: Store, pg_url: str) -> No
 
         worker = threading.Thread(target=submit)
         worker.start()
-        wait_until_the_submit_waits(pg_url, "the claim's lane")
+        wait_for_a_lock_wait(pg_url, "new_tasks", "the claim's lane")
         # The claim goes on to its second lane: free, since the submit holds none yet.
         claim.execute("SELECT 1 FROM lanes WHERE lane_id = %s FOR UPDATE", (ids["alpha"],))
         claim.commit()
@@ -237,7 +221,7 @@ def test_submits_sharing_idempotency_keys_insert_them_in_key_order(pg_store: Sto
 
         worker = threading.Thread(target=submit)
         worker.start()
-        wait_until_the_submit_waits(pg_url, "k1")
+        wait_for_a_lock_wait(pg_url, "new_tasks", "k1")
         other.execute(insert, ("00000000-0000-7000-8000-000000000002", "k2"))
         other.execute("INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority,"
                       " status, max_attempts, visible_at, created_at, updated_at)"
