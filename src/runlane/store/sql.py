@@ -263,14 +263,15 @@ slot_deltas AS (
 -- The counters, locked in scope order, must all exist, carry the policy's maximum and
 -- have room for every slot; else nothing is written and the claim allots the slots
 -- run by run (LOCK_SCOPES). Every write below waits for this check, so the counters
--- are locked before the lanes. One primary-key probe per distinct scope, in scope
--- order, as LOCK_SCOPES (see there): one row per existing scope, as ``room`` counts.
+-- are locked before the lanes, in scope order (the store sends each scope once).
+-- Not LOCK_SCOPES' LATERAL probe per scope: in this statement it cost every claim
+-- 0.4 ms more (a woken claim's write 0.41 -> 0.83 ms, measured 2026-11-30), where
+-- this form reads every counter only for a claim of ~150 scopes (a Seq Scan of
+-- limit_counters the planner prefers there: tests/test_dispatch_explain.py).
 counter_locks AS (
-    SELECT s.scope, c.active, c.max_active
-    FROM (SELECT DISTINCT a.scope FROM unnest(CAST(:slot_scopes AS text[])) AS a(scope)
-          ORDER BY a.scope) s
-    CROSS JOIN LATERAL (SELECT k.active, k.max_active FROM limit_counters k
-                        WHERE k.scope = s.scope FOR UPDATE) c),
+    SELECT c.scope, c.active, c.max_active FROM limit_counters c
+    WHERE c.scope = ANY(CAST(:slot_scopes AS text[]))
+    ORDER BY c.scope FOR UPDATE),
 room AS (
     SELECT COUNT(*) = cardinality(CAST(:slot_scopes AS text[]))
            AND COALESCE(bool_and(k.active + d.n <= k.max_active
