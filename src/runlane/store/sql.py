@@ -279,15 +279,11 @@ room AS (
     FROM counter_locks k JOIN slot_deltas d ON d.scope = k.scope),
 -- No guard on ``active`` here: this UPDATE would test it on the statement's snapshot,
 -- older than the locked rows ``room`` checked (a slot given back since would be
--- missed); the update itself applies to the latest, locked version. ``= ANY(ARRAY[..])``
--- on purpose: a join condition the planner can neither hash nor merge, so the join is
--- a nested loop of primary-key probes, one per scope (``c.scope = d.scope`` got a hash
--- join on a Seq Scan of every counter at ~150 scopes). The store sends each scope once.
+-- missed); the update itself applies to the latest, locked version.
 slots AS (
     UPDATE limit_counters c
-    SET active = c.active + d.n
-    FROM slot_deltas d
-    WHERE c.scope = ANY(ARRAY[d.scope])
+    SET active = c.active + (SELECT d.n FROM slot_deltas d WHERE d.scope = c.scope)
+    WHERE c.scope = ANY(CAST(:slot_scopes AS text[]))
       AND (SELECT ok FROM room)
     RETURNING c.scope, c.active >= c.max_active AS at_limit),
 claimed AS (
