@@ -142,6 +142,15 @@ def merge_section(path: Path, section: str, start: str, end: str) -> None:
     path.write_text(updated)
 
 
+def write_head(path: Path, report: str) -> None:
+    """This report is the head of ``path``: the other benchmarks' sections after it
+    (from the first ``<!-- name:start -->`` marker on) are kept as they are."""
+    existing = path.read_text() if path.exists() else ""
+    first = re.search(r"^<!-- [\w-]+:start -->$", existing, re.MULTILINE)
+    tail = existing[first.start():] if first else ""
+    path.write_text(report.rstrip("\n") + "\n\n" + tail if tail else report)
+
+
 def libpq(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
@@ -1267,7 +1276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdout.write(rendered)
     if args.write is not None:
         args.write.parent.mkdir(parents=True, exist_ok=True)
-        args.write.write_text(rendered)
+        write_head(args.write, rendered)
         progress(f"wrote {args.write}")
     progress(f"done in {report.wall_seconds / 60:.1f} min")
     return 0
