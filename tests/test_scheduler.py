@@ -269,6 +269,36 @@ def test_lanes_sleep_walks_the_dispatch_index_when_statistics_are_stale(
     assert "Index Scan using ix_runs_lane_dispatch" in plan, plan
 
 
+def test_a_claim_locks_only_the_runs_its_shares_can_take(store: Store, db_url: str) -> None:
+    """Every run the claim walks is locked (FOR UPDATE SKIP LOCKED) until it commits, and
+    other claimers skip it. 8 tenants and a claim of 10: each lane can get 2 runs at
+    most, so 16 are locked while the claim runs; it locked 80 (10 per lane) while the
+    bound ignored that the lanes take turns."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("row locks (SQLite locks the whole file)")
+    submit_each(store, [f"t{i % 8}" for i in range(160)])
+    locked_while_claiming: list[int] = []
+
+    def count_locked(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if "page AS (" not in statement:
+            return
+        with store.engine.connect() as other:  # another session: skips what is locked
+            free = other.execute(text(
+                "SELECT COUNT(*) FROM (SELECT run_id FROM runs WHERE status = 'QUEUED' "
+                "FOR UPDATE SKIP LOCKED) free")).scalar_one()
+            other.rollback()
+        locked_while_claiming.append(160 - free)
+
+    event.listen(store.engine, "after_cursor_execute", count_locked)
+    try:
+        leases = store.claim("w1", limit=10, lease_ttl=TTL)
+    finally:
+        event.remove(store.engine, "after_cursor_execute", count_locked)
+    assert len(leases) == 10
+    assert Counter(lease.tenant for lease in leases).most_common(1)[0][1] == 2
+    assert locked_while_claiming and max(locked_while_claiming) <= 16, locked_while_claiming
+
+
 def submit_each(store: Store, tenants: list[str], **fields: Any) -> list[Any]:
     return store.submit([spec(tenant=t, **fields) for t in tenants])
 
