@@ -12,6 +12,7 @@ import re
 import tomllib
 from dataclasses import replace
 from fnmatch import fnmatchcase
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -270,6 +271,18 @@ class Policy(_Model):
     def default(cls) -> Policy:
         """The policy in force before any was applied: everything admitted, no limits."""
         return cls()
+
+    @cached_property
+    def has_budgets(self) -> bool:
+        """Whether any tenant has a daily model budget (asked on every claim: cached,
+        a policy of 1,000 tenants is not walked per claim)."""
+        return any(t.daily_model_budget_usd is not None for t in self.tenants.values())
+
+    @cached_property
+    def needs_usage(self) -> bool:
+        """Whether admission needs the tenants' queued counts and spend at all."""
+        return self.has_budgets or any(t.max_queued is not None
+                                       for t in self.tenants.values())
 
     def tenant_weight(self, tenant: str) -> float:
         found = self.tenants.get(tenant)

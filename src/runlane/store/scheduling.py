@@ -61,12 +61,12 @@ def utc_day(epoch: float) -> str:
 
 
 def has_budgets(policy: Policy) -> bool:
-    return any(t.daily_model_budget_usd is not None for t in policy.tenants.values())
+    return policy.has_budgets
 
 
 def policy_needs_usage(policy: Policy) -> bool:
     """Whether admission needs the tenants' queued counts and spend at all."""
-    return has_budgets(policy) or any(t.max_queued is not None for t in policy.tenants.values())
+    return policy.needs_usage
 
 
 def scope_limit(policy: Policy, scope: str) -> int | None:
