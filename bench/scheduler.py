@@ -650,6 +650,9 @@ def explain_all(url: str) -> list[Explained]:
             out.append(explain(conn, "LOCK_SCOPES", sql.LOCK_SCOPES["postgresql"],
                                {"scopes": scopes_ten}, index="limit_counters_pkey",
                                table="limit_counters", bound=len(scopes_ten),
+                               # It sorts the claim's own scopes (the lock order), not
+                               # rows of the table.
+                               sort_bound=len(scopes_ten),
                                note=f"the {len(scopes_ten)} scopes of a claim of 10"))
             claimed_lanes = sorted({c.lane_id for c in firsts})
             maxima = conn.execute(text(
