@@ -670,7 +670,8 @@ class Report:
 
     def render_analysis(self) -> list[str]:
         """What costs what, and what would close the gap: the figures of this run put
-        together (the reasoning is fixed text; every number comes from above)."""
+        together (the reasoning is fixed text about the current statements; every
+        number comes from above)."""
         run = self.med("runlane", "drain.rate")
         pgq = self.med("pgqueuer-asyncpg", "drain.rate")
         proto = self.med("proto", "drain.rate")
@@ -691,28 +692,23 @@ class Report:
         def cpu(key: str, side: str) -> str:
             return fmt(self.med(key, f"drain.{side}_cpu_ms_per_job"), 2)
 
-        reach = ("reaches" if (ratio(batch, pgq) or 0.0) >= DRAIN_TARGET
-                 else "comes near")
         b = self.sizes.claim_batch
-        claim_trips = max(direct["round_trips"] - 8.0, 0.0) * b
         lines = [
             "### What costs what, and what would close the gap", "",
             f"- **Round trips.** runlane's claim+complete costs {direct['round_trips']:.1f} "
-            f"round trips per run (traced): the claim of a batch of {b} is about "
-            f"{claim_trips:.0f} (pool "
-            "pre-ping, BEGIN, the claim UPDATE, the attempts executemany, the event insert, "
-            "COMMIT) and every complete is 8 (pre-ping, BEGIN, the fenced UPDATE of runs, "
-            "SELECT now, the event insert, SELECT now again, END_ATTEMPT, COMMIT). PgQueuer "
-            f"sends {spj('pgqueuer-asyncpg')} statements per job (one dequeue per batch, "
-            "completions buffered and written B at a time, each call one round trip); the "
-            f"one-table raw loop {spj('raw')}; the batch-complete prototype "
-            f"{spj('proto-batch')}.",
+            f"round trips per run (traced). A claim of up to {b} is a transaction of two "
+            "statements (`PICK_AND_WALK_PG`: the page of lanes and each lane's runs, locked; "
+            "`CLAIM_WRITE_PG`: slots, compare-and-set, attempts, events, lanes) between "
+            "BEGIN and COMMIT; the batch's completion is one autocommit statement "
+            f"(`COMPLETE_WRITE_PG`). runlane sends {spj('runlane')} statements per job, "
+            f"PgQueuer {spj('pgqueuer-asyncpg')} (one dequeue per batch, completions "
+            f"buffered and written B at a time), the one-table raw loop {spj('raw')}.",
             f"- **Transactions.** runlane commits {direct['commits']:.2f} times per run (each "
             "a WAL flush with synchronous_commit on); PgQueuer about 2/B.",
             f"- **CPU per job.** runlane client {cpu('runlane', 'client')} ms and server "
             f"{cpu('runlane', 'db')} ms; PgQueuer (asyncpg) {cpu('pgqueuer-asyncpg', 'client')}"
-            f" and {cpu('pgqueuer-asyncpg', 'db')} ms; with clients and server on the same 2 "
-            "cores, the sum bounds the rate.",
+            f" and {cpu('pgqueuer-asyncpg', 'db')} ms. With clients and server on the same 2 "
+            "cores, the sum bounds the rate: this, not the number of round trips, is the gap.",
         ]
         if self.explained:
             last = {k.partition("|")[2]: v for k, v in self.explained["statements"].items()
@@ -725,9 +721,9 @@ class Report:
             lines.append(
                 f"- **Server vs client.** Of the {client:.2f} ms per run that one worker "
                 f"spends inside the store's statements, the executor needs {server:.2f} ms "
-                "(auto_explain); the rest is round-trip latency, parse/bind, and Python on "
-                "both ends. The plans themselves are index lookups of a few buffers each "
-                "(above): the SQL is not the bottleneck, the number of exchanges is.")
+                "(auto_explain); the rest is planning (the claim's pick is planned again "
+                "on every claim: PostgreSQL keeps custom plans for it), round-trip latency, "
+                "parse/bind, and Python on both ends.")
         if self.pyspy:
             shares = self.pyspy["shares"]
             waiting = sum(v for k, v in shares.items() if k.startswith("waiting"))
@@ -744,44 +740,38 @@ class Report:
             f"{next((t['round_trips'] for t in self.traces if t['stages'] == 'worker'), 0):.1f}"
             f" round trips per run, {fmt(stages)} runs/s ({x(run, stages)} slower than "
             "claim -> complete). For real agent runs (minutes each) this is noise; it only "
-            "matters for this benchmark.", "",
-            "Ranked by expected gain (measured where a prototype exists):", "",
-            f"1. **Complete a batch of leases in one statement** (`Store.complete_many`, or "
-            f"a completion buffer flushed every few ms as PgQueuer does): the prototype with "
-            f"runlane's rows, fence and events does {fmt(batch)} jobs/s = {x(batch, run)} "
-            f"runlane and {x(batch, pgq)} PgQueuer (asyncpg); of the changes here, the only "
-            f"one that {reach} the {DRAIN_TARGET:.1f}x target.",
-            f"2. **One statement per claim and per complete** (data-modifying CTEs: pick + "
-            f"CAS + attempt + event; CAS + lease fence + END_ATTEMPT + events; autocommit, "
-            f"no BEGIN/COMMIT round trips, `now` taken inside the statement): 8 round trips "
-            f"per complete become 1; the prototype does {fmt(proto)} jobs/s = "
-            f"{x(proto, run)} runlane ({x(proto, pgq)} PgQueuer).",
-            "3. **No pre-ping per checkout** (`pool_pre_ping=True` costs one round trip per "
-            "transaction, about 1 of every 8; keepalives and `tcp_user_timeout` already "
-            "detect dead sessions) and **no separate `SELECT now`** (2 of the 8 round trips "
-            "of a complete): together about a third of the complete's round trips, without "
-            "changing any statement's semantics.",
-            "4. **Plan stability.** Found while building this harness (`--stats none`: no "
-            "statistics at all, as on this server with autovacuum off): the prepared claim's "
-            "outer UPDATE joined `picked` by walking every QUEUED run in the dispatch index "
-            "(*Rows Removed by Join Filter* = queue depth: O(queue) per claim); and after an "
-            "ANALYZE of the still empty `attempts` table the fenced writes' cached generic "
-            "plans scanned `attempts` sequentially (about 5 ms of executor time per write at "
-            "20,000 attempts, against 0.1 ms with the index). Write the claim's UPDATE as "
-            "`WHERE run_id = ANY(...)` of the picked ids, consider `plan_cache_mode="
-            "force_custom_plan` on runlane's connections, and require autovacuum in the docs.",
-            "5. **Client CPU** (after 1-2, the next limit on 2 cores): run the hot statements "
-            "on the DBAPI cursor (psycopg prepared statements) instead of SQLAlchemy `text()` "
-            "execution, and build fewer objects per lease.", "",
-            f"Submit: runlane writes three rows per run (task, run, submission event) in "
-            f"three statements plus `SELECT now`, NOTIFY and the transaction's pre-ping, "
-            f"BEGIN and COMMIT; PgQueuer writes one row in one statement. One `INSERT` with "
-            f"data-modifying CTEs for the three tables would make it one round trip per "
-            f"batch. Latency: a single-run submit is about 8 round trips "
-            f"({fmt(self.med('runlane', 'latency.submit_call_p50_ms'), 2)} ms p50 here) before "
-            f"the NOTIFY is even delivered; the same one-statement submit and claim would "
-            f"bring it near the raw loop's "
-            f"{fmt(self.med('raw', 'latency.p50_ms'), 2)} ms.", ""]
+            "matters for this benchmark.",
+            f"- **The prototypes** (one statement per claim and per complete, written as "
+            f"models before runlane had them): {fmt(proto)} and {fmt(batch)} jobs/s "
+            f"({x(proto, run)} and {x(batch, run)} runlane). Their claim walks the dispatch "
+            "index the lane schema replaced (see Workload), so they measure nothing "
+            "meaningful now; runlane has them built in.", "",
+            "What would close the drain gap, by expected gain:", "",
+            "1. **Fewer rows written per run.** A run costs the server an attempt inserted "
+            "and updated, three events (CLAIMED, FINALIZING, SUCCEEDED), two updates of "
+            "the run row that touch indexed columns (no HOT update), lane and counter "
+            "updates, and a foreign-key check per attempt and event; PgQueuer writes one "
+            "row and logs one. Folding the events of a completion into the attempt row, "
+            "keeping `status` changes HOT and dropping the foreign keys of the hot tables "
+            "are schema decisions.",
+            "2. **Planning.** The claim's pick is planned on every claim (a generic plan "
+            "costs `unnest(:routes)` at 10 routes, so PostgreSQL keeps custom plans): "
+            "0.5-0.7 ms of server time per claim. Forcing generic plans was measured and "
+            "lost (docs: the night session of 2026-11-30); the pick's own generic plan has "
+            "to win.",
+            "3. **Client CPU.** The hot statements on the DBAPI cursor instead of "
+            "SQLAlchemy `text()` execution (about 140 -> 65 us of CPU per statement, "
+            "measured on the pick), and fewer objects per lease.", "",
+            "Submit: one autocommit statement per batch (`SUBMIT_WRITE_PG`: tasks, routes, "
+            "lanes, runs and the submission events as data-modifying CTEs, the policy "
+            "version checked inside), one round trip; PgQueuer inserts one row per job. "
+            "The server's share per 1,000 runs is the three inserts with their indexes "
+            "and two foreign-key triggers per run; the client's is admission and ids per "
+            "spec. Latency: the submit call is "
+            f"{fmt(self.med('runlane', 'latency.submit_call_p50_ms'), 2)} ms p50 here, then "
+            "the NOTIFY wakes the worker and its claim runs (about as long again); the raw "
+            f"loop's whole submit -> claim is {fmt(self.med('raw', 'latency.p50_ms'), 2)} ms.",
+            ""]
         return lines
 
 
