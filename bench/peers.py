@@ -721,9 +721,8 @@ class Report:
             lines.append(
                 f"- **Server vs client.** Of the {client:.2f} ms per run that one worker "
                 f"spends inside the store's statements, the executor needs {server:.2f} ms "
-                "(auto_explain); the rest is planning (the claim's pick is planned again "
-                "on every claim: PostgreSQL keeps custom plans for it), round-trip latency, "
-                "parse/bind, and Python on both ends.")
+                "(auto_explain); the rest is planning, round-trip latency, parse/bind, "
+                "and Python on both ends.")
         if self.pyspy:
             shares = self.pyspy["shares"]
             waiting = sum(v for k, v in shares.items() if k.startswith("waiting"))
@@ -754,11 +753,12 @@ class Report:
             "row and logs one. Folding the events of a completion into the attempt row, "
             "keeping `status` changes HOT and dropping the foreign keys of the hot tables "
             "are schema decisions.",
-            "2. **Planning.** The claim's pick is planned on every claim (a generic plan "
-            "costs `unnest(:routes)` at 10 routes, so PostgreSQL keeps custom plans): "
-            "0.5-0.7 ms of server time per claim. Forcing generic plans was measured and "
-            "lost (docs: the night session of 2026-11-30); the pick's own generic plan has "
-            "to win.",
+            "2. **Planning.** Until the night of 2026-11-30 the claim's pick was planned "
+            "on every claim (its generic plan costed the served routes at 10, so "
+            "PostgreSQL kept custom plans): 0.5-0.7 ms of server time per claim. Its "
+            "generic plan now wins (the routes LIMITed to the array's length); a run of "
+            "an older commit still pays it. The claim's other statements settle on "
+            "generic plans already; forcing them for everything lost.",
             "3. **Client CPU.** The hot statements on the DBAPI cursor instead of "
             "SQLAlchemy `text()` execution (about 140 -> 65 us of CPU per statement, "
             "measured on the pick), and fewer objects per lease.", "",

@@ -524,9 +524,10 @@ def test_pick_lanes_second_page_starts_at_its_cursor(explain_db: ExplainDb) -> N
 # --- PICK_AND_WALK_PG ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("plan_kind", ["custom", "generic"])
 @pytest.mark.parametrize("wanted", [1, LANE_PAGE, 50])
 def test_pick_and_walk_reads_one_page_and_walks_only_lanes_with_a_share(
-        explain_db: ExplainDb, wanted: int) -> None:
+        explain_db: ExplainDb, wanted: int, plan_kind: str) -> None:
     """The fused pick reads one page of lanes and walks only the page's first
     ``wanted`` lanes (no later lane can get a share), none past ``wanted`` runnable
     runs: the rows read are bounded by the batch, not by the lanes' sizes."""
@@ -539,7 +540,8 @@ def test_pick_and_walk_reads_one_page_and_walks_only_lanes_with_a_share(
         heads = {lane: head_reads(lane_order(conn, lane, candidates=True), most)
                  for lane, most in bounds.items()}
         walk = sum(read for _, read in heads.values())
-        plan = explain(conn, sql.PICK_AND_WALK_PG, {**params, "wanted": wanted})
+        probe = explain if plan_kind == "custom" else explain_generic  # what it settles on
+        plan = probe(conn, sql.PICK_AND_WALK_PG, {**params, "wanted": wanted})
         got = run(conn, sql.PICK_AND_WALK_PG, {**params, "wanted": wanted})
         conn.rollback()
     assert sorted({r.page_lane_id for r in got}) == sorted(r.lane_id for r in picked)

@@ -299,6 +299,27 @@ def test_a_claim_locks_only_the_runs_its_shares_can_take(store: Store, db_url: s
     assert locked_while_claiming and max(locked_while_claiming) <= 16, locked_while_claiming
 
 
+def test_the_claims_pick_is_planned_once_per_session_not_per_claim(
+        store: Store, db_url: str) -> None:
+    """PostgreSQL keeps a prepared statement on custom plans (planned at every
+    execution) while its generic plan looks dearer. The pick's did: its array of
+    served routes was costed at 10 routes, and every claim paid 0.5-0.7 ms of planning
+    for 0.4-0.6 ms of execution. Bounded by the array's own length, the generic plan
+    wins after the first custom plans, as for the claim's other statements."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL's plan cache")
+    submit_each(store, [f"t{i % 4}" for i in range(40)])
+    for _ in range(12):
+        store.complete_many(store.claim("w1", limit=1, lease_ttl=TTL))
+    with store.engine.connect() as conn:  # the one pooled session the claims used
+        plans = conn.execute(text(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement LIKE '%page AS (%'")).all()
+    assert len(plans) == 1, plans
+    generic, custom = plans[0]
+    assert generic > 0 and custom <= 5, plans
+
+
 def submit_each(store: Store, tenants: list[str], **fields: Any) -> list[Any]:
     return store.submit([spec(tenant=t, **fields) for t in tenants])
 
