@@ -543,3 +543,26 @@ def test_audit_finds_planted_violations(store: Store) -> None:
     found = {(v.check, v.run_id) for v in store.audit()}
     assert {("overlapping_leases", lb.run_id), ("fencing_token_not_increasing", lb.run_id),
             ("attempts_not_contiguous", lb.run_id), ("illegal_transition", la.run_id)} <= found
+
+
+def test_audit_finds_orphans_of_the_hot_tables(store: Store) -> None:
+    """runs, attempts and run_events carry no foreign keys (migration 0007): a child
+    written without its parent must show in the audit, and a clean database shows none."""
+    [sub] = submit(store)
+    store.complete(store.claim("w1", lease_ttl=TTL)[0])
+    assert store.audit() == []
+    execute(store, "INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority, status,"
+            " max_attempts, visible_at, created_at, updated_at, lane_id) VALUES "
+            "('run-x', 'no-such-task', 'acme', 'r', 'default', 2, 'CANCELLED', 3, 0, 0, 0, NULL)")
+    execute(store, "INSERT INTO attempts (run_id, attempt_no, fencing_token, worker_id, status,"
+            " reason_code, lease_status, lease_expires_at, heartbeat_at, started_at, ended_at)"
+            " VALUES ('run-y', 1, 1, 'w1', 'FAILED', 'TIMEOUT', 'EXPIRED', 0, 0, 0, 0)")
+    execute(store, "INSERT INTO run_events (run_id, at, actor, from_status, to_status) "
+            "VALUES ('run-z', 0, 'x', NULL, 'QUEUED')")
+    found = {(v.check, v.run_id) for v in store.audit()}
+    assert found == {("run_without_task", "run-x"), ("attempt_without_run", "run-y"),
+                     ("event_without_run", "run-z")}
+    # The parent of a real run deleted: its attempt and events are orphans at once.
+    execute(store, "DELETE FROM runs WHERE run_id = :r", r=sub.run_id)
+    found = {(v.check, v.run_id) for v in store.audit()}
+    assert {("attempt_without_run", sub.run_id), ("event_without_run", sub.run_id)} <= found

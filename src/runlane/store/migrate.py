@@ -8,7 +8,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -35,7 +35,26 @@ def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str | N
     before = current_revision(engine)
     config = _config()
     with engine.connect() as conn:
-        config.attributes["connection"] = conn
-        command.upgrade(config, revision)
-        conn.commit()
+        sqlite = conn.dialect.name == "sqlite"
+        if sqlite:
+            _sqlite_foreign_keys(conn, on=False)
+        try:
+            config.attributes["connection"] = conn
+            command.upgrade(config, revision)
+            conn.commit()
+        finally:
+            if sqlite:
+                conn.rollback()
+                _sqlite_foreign_keys(conn, on=True)
     return before, current_revision(engine)
+
+
+def _sqlite_foreign_keys(conn: Connection, *, on: bool) -> None:
+    """SQLite rebuilds a table to change its constraints (Alembic's batch mode): with
+    enforcement on, dropping the old table would delete or refuse its children. The
+    pragma is a no-op inside a transaction, so it is set on the driver's connection,
+    between transactions; migrations that rebuild check ``PRAGMA foreign_key_check``
+    themselves before they commit (SQLite's documented procedure)."""
+    driver = conn.connection.driver_connection
+    assert driver is not None
+    driver.execute(f"PRAGMA foreign_keys={'ON' if on else 'OFF'}")

@@ -1126,6 +1126,21 @@ AUDIT_CHECKS: dict[str, str] = {
         SELECT run_id, 'attempt ' || CAST(attempt_no AS TEXT) || ' ' || status
                || ' without a reason code' AS detail
         FROM attempts WHERE status IN ('FAILED', 'CANCELLED') AND reason_code IS NULL""",
+    # The hot tables carry no foreign keys (schema.py, migration 0007): the store
+    # writes every child with its parent, and this is where a slip would show.
+    "run_without_task": """
+        SELECT r.run_id, 'task ' || r.task_id || ' does not exist' AS detail
+        FROM runs r WHERE NOT EXISTS (SELECT 1 FROM tasks t WHERE t.task_id = r.task_id)""",
+    "attempt_without_run": """
+        SELECT a.run_id, 'attempt ' || CAST(a.attempt_no AS TEXT)
+               || ' of a run that does not exist' AS detail
+        FROM attempts a WHERE NOT EXISTS (SELECT 1 FROM runs r WHERE r.run_id = a.run_id)""",
+    "event_without_run": """
+        SELECT e.run_id, CAST(COUNT(*) AS TEXT) || ' event(s) of a run that does not exist'
+               AS detail
+        FROM run_events e
+        WHERE NOT EXISTS (SELECT 1 FROM runs r WHERE r.run_id = e.run_id)
+        GROUP BY e.run_id""",
 }
 # Slot counters against the slots live attempts hold: one statement, one snapshot.
 AUDIT_SLOTS = """
