@@ -46,8 +46,9 @@ def upgrade() -> None:
     inspector = inspect(bind)
     for table, column, parent in DROPPED:
         for fk in inspector.get_foreign_keys(table):
-            if fk["constrained_columns"] == [column] and fk["referred_table"] == parent:
-                op.drop_constraint(fk["name"], table, type_="foreignkey")
+            name = fk["name"]
+            if name and fk["constrained_columns"] == [column] and fk["referred_table"] == parent:
+                op.drop_constraint(name, table, type_="foreignkey")
 
 
 def downgrade() -> None:
