@@ -216,6 +216,37 @@ def test_upgrade_is_repeatable(fresh_url: str, make_engine: Callable[[str], Engi
     assert reflect_schema(engine) == before
 
 
+def test_0007_drops_the_hot_foreign_keys_and_keeps_every_row(
+        fresh_url: str, make_engine: Callable[[str], Engine]) -> None:
+    """SQLite rebuilds runs, attempts and run_events to drop their foreign keys: every
+    row survives, the cold reference (side_effects -> runs) stays enforced, and on
+    SQLite enforcement is back on for the pooled connection after the migration."""
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine, "0006")
+    hot = {"runs": "tasks", "attempts": "runs", "run_events": "runs"}
+    assert {t for t in hot if inspect(engine).get_foreign_keys(t)} == set(hot)
+    with engine.begin() as conn:
+        _insert_task_and_run(conn, 1)
+        _insert_attempt(conn, 1, 1, "ACTIVE")
+        conn.execute(text("INSERT INTO run_events (run_id, at, actor, to_status) "
+                          "VALUES ('run-1', 1, 'w1', 'RUNNING')"))
+        conn.execute(text(
+            "INSERT INTO side_effects (run_id, effect_key, status, attempt_no, fencing_token,"
+            " created_at) VALUES ('run-1', 'branch', 'INTENT', 1, 1, 1)"))
+    assert migrate.upgrade(engine) == ("0006", HEAD)
+    insp = inspect(engine)
+    assert {t: insp.get_foreign_keys(t) for t in hot} == {t: [] for t in hot}
+    with engine.connect() as conn:
+        counts = {t: conn.execute(text(f"SELECT COUNT(*) FROM {t}")).scalar_one()
+                  for t in ["tasks", *hot, "side_effects"]}
+    assert counts == {"tasks": 1, "runs": 1, "attempts": 1, "run_events": 1,
+                      "side_effects": 1}
+    with pytest.raises(IntegrityError), engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO side_effects (run_id, effect_key, status, attempt_no, fencing_token,"
+            " created_at) VALUES ('no-such-run', 'branch', 'INTENT', 1, 1, 1)"))
+
+
 def test_metadata_matches_migrations(fresh_url: str,
                                      make_engine: Callable[[str], Engine]) -> None:
     engine = make_engine(fresh_url)
