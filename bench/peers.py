@@ -40,6 +40,7 @@ import lifecycle
 import sqlite_procs
 from lifecycle import libpq, load_average, progress, table, with_database
 from runlane.logs import configure_logging
+from runlane.store.engine import PLANNER_OPTIONS
 
 BENCH = Path(__file__).resolve().parent
 WORKLOADS = BENCH / "peer_workloads"
@@ -858,8 +859,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("PostgreSQL", f"{pg['server_version']} on the same machine, default settings of "
          f"this install: shared_buffers {pg['shared_buffers']}, synchronous_commit "
          f"{pg['synchronous_commit']}, fsync {pg['fsync']}, wal_level {pg['wal_level']}, "
-         f"autovacuum {pg['autovacuum']}, jit {pg['jit']} (runlane sets jit=off on its "
-         f"connections), max_connections {pg['max_connections']}, work_mem "
+         f"autovacuum {pg['autovacuum']}, jit {pg['jit']} (runlane's connections set "
+         f"`{PLANNER_OPTIONS}`), max_connections {pg['max_connections']}, work_mem "
          f"{pg['work_mem']}"),
         ("runlane", lifecycle.runlane_source()),
         ("Sizes", f"N {sizes.jobs:,}, submit batch {sizes.submit_batch:,}, claim batch B "

@@ -62,7 +62,7 @@ from runlane.domain.policy import policy_from_document
 from runlane.domain.routing import canonical_requirements, parse_requirements
 from runlane.logs import configure_logging
 from runlane.store import sql
-from runlane.store.engine import build_engine
+from runlane.store.engine import PLANNER_OPTIONS, build_engine
 from runlane.store.migrate import upgrade
 from runlane.store.store import Lease, Store
 
@@ -814,7 +814,8 @@ class Report:
                 "`UPDATE fifo_jobs ... FROM (SELECT ... ORDER BY created_at, id LIMIT L FOR "
                 "UPDATE SKIP LOCKED) ... RETURNING` + the attempt rows (executemany), one "
                 "transaction, on an engine built by `build_engine` like the store's "
-                "(psycopg 3, prepare_threshold 2, jit off). Latency is the wall time of the "
+                f"(psycopg 3, prepare_threshold 2, `{PLANNER_OPTIONS}`). Latency is the wall "
+                "time of the "
                 "call, commit included; client CPU is this process's CPU per call.", "",
                 table(["System", "Limit", "Samples", "Short", "p50 ms", "p95 ms", "p99 ms",
                        "p50 by round ms", "Client CPU ms"], rows, "lr"), "",

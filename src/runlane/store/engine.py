@@ -27,6 +27,18 @@ from runlane.errors import RunlaneError
 SQLITE_BUSY_TIMEOUT_SECONDS = 60.0
 # PostgreSQL's idle_in_transaction_session_timeout for runlane's sessions (0: none).
 IDLE_IN_TRANSACTION_TIMEOUT_SECONDS = 5.0
+# The planner settings of runlane's PostgreSQL sessions (what tests that check plans
+# must use too).
+# - jit off: the claim's cost estimate grows with its batch size; past jit_above_cost
+#   PostgreSQL would JIT-compile every claim (7-110 ms at 1M queued runs,
+#   docs/benchmarks.md) for a sub-millisecond query.
+# - random_page_cost 1.1 (default 4.0, a spinning disk's ratio): runlane's hot tables
+#   sit in shared buffers or on SSD, where PostgreSQL's docs advise lowering it. At
+#   4.0 the ~150 primary-key probes of a claim of 50 were priced above a scan of
+#   16,000 limit counters, so CLAIM_WRITE_PG read every counter (one per tenant,
+#   repository and user) on such claims; now a scan wins only where the table is
+#   small next to the batch (tests/test_dispatch_explain.py).
+PLANNER_OPTIONS = "-c jit=off -c random_page_cost=1.1"
 
 
 class DatabaseUrlInvalid(RunlaneError):
@@ -78,10 +90,7 @@ def build_engine(url: str, pool_size: int | None = None, *,
                       "connect_timeout": 10, "keepalives": 1, "keepalives_idle": 5,
                       "keepalives_interval": 2, "keepalives_count": 3,
                       "tcp_user_timeout": 15000,
-                      # The claim's cost estimate grows with its batch size; past
-                      # jit_above_cost PostgreSQL would JIT-compile every claim (7-110 ms
-                      # at 1M queued runs, docs/benchmarks.md) for a sub-millisecond query.
-                      "options": "-c jit=off -c idle_in_transaction_session_timeout="
+                      "options": f"{PLANNER_OPTIONS} -c idle_in_transaction_session_timeout="
                                  f"{_milliseconds(idle_in_transaction_timeout)}"},
     )
     event.listen(engine, "connect", _fast_arrays)

@@ -289,9 +289,10 @@ slot_deltas AS (
 -- run by run (LOCK_SCOPES). Every write below waits for this check, so the counters
 -- are locked before the lanes, in scope order (the store sends each scope once).
 -- Not LOCK_SCOPES' LATERAL probe per scope: in this statement it cost every claim
--- 0.4 ms more (a woken claim's write 0.41 -> 0.83 ms, measured 2026-11-30), where
--- this form reads every counter only for a claim of ~150 scopes (a Seq Scan of
--- limit_counters the planner prefers there: tests/test_dispatch_explain.py).
+-- 0.4 ms more (a woken claim's write 0.41 -> 0.83 ms, measured 2026-11-30). This form
+-- and ``slots`` read the counters by one primary-key scan of the scopes; at the
+-- default random_page_cost a claim of ~150 scopes got a Seq Scan of every counter
+-- instead (engine.PLANNER_OPTIONS, tests/test_dispatch_explain.py).
 counter_locks AS (
     SELECT c.scope, c.active, c.max_active FROM limit_counters c
     WHERE c.scope = ANY(CAST(:slot_scopes AS text[]))
