@@ -247,6 +247,36 @@ def test_0007_drops_the_hot_foreign_keys_and_keeps_every_row(
             " created_at) VALUES ('no-such-run', 'branch', 'INTENT', 1, 1, 1)"))
 
 
+def test_0007_downgrades_and_upgrades_again_with_rows(
+        fresh_url: str, make_engine: Callable[[str], Engine]) -> None:
+    """An operator's way back: the keys return (named as the upgrade looks for them on
+    SQLite, where it failed to find them again), every row survives both ways, and a
+    downgrade over an orphan refuses instead of restoring a key the rows break."""
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine)
+    with engine.begin() as conn:
+        _insert_task_and_run(conn, 1)
+        _insert_attempt(conn, 1, 1, "ACTIVE")
+        conn.execute(text("INSERT INTO run_events (run_id, at, actor, to_status) "
+                          "VALUES ('run-1', 1, 'w1', 'RUNNING')"))
+        conn.execute(text(
+            "INSERT INTO side_effects (run_id, effect_key, status, attempt_no, fencing_token,"
+            " created_at) VALUES ('run-1', 'branch', 'INTENT', 1, 1, 1)"))
+    assert migrate.downgrade(engine, "0006") == (HEAD, "0006")
+    hot = ("runs", "attempts", "run_events")
+    assert all(inspect(engine).get_foreign_keys(t) for t in hot)
+    assert migrate.upgrade(engine) == ("0006", HEAD)
+    assert not any(inspect(engine).get_foreign_keys(t) for t in hot)
+    with engine.connect() as conn:
+        assert [conn.execute(text(f"SELECT COUNT(*) FROM {t}")).scalar_one()
+                for t in ("tasks", *hot, "side_effects")] == [1, 1, 1, 1, 1]
+    with engine.begin() as conn:  # an attempt whose run is gone: no key can come back
+        _insert_attempt(conn, 2, 1, "EXPIRED")
+    with pytest.raises(Exception, match=r"foreign key|violates|FOREIGN KEY"):
+        migrate.downgrade(engine, "0006")
+    assert migrate.current_revision(engine) == HEAD
+
+
 def test_metadata_matches_migrations(fresh_url: str,
                                      make_engine: Callable[[str], Engine]) -> None:
     engine = make_engine(fresh_url)

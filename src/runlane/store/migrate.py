@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
@@ -33,6 +35,24 @@ def current_revision(engine: Engine) -> str | None:
 def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str | None]:
     """Migrate to ``revision``; safe to repeat. Returns (before, after)."""
     before = current_revision(engine)
+    with _migrating(engine) as config:
+        command.upgrade(config, revision)
+    return before, current_revision(engine)
+
+
+def downgrade(engine: Engine, revision: str) -> tuple[str | None, str | None]:
+    """Migrate back to ``revision`` (an operator's way out of a release). Returns
+    (before, after)."""
+    before = current_revision(engine)
+    with _migrating(engine) as config:
+        command.downgrade(config, revision)
+    return before, current_revision(engine)
+
+
+@contextmanager
+def _migrating(engine: Engine) -> Iterator[Config]:
+    """Alembic's config on one connection of ``engine``, committed if the migration
+    returns; on SQLite with foreign key enforcement off meanwhile (see below)."""
     config = _config()
     with engine.connect() as conn:
         sqlite = conn.dialect.name == "sqlite"
@@ -40,13 +60,12 @@ def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str | N
             _sqlite_foreign_keys(conn, on=False)
         try:
             config.attributes["connection"] = conn
-            command.upgrade(config, revision)
+            yield config
             conn.commit()
         finally:
             if sqlite:
                 conn.rollback()
                 _sqlite_foreign_keys(conn, on=True)
-    return before, current_revision(engine)
 
 
 def _sqlite_foreign_keys(conn: Connection, *, on: bool) -> None:
