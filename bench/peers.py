@@ -170,6 +170,8 @@ def run_system(system: System, admin_url: str, sizes: Sizes, round_no: int) -> d
              + (f", enqueue {figures['enqueue']['rate']:,.0f}/s" if "enqueue" in figures else "")
              + (f", latency p50 {figures['latency']['p50_ms']:.2f} ms"
                 if "latency" in figures else "")
+             + (f", audit {figures['audit']['violations']} violations"
+                if "audit" in figures else "")
              + f", other CPU {figures['other_cores']:.2f} cores, load {load}, "
              f"commit floor {floor:.2f} ms")
     return figures
@@ -521,7 +523,22 @@ class Report:
             "COMMIT on the same server just before the system's run; it rises when other "
             "programs commit on the server (the WAL flush is shared). *runlane, worker "
             "stages* drains N/4 jobs.", "",
+            *self.render_audits(),
         ]
+
+    def render_audits(self) -> list[str]:
+        """runlane's ``Store.audit()`` after each round (drain and latency included)."""
+        lines = []
+        for key in self.keys(("runlane", "variant")):
+            audits = [r["audit"] for r in self.rounds[key] if "audit" in r]
+            if not audits:
+                continue
+            found = sum(int(a["violations"]) for a in audits)
+            first = next((a["first"] for a in audits if a["first"]), "")
+            verdict = "clean" if not found else f"**{found} violations** (first: {first})"
+            lines.append(f"- {self.system(key).label}: `Store.audit()` on the database "
+                         f"after each of its {len(audits)} rounds: {verdict}.")
+        return [*lines, ""] if lines else []
 
     def render_enqueue(self) -> list[str]:
         base = self.med("runlane", "enqueue.rate")

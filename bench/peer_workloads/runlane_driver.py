@@ -409,8 +409,22 @@ def main() -> int:
         finally:
             store.close()
         figures["latency"] = probe.finish()
+    figures["audit"] = audit(url)
     common.emit(figures)
     return 0
+
+
+def audit(url: str) -> dict[str, Any]:
+    """``Store.audit()`` on the database the benchmark left: speed must not have cost
+    an invariant (issue 5)."""
+    store = Store(url)
+    try:
+        started = time.monotonic()
+        found = store.audit()
+        return {"violations": len(found), "seconds": time.monotonic() - started,
+                "first": f"{found[0].check}: {found[0].detail}" if found else ""}
+    finally:
+        store.close()
 
 
 if __name__ == "__main__":
