@@ -216,6 +216,18 @@ def test_upgrade_is_repeatable(fresh_url: str, make_engine: Callable[[str], Engi
     assert reflect_schema(engine) == before
 
 
+def _insert_one_of_each(engine: Engine) -> None:
+    """A task, its run, an attempt, an event and a side effect, all of run-1."""
+    with engine.begin() as conn:
+        _insert_task_and_run(conn, 1)
+        _insert_attempt(conn, 1, 1, "ACTIVE")
+        conn.execute(text("INSERT INTO run_events (run_id, at, actor, to_status) "
+                          "VALUES ('run-1', 1, 'w1', 'RUNNING')"))
+        conn.execute(text(
+            "INSERT INTO side_effects (run_id, effect_key, status, attempt_no, fencing_token,"
+            " created_at) VALUES ('run-1', 'branch', 'INTENT', 1, 1, 1)"))
+
+
 def test_0007_drops_the_hot_foreign_keys_and_keeps_every_row(
         fresh_url: str, make_engine: Callable[[str], Engine]) -> None:
     """SQLite rebuilds runs, attempts and run_events to drop their foreign keys: every
@@ -225,14 +237,7 @@ def test_0007_drops_the_hot_foreign_keys_and_keeps_every_row(
     migrate.upgrade(engine, "0006")
     hot = {"runs": "tasks", "attempts": "runs", "run_events": "runs"}
     assert {t for t in hot if inspect(engine).get_foreign_keys(t)} == set(hot)
-    with engine.begin() as conn:
-        _insert_task_and_run(conn, 1)
-        _insert_attempt(conn, 1, 1, "ACTIVE")
-        conn.execute(text("INSERT INTO run_events (run_id, at, actor, to_status) "
-                          "VALUES ('run-1', 1, 'w1', 'RUNNING')"))
-        conn.execute(text(
-            "INSERT INTO side_effects (run_id, effect_key, status, attempt_no, fencing_token,"
-            " created_at) VALUES ('run-1', 'branch', 'INTENT', 1, 1, 1)"))
+    _insert_one_of_each(engine)
     assert migrate.upgrade(engine) == ("0006", HEAD)
     insp = inspect(engine)
     assert {t: insp.get_foreign_keys(t) for t in hot} == {t: [] for t in hot}
@@ -254,14 +259,7 @@ def test_0007_downgrades_and_upgrades_again_with_rows(
     downgrade over an orphan refuses instead of restoring a key the rows break."""
     engine = make_engine(fresh_url)
     migrate.upgrade(engine)
-    with engine.begin() as conn:
-        _insert_task_and_run(conn, 1)
-        _insert_attempt(conn, 1, 1, "ACTIVE")
-        conn.execute(text("INSERT INTO run_events (run_id, at, actor, to_status) "
-                          "VALUES ('run-1', 1, 'w1', 'RUNNING')"))
-        conn.execute(text(
-            "INSERT INTO side_effects (run_id, effect_key, status, attempt_no, fencing_token,"
-            " created_at) VALUES ('run-1', 'branch', 'INTENT', 1, 1, 1)"))
+    _insert_one_of_each(engine)
     assert migrate.downgrade(engine, "0006") == (HEAD, "0006")
     hot = ("runs", "attempts", "run_events")
     assert all(inspect(engine).get_foreign_keys(t) for t in hot)
