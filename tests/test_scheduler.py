@@ -18,6 +18,7 @@ from runlane.domain.states import RunStatus
 from runlane.errors import CostLimitExceeded, PolicyDenied
 from runlane.services.scheduler import PassTrigger
 from runlane.store import sql
+from runlane.store.scheduling import BLOCKED_LANE_RECHECK_SECONDS
 from runlane.store.store import Store
 
 from .support import events_of, execute, run_row, spec, submit
@@ -189,6 +190,62 @@ def test_2010_blocked_rows_ahead_of_one_runnable_row(store: Store, clock: Manual
     runnable = submit(store, repo="/srv/git/other.git", tenant=tenant)[0]
     leases = store.claim("w1", limit=1, lease_ttl=TTL)
     assert [lease.run_id for lease in leases] == [runnable.run_id]
+
+
+def flood_lane(store: Store) -> tuple[float | None, list[str]]:
+    """The flood tenant's lane: when it wakes (None: awake) and the scopes it sleeps on."""
+    with store.engine.connect() as conn:
+        lane_id, wake_at = conn.execute(text(
+            "SELECT lane_id, wake_at FROM lanes WHERE tenant = 'flood'")).one()
+        scopes = conn.execute(text("SELECT scope FROM lane_blocks WHERE lane_id = :l "
+                                   "ORDER BY scope"), {"l": lane_id}).scalars().all()
+    return wake_at, list(scopes)
+
+
+def test_a_lane_blocked_by_a_full_repository_sleeps_until_a_release_frees_it(
+        store: Store, clock: ManualClock) -> None:
+    """A lane whose visible runs are all in a full repository gets nothing, so its pass
+    never moves and every claim walked its whole backlog (13 ms per claim behind 20,000
+    runs, bench/blocked_lane.py). The claim that finds it so puts it to sleep on that
+    scope; a release of another scope leaves it asleep, the release of its repository's
+    slot wakes it and the next claim takes its run at once; without that release the
+    recheck interval ends the sleep (and the lane, still blocked, sleeps again)."""
+    apply(store, "[concurrency]\nper_repository_max_active = 1\n")
+    flood = submit(store, 30, tenant="flood", repo="/srv/git/mono.git")
+    [held] = store.claim("w0", limit=1, lease_ttl=TTL)  # mono is now full
+    assert held.run_id in {r.run_id for r in flood}
+    clock.advance(1)
+    store.submit([spec(tenant="other", repo=f"/srv/git/r{i}.git") for i in range(10)])
+
+    def claim_others_until_the_flood_lane_sleeps() -> list[Any]:
+        taken = []
+        while flood_lane(store)[0] is None:
+            [lease] = store.claim("w1", limit=1, lease_ttl=TTL)
+            assert lease.tenant == "other"
+            taken.append(lease)
+            assert len(taken) <= 2, "the flood lane, first in line, was walked and kept awake"
+        return taken
+
+    others = claim_others_until_the_flood_lane_sleeps()
+    assert flood_lane(store) == (clock.now() + BLOCKED_LANE_RECHECK_SECONDS,
+                                 ["repo:/srv/git/mono.git"])
+    store.complete(others[0])  # its repository frees: nothing waits on it
+    assert flood_lane(store)[0] is not None
+    store.complete(held)  # mono frees: the flood lane wakes, its blocks go
+    assert flood_lane(store) == (None, [])
+    [next_run] = store.claim("w0", limit=1, lease_ttl=TTL)
+    assert (next_run.tenant, next_run.repo) == ("flood", "/srv/git/mono.git")
+    # mono is full again and nobody releases it: the lane sleeps again, and when the
+    # recheck interval is over the claim wakes it, walks it and puts it back to sleep.
+    claim_others_until_the_flood_lane_sleeps()
+    clock.advance(BLOCKED_LANE_RECHECK_SECONDS + 1)
+    [lease] = store.claim("w1", limit=1, lease_ttl=TTL)
+    assert lease.tenant == "other"
+    if flood_lane(store)[0] is None:  # woken, and not first in line this time
+        claim_others_until_the_flood_lane_sleeps()
+    assert flood_lane(store) == (clock.now() + BLOCKED_LANE_RECHECK_SECONDS,
+                                 ["repo:/srv/git/mono.git"])
+    assert store.audit() == []
 
 
 class LaneWalks:

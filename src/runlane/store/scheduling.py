@@ -47,6 +47,10 @@ LANE_PAGE = 16  # lanes read per page of a claim
 # A lane that gains work joins this far ahead of the head of its (queue, priority),
 # far below one stride (1 / weight; weights are at most 1,000).
 JOIN_AHEAD = 1e-6
+# The longest a lane blocked by full scopes sleeps without the release that would
+# wake it (sql.LANE_BLOCKING_SCOPES): a run held by a claim that rolled back, a limit
+# a new policy raised.
+BLOCKED_LANE_RECHECK_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -335,14 +339,30 @@ class SchedulingMixin:
         if not scopes:
             return
         self._lock_scopes(conn, scopes)
+        freed: set[str] = set()
         for _, _, run_scopes in held:
             if not run_scopes:
                 continue
             for r in conn.execute(self._q(sql.GIVE_SLOTS, "scopes"),
                                   {"scopes": sorted(run_scopes)}):
-                if r.scope.startswith("tenant:") and r.active == r.max_active - 1:
+                if r.active != r.max_active - 1:
+                    continue  # the scope was not full: nothing waits on it
+                if r.scope.startswith("tenant:"):
                     conn.execute(self._q(sql.MARK_TENANT_LANES),
                                  {"tenant": r.scope.removeprefix("tenant:"), "at_limit": 0})
+                else:
+                    freed.add(r.scope)
+        if freed:
+            self._wake_blocked_lanes(conn, freed)
+
+    def _wake_blocked_lanes(self, conn: Connection, freed: set[str]) -> None:
+        """Scopes that were full have room again: the lanes asleep on them wake."""
+        woken = list(conn.execute(self._q(sql.WAKE_BLOCKED_LANES, "scopes"),
+                                  {"scopes": sorted(freed), "ahead": JOIN_AHEAD}).scalars())
+        if woken:
+            expanding = () if self.dialect == "postgresql" else ("lane_ids",)
+            conn.execute(self._q(sql.LANE_BLOCKS_DELETE[self.dialect], *expanding),
+                         {"lane_ids": woken})
 
     def _audit_slots(self, conn: Connection) -> list[Any]:
         """Each counter must equal the slots live attempts hold in its scope."""
@@ -465,15 +485,33 @@ class SchedulingMixin:
             carried = page
         return candidates, empty
 
+    def _sleep_blocked_lanes(self, conn: Connection, empty: set[int]) -> None:
+        """Lanes that gave nothing although runs of them are visible, blocked by full
+        scopes, sleep on those scopes (sql.LANE_BLOCKING_SCOPES)."""
+        expanding = () if self.dialect == "postgresql" else ("lane_ids",)
+        blocks = conn.execute(self._q(sql.LANE_BLOCKING_SCOPES[self.dialect], *expanding),
+                              {"lane_ids": sorted(empty), "now": self.clock.now()}).all()
+        if not blocks:
+            return
+        asleep = set(conn.execute(
+            self._q(sql.BLOCKED_LANES_SLEEP[self.dialect], *expanding),
+            {"lane_ids": sorted({b.lane_id for b in blocks}), "now": self.clock.now(),
+             "recheck": BLOCKED_LANE_RECHECK_SECONDS}).scalars())
+        rows = [{"scope": b.scope, "lane_id": b.lane_id} for b in blocks if b.lane_id in asleep]
+        if rows:
+            conn.execute(self._q(sql.LANE_BLOCK_INSERT), rows)
+
     def _lane_upkeep(self, conn: Connection, empty: set[int], *, wake: bool) -> int:
         """Last in a claim, or in a transaction of its own (lanes are last in the lock
-        order; both statements skip lanes others hold): put to sleep the lanes that
-        gave nothing because all their runs wait for a backoff, and wake the lanes
-        whose time came. Returns the lanes woken."""
+        order; its statements skip lanes others hold): put to sleep the lanes that
+        gave nothing, until their first run's backoff ends or, when full scopes block
+        their visible runs, until a release gives one of those scopes room; and wake
+        the lanes whose time came. Returns the lanes woken."""
         if empty:
             sleep = self._q(sql.LANES_SLEEP["postgresql"]) if self.dialect == "postgresql" \
                 else self._q(sql.LANES_SLEEP["sqlite"], "lane_ids")
             conn.execute(sleep, {"lane_ids": sorted(empty), "now": self.clock.now()})
+            self._sleep_blocked_lanes(conn, empty)
         if not wake:
             return 0
         woken = conn.execute(self._q(sql.LANES_WAKE),

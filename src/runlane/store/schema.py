@@ -175,6 +175,16 @@ lanes = Table(
     ),
 )
 
+# A lane asleep because every visible run of it is blocked by a full scope (its
+# repository, user or risk class at its limit): one row per blocking scope. The
+# release that gives that scope room wakes the lane (migration 0008).
+lane_blocks = Table(
+    "lane_blocks",
+    metadata,
+    Column("scope", String(400), primary_key=True),  # as limit_counters.scope
+    Column("lane_id", Integer, primary_key=True),
+)
+
 # One row per concurrency scope that has a limit (``global``, ``tenant:T``,
 # ``repo:R``, ``user:U``, ``risk:K``, ``queue:Q``). A claim takes a slot with a
 # guarded increment (``active < max_active``), so limits hold with any number of
