@@ -51,6 +51,9 @@ JOIN_AHEAD = 1e-6
 # wake it (sql.LANE_BLOCKING_SCOPES): a run held by a claim that rolled back, a limit
 # a new policy raised.
 BLOCKED_LANE_RECHECK_SECONDS = 1.0
+# conn.info key: the scopes a transaction's releases took below their limit; the
+# lanes blocked on them are woken just before it commits (Store._transaction).
+FREED_SCOPES = "runlane_freed_scopes"
 
 
 @dataclass(frozen=True)
@@ -352,17 +355,15 @@ class SchedulingMixin:
                                  {"tenant": r.scope.removeprefix("tenant:"), "at_limit": 0})
                 else:
                     freed.add(r.scope)
-        if freed:
-            self._wake_blocked_lanes(conn, freed)
+        if freed:  # woken last in the transaction: Store._transaction
+            conn.info.setdefault(FREED_SCOPES, set()).update(freed)
 
     def _wake_blocked_lanes(self, conn: Connection, freed: set[str]) -> None:
-        """Scopes that were full have room again: the lanes asleep on them wake."""
-        woken = list(conn.execute(self._q(sql.WAKE_BLOCKED_LANES, "scopes"),
-                                  {"scopes": sorted(freed), "ahead": JOIN_AHEAD}).scalars())
-        if woken:
-            expanding = () if self.dialect == "postgresql" else ("lane_ids",)
-            conn.execute(self._q(sql.LANE_BLOCKS_DELETE[self.dialect], *expanding),
-                         {"lane_ids": woken})
+        """Scopes that were full have room again: the lanes asleep on them wake. The
+        last lane write of a transaction (sql.WAKE_BLOCKED_LANES)."""
+        params = {"scopes": sorted(freed), "ahead": JOIN_AHEAD}
+        conn.execute(self._q(sql.WAKE_BLOCKED_LANES, "scopes"), params)
+        conn.execute(self._q(sql.LANE_BLOCKS_DELETE, "scopes"), params)
 
     def _audit_slots(self, conn: Connection) -> list[Any]:
         """Each counter must equal the slots live attempts hold in its scope."""

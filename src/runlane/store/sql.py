@@ -312,20 +312,21 @@ SELECT l.lane_id FROM lanes l WHERE l.wake_at IS NOT NULL AND l.wake_at <= {now}
 ORDER BY l.wake_at LIMIT 100 {lock_l_skip}
 """
 LANES_WAKE = "UPDATE lanes" + _WAKE_SET + "WHERE lanes.lane_id IN (" + _DUE_LANES + ")"
-# A release gave room in ``:scopes``: wake the lanes blocked on any of them (an awake
-# lane among them is left as it is: its pass is at or past the head's) and forget
-# their blocks. Lanes come last in the lock order (the release holds its counters);
-# a lane another transaction holds is skipped, and its block stays for the next
-# release of the scope, or the recheck.
+# A release gave room in ``:scopes``: wake the sleeping lanes blocked on any of them,
+# then forget every block on those scopes. Sent last in the release's transaction
+# (Store._transaction), after every lane write that may wait: it skips lanes others
+# hold, so it never waits itself, and nothing waits after it. A sleeping lane held by
+# another transaction is being woken by it (a new run, LANES_WAKE, another release);
+# an awake lane with a stale block is not touched (its pass stays its own). The
+# blocks of a woken lane on other scopes stay until those scopes free (an early wake
+# at worst: the lane is walked, and sleeps again).
 WAKE_BLOCKED_LANES = "UPDATE lanes" + _WAKE_SET + """WHERE lanes.lane_id IN (
     SELECT l.lane_id FROM lanes l
     WHERE l.lane_id IN (SELECT b.lane_id FROM lane_blocks b WHERE b.scope IN :scopes)
+      AND l.wake_at IS NOT NULL
     ORDER BY l.lane_id {lock_l_skip})
-RETURNING lane_id
 """
-LANE_BLOCKS_DELETE = {
-    "postgresql": "DELETE FROM lane_blocks WHERE lane_id = ANY(CAST(:lane_ids AS bigint[]))",
-    "sqlite": "DELETE FROM lane_blocks WHERE lane_id IN :lane_ids"}
+LANE_BLOCKS_DELETE = "DELETE FROM lane_blocks WHERE scope IN :scopes"
 
 CLAIM_WRITE_PG = """
 WITH t AS (SELECT {now} AS now),

@@ -62,6 +62,7 @@ from runlane.errors import (
 from runlane.store import sql
 from runlane.store.engine import build_engine, dialect_of
 from runlane.store.scheduling import (
+    FREED_SCOPES,
     JOIN_AHEAD,
     LanesDue,
     SchedulingMixin,
@@ -345,9 +346,16 @@ class Store(SchedulingMixin):
                     info = conn.info
                     info[_SENT] = sent
                     try:
-                        return work(conn)
+                        result = work(conn)
+                        # Lanes blocked on scopes the work's releases freed: last, so
+                        # that no lane write waits after these locks (see sql.py).
+                        freed = info.pop(FREED_SCOPES, None)
+                        if freed:
+                            self._wake_blocked_lanes(conn, freed)
+                        return result
                     finally:
                         info.pop(_SENT, None)
+                        info.pop(FREED_SCOPES, None)
             except DBAPIError as exc:
                 attempt += 1
                 if exc.connection_invalidated and not sent[0] and attempt == 1:
