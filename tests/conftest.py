@@ -20,6 +20,7 @@ from sqlalchemy.engine import make_url
 
 from runlane.clock import ManualClock
 from runlane.domain.retry import RetryPolicy
+from runlane.store import schema
 from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
 from runlane.store.store import Store
@@ -31,8 +32,10 @@ hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 ADMIN_URL = os.environ.get("RUNLANE_TEST_POSTGRES_URL",
                            "postgresql://postgres@127.0.0.1:5432/test")
 REQUIRE_POSTGRES = os.environ.get("RUNLANE_REQUIRE_POSTGRES") == "1"
-TABLES = ("side_effects, run_events, attempts, runs, task_dependencies, tasks, workers, lanes, "
-          "limit_counters, routes, policy_versions, tenant_spend")
+# Every table of the schema, children before parents (DELETE order): from the schema
+# itself, so that a table a migration adds is emptied too (lane_blocks once was not,
+# and a test saw the blocks an earlier test left).
+TABLES = ", ".join(t.name for t in reversed(schema.metadata.sorted_tables))
 T0 = 1_800_000_000.0  # a pinned "now" for tests on the manual clock
 
 

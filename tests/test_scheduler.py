@@ -248,6 +248,117 @@ def test_a_lane_blocked_by_a_full_repository_sleeps_until_a_release_frees_it(
     assert store.audit() == []
 
 
+def test_a_lane_blocked_by_a_limit_wakes_when_a_policy_raises_it_or_a_recount_lowers_it(
+        store: Store) -> None:
+    """Releases are not the only way a full scope gets room: a new policy raises its
+    limit, or the reconciler finds its counter drifted above the slots really held.
+    Either wakes the lanes asleep on it at once (not after the recheck interval)."""
+    apply(store, "[concurrency]\nper_repository_max_active = 1\n")
+    flood = submit(store, 3, tenant="flood", repo="/srv/git/mono.git")
+    [held] = store.claim("w0", limit=1, lease_ttl=TTL)
+    assert store.claim("w1", limit=1, lease_ttl=TTL) == []
+    assert flood_lane(store)[1] == ["repo:/srv/git/mono.git"]
+    apply(store, "[concurrency]\nper_repository_max_active = 2\n")
+    assert flood_lane(store) == (None, [])
+    [second] = store.claim("w1", limit=1, lease_ttl=TTL)
+    assert second.run_id in {r.run_id for r in flood}
+    assert store.claim("w1", limit=1, lease_ttl=TTL) == []  # 2 of 2: asleep again
+    assert flood_lane(store)[1] == ["repo:/srv/git/mono.git"]
+    store.complete(second)  # its release frees a slot; then the counter drifts up
+    assert flood_lane(store) == (None, [])
+    execute(store, "UPDATE limit_counters SET active = 2 WHERE scope = 'repo:/srv/git/mono.git'")
+    assert store.claim("w1", limit=1, lease_ttl=TTL) == []
+    assert flood_lane(store)[1] == ["repo:/srv/git/mono.git"]
+    assert store.reconcile()["slot_counters_repaired"] == 1
+    assert flood_lane(store) == (None, [])
+    assert len(store.claim("w1", limit=1, lease_ttl=TTL)) == 1
+    store.complete(held)
+
+
+def test_a_lane_with_a_runnable_run_another_claim_holds_stays_awake(
+        store: Store, clock: ManualClock, db_url: str) -> None:
+    """The walk skips runs other claims hold, so a lane can give nothing while one of
+    its runs could run. It slept on the full scopes of its other runs, for a whole
+    recheck interval, with that run runnable once the other claim let go (8 claimer
+    processes gave up with 13 of 400 runs left, CI of 2026-12-01): it sleeps only when
+    every visible run is blocked."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("row locks (SQLite locks the whole file)")
+    apply(store, "[concurrency]\nper_repository_max_active = 1\n")
+    submit(store, 5, tenant="flood", repo="/srv/git/mono.git")
+    [held] = store.claim("w0", limit=1, lease_ttl=TTL)  # mono is now full
+    clock.advance(1)
+    [free] = submit(store, tenant="flood", repo="/srv/git/free.git")
+    with store.engine.connect() as other:  # another claim's walk holds the free run
+        other.execute(text("SELECT run_id FROM runs WHERE run_id = :r FOR UPDATE"),
+                      {"r": free.run_id})
+        assert store.claim("w1", limit=1, lease_ttl=TTL) == []
+        assert flood_lane(store) == (None, [])
+        other.rollback()
+    [lease] = store.claim("w1", limit=1, lease_ttl=TTL)  # at once: no recheck to wait for
+    assert lease.run_id == free.run_id
+    store.complete_many([held, lease])
+    assert store.audit() == []
+
+
+def test_a_scope_a_release_is_freeing_does_not_put_a_lane_to_sleep(
+        store: Store, db_url: str) -> None:
+    """A release that has taken its slot back but not committed has already sent its
+    wake (last in its transaction), which cannot see the blocks of a claim that commits
+    later: a lane put to sleep on that scope then would sleep the whole recheck with
+    room for its runs. The claim share-locks the full counters it sleeps on, skipping
+    the ones a release holds: such a scope has room, and the lane stays awake."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("row locks (SQLite serializes writers on the file)")
+    apply(store, "[concurrency]\nper_repository_max_active = 1\n")
+    submit(store, 5, tenant="flood", repo="/srv/git/mono.git")
+    [held] = store.claim("w0", limit=1, lease_ttl=TTL)  # mono is now full
+    with store.engine.connect() as release:  # a release between its slot and its commit
+        release.execute(text("UPDATE limit_counters SET active = active - 1 "
+                             "WHERE scope = 'repo:/srv/git/mono.git'"))
+        assert store.claim("w1", limit=1, lease_ttl=TTL) == []  # mono still full to it
+        assert flood_lane(store) == (None, [])
+        release.rollback()
+    # Once nothing is freeing mono, the same claim puts the lane to sleep on it.
+    assert store.claim("w1", limit=1, lease_ttl=TTL) == []
+    assert flood_lane(store)[1] == ["repo:/srv/git/mono.git"]
+    store.complete(held)
+    assert flood_lane(store) == (None, [])
+
+
+def test_a_run_submitted_while_a_claim_finds_its_lane_blocked_keeps_the_lane_awake(
+        store: Store, db_url: str) -> None:
+    """The claim's backoff sleep (LANES_SLEEP) locks every empty lane it can, so a
+    submit to one waits for the claim's commit and then wakes it. A lane another
+    transaction held then is not locked: a submit that commits between the claim's read
+    of its blocked runs and its sleep brings a run the read did not see. The sleep is
+    only for a lane whose queued count and pass are still those read."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("a second writer during a claim (SQLite serializes writers)")
+    apply(store, "[concurrency]\nper_repository_max_active = 1\n")
+    submit(store, 5, tenant="flood", repo="/srv/git/mono.git")
+    [held] = store.claim("w0", limit=1, lease_ttl=TTL)  # mono is now full
+    late: list[Any] = []
+    holder = store.engine.connect()  # holds the lane while the claim's LANES_SLEEP runs
+    holder.execute(text("SELECT lane_id FROM lanes WHERE tenant = 'flood' FOR UPDATE"))
+
+    def submit_after_the_read(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if "visible AS (" in statement and not late:
+            holder.rollback()
+            late.extend(submit(store, tenant="flood", repo="/srv/git/free.git"))
+
+    event.listen(store.engine, "after_cursor_execute", submit_after_the_read)
+    try:
+        assert store.claim("w1", limit=1, lease_ttl=TTL) == []
+    finally:
+        event.remove(store.engine, "after_cursor_execute", submit_after_the_read)
+        holder.close()
+    assert late and flood_lane(store) == (None, [])
+    [lease] = store.claim("w1", limit=1, lease_ttl=TTL)
+    assert lease.run_id == late[0].run_id
+    store.complete_many([held, lease])
+
+
 class LaneWalks:
     """Counts the lane-walk statements (LANE_RUNS) a store sends."""
 

@@ -159,6 +159,7 @@ class SchedulingMixin:
                 "version": version, "digest": digest,
                 "document": json.dumps(policy_document(policy)), "source": source,
                 "now": self._now(conn)})
+            freed: set[str] = set()
             for row in conn.execute(self._q(sql.COUNTERS)).all():
                 limit = scope_limit(policy, row.scope)
                 if limit is None:
@@ -166,6 +167,10 @@ class SchedulingMixin:
                 elif limit != row.max_active:
                     conn.execute(self._q(sql.COUNTER_SET_MAX),
                                  {"scope": row.scope, "max_active": limit})
+                if row.active >= row.max_active and (limit is None or row.active < limit):
+                    freed.add(row.scope)
+            if freed:  # lanes blocked on a limit the policy raised: woken before commit
+                conn.info.setdefault(FREED_SCOPES, set()).update(freed)
             conn.execute(self._q(sql.RECOMPUTE_TENANT_FLAGS))
             self._policy_cache[version] = policy
             self._notify(conn, SCHEDULE_CHANNEL, str(version))
@@ -387,7 +392,9 @@ class SchedulingMixin:
         rows, counters, lanes), so no claim or release is half-way through; lanes
         another transaction holds are skipped (recounted next pass), so the recount
         never waits on a lane."""
-        counters = {r.scope: int(r.active) for r in conn.execute(self._q(sql.LOCK_COUNTERS))}
+        locked_counters = conn.execute(self._q(sql.LOCK_COUNTERS)).all()
+        counters = {r.scope: int(r.active) for r in locked_counters}
+        maxima = {r.scope: int(r.max_active) for r in locked_counters}
         held: Counter[str] = Counter()
         for r in conn.execute(self._q(sql.ACTIVE_SLOTS)):
             held.update(r.limit_scopes if isinstance(r.limit_scopes, list)
@@ -397,6 +404,8 @@ class SchedulingMixin:
             if held[scope] != active:
                 conn.execute(self._q(sql.COUNTER_SET), {"scope": scope, "n": held[scope]})
                 fixed += 1
+                if active >= maxima[scope] > held[scope]:  # drift kept it full: wake
+                    conn.info.setdefault(FREED_SCOPES, set()).add(scope)
         locked = set(conn.execute(self._q(sql.LOCK_LANES)).scalars())
         drift = [r for r in conn.execute(self._q(sql.LANE_COUNT_DRIFT)) if r.lane_id in locked]
         for r in drift:
@@ -487,17 +496,19 @@ class SchedulingMixin:
         return candidates, empty
 
     def _sleep_blocked_lanes(self, conn: Connection, empty: set[int]) -> None:
-        """Lanes that gave nothing although runs of them are visible, blocked by full
-        scopes, sleep on those scopes (sql.LANE_BLOCKING_SCOPES)."""
+        """Lanes that gave nothing although runs of them are visible, every one blocked
+        by full scopes, sleep on those scopes (sql.LANE_BLOCKING_SCOPES)."""
         expanding = () if self.dialect == "postgresql" else ("lane_ids",)
+        now = self.clock.now()
         blocks = conn.execute(self._q(sql.LANE_BLOCKING_SCOPES[self.dialect], *expanding),
-                              {"lane_ids": sorted(empty), "now": self.clock.now()}).all()
-        if not blocks:
-            return
-        asleep = set(conn.execute(
-            self._q(sql.BLOCKED_LANES_SLEEP[self.dialect], *expanding),
-            {"lane_ids": sorted({b.lane_id for b in blocks}), "now": self.clock.now(),
-             "recheck": BLOCKED_LANE_RECHECK_SECONDS}).scalars())
+                              {"lane_ids": sorted(empty), "now": now}).all()
+        seen = {b.lane_id: b for b in blocks}
+        asleep: set[int] = set()
+        for lane_id, b in sorted(seen.items()):
+            asleep.update(conn.execute(self._q(sql.BLOCKED_LANE_SLEEP), {
+                "lane_id": lane_id, "queued_count": b.queued_count, "pass_": b.pass_,
+                "next_visible_at": b.next_visible_at, "now": now,
+                "recheck": BLOCKED_LANE_RECHECK_SECONDS}).scalars())
         rows = [{"scope": b.scope, "lane_id": b.lane_id} for b in blocks if b.lane_id in asleep]
         if rows:
             conn.execute(self._q(sql.LANE_BLOCK_INSERT), rows)

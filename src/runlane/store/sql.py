@@ -25,6 +25,7 @@ NOW = {
     "sqlite": "COALESCE(:now, (julianday('now') - 2440587.5) * 86400.0)",
 }
 LOCK_SKIP = {"postgresql": "FOR UPDATE OF {alias} SKIP LOCKED", "sqlite": ""}
+LOCK_SHARE_SKIP = {"postgresql": "FOR SHARE OF {alias} SKIP LOCKED", "sqlite": ""}
 GREATEST = {"postgresql": "GREATEST", "sqlite": "MAX"}
 LOCK_WAIT = {"postgresql": "FOR UPDATE OF {alias}", "sqlite": ""}
 
@@ -272,29 +273,65 @@ LANES_SLEEP = {"postgresql": _LANES_SLEEP.format(in_lanes="= ANY(CAST(:lane_ids 
 # sleeps instead, with a ``lane_blocks`` row per blocking scope, and the release that
 # gives one of those scopes room wakes it (WAKE_BLOCKED_LANES); ``:recheck`` seconds
 # (BLOCKED_LANE_RECHECK_SECONDS) bound the sleep, for a run held by a claim that rolls
-# back, or a limit raised by a new policy. Reads the lanes' visible runs once.
+# back, or a limit raised by a new policy.
+#
+# A lane sleeps only if none of its visible runs could run: a run another claim held
+# during the walk, and whose scopes have room, keeps it awake (sleeping on the scopes
+# of its other runs, it stayed asleep a whole recheck with that run runnable: the
+# 8-process limit test ran out of patience). The full counters are share-locked,
+# skipping those locked: a release that has taken a slot back (not yet committed) is
+# skipped, so its scope counts as having room; a release that comes after the lock
+# waits for this claim's commit, and its wake (the last statement of its transaction)
+# then sees the blocks. LANES_SLEEP, just before, locked each empty lane it could (a
+# submit to it waits for this claim, then wakes it); one another transaction held
+# then can change after this read, so each lane comes with its queued count and pass
+# as read, and the sleep (BLOCKED_LANE_SLEEP) is only for a lane still so; it ends
+# when the lane's next invisible run becomes visible, if that is sooner than the
+# recheck. Reads the lanes' visible runs once.
 _LANE_BLOCKING_SCOPES = """
-SELECT DISTINCT r.lane_id, c.scope
-FROM runs r
-JOIN limit_counters c
-  ON c.scope IN ('repo:' || r.repo, 'user:' || COALESCE(r.user_id, ''),
-                 'risk:' || r.risk_class)
- AND c.active >= c.max_active
-WHERE r.lane_id {in_lanes} AND r.status = 'QUEUED' AND r.visible_at <= {{now}}
+WITH queued AS (
+    SELECT r.lane_id, r.visible_at, 'repo:' || r.repo AS repo_scope,
+           'user:' || COALESCE(r.user_id, '') AS user_scope, 'risk:' || r.risk_class AS risk_scope
+    FROM runs r
+    WHERE r.lane_id {in_lanes} AND r.status = 'QUEUED'),
+visible AS (SELECT * FROM queued WHERE visible_at <= {{now}}),
+full_scopes AS (
+    SELECT c.scope FROM limit_counters c
+    WHERE c.active >= c.max_active
+      AND c.scope IN (SELECT repo_scope FROM visible UNION SELECT user_scope FROM visible
+                      UNION SELECT risk_scope FROM visible)
+    {{lock_c_share_skip}}),
+runnable AS (
+    SELECT lane_id FROM visible
+    WHERE repo_scope NOT IN (SELECT scope FROM full_scopes)
+      AND user_scope NOT IN (SELECT scope FROM full_scopes)
+      AND risk_scope NOT IN (SELECT scope FROM full_scopes)),
+blocked AS (
+    SELECT DISTINCT v.lane_id, f.scope
+    FROM visible v JOIN full_scopes f ON f.scope IN (v.repo_scope, v.user_scope, v.risk_scope)
+    WHERE v.lane_id NOT IN (SELECT lane_id FROM runnable)),
+next_visible AS (
+    SELECT lane_id, MIN(visible_at) AS visible_at FROM queued
+    WHERE visible_at > {{now}} GROUP BY lane_id)
+SELECT b.lane_id, b.scope, l.queued_count, l.pass AS pass_, n.visible_at AS next_visible_at
+FROM blocked b JOIN lanes l ON l.lane_id = b.lane_id
+LEFT JOIN next_visible n ON n.lane_id = b.lane_id
 """
 LANE_BLOCKING_SCOPES = {
     "postgresql": _LANE_BLOCKING_SCOPES.format(in_lanes="= ANY(CAST(:lane_ids AS bigint[]))"),
     "sqlite": _LANE_BLOCKING_SCOPES.format(in_lanes="IN :lane_ids")}
-_BLOCKED_LANES_SLEEP = """
-UPDATE lanes SET wake_at = {{now}} + :recheck
+# One lane, if still awake and as LANE_BLOCKING_SCOPES saw it; skipped if another
+# transaction holds it (a submit, a claim, a wake: it is changing).
+BLOCKED_LANE_SLEEP = """
+UPDATE lanes
+SET wake_at = CASE WHEN CAST(:next_visible_at AS double precision) < {now} + :recheck
+                   THEN CAST(:next_visible_at AS double precision) ELSE {now} + :recheck END
 WHERE lanes.lane_id IN (SELECT l.lane_id FROM lanes l
-                        WHERE l.lane_id {in_lanes} AND l.wake_at IS NULL
-                        ORDER BY l.lane_id {{lock_l_skip}})
+                        WHERE l.lane_id = :lane_id AND l.wake_at IS NULL
+                          AND l.queued_count = :queued_count AND l.pass = :pass_
+                        {lock_l_skip})
 RETURNING lane_id
 """
-BLOCKED_LANES_SLEEP = {
-    "postgresql": _BLOCKED_LANES_SLEEP.format(in_lanes="= ANY(CAST(:lane_ids AS bigint[]))"),
-    "sqlite": _BLOCKED_LANES_SLEEP.format(in_lanes="IN :lane_ids")}
 LANE_BLOCK_INSERT = """
 INSERT INTO lane_blocks (scope, lane_id) VALUES (:scope, :lane_id)
 ON CONFLICT (scope, lane_id) DO NOTHING
@@ -690,7 +727,8 @@ ACTIVE_SLOTS = """
 SELECT limit_scopes FROM attempts WHERE lease_status = 'ACTIVE' AND limit_scopes IS NOT NULL
 """
 # The repairs lock what they recount first, so that no claim or release is half-way.
-LOCK_COUNTERS = "SELECT scope, active FROM limit_counters ORDER BY scope {lock_for_update}"
+LOCK_COUNTERS = ("SELECT scope, active, max_active FROM limit_counters ORDER BY scope "
+                 "{lock_for_update}")
 # The reconciler recounts the lanes no one else holds (it never waits on a lane, so it
 # is in no deadlock cycle; a lane held now is recounted at its next pass).
 LOCK_LANES = "SELECT l.lane_id FROM lanes l ORDER BY l.lane_id {lock_l_skip}"
@@ -1247,6 +1285,7 @@ class Statements:
             lock_r_skip=LOCK_SKIP[self.dialect].format(alias="r"),
             lock_a_skip=LOCK_SKIP[self.dialect].format(alias="a"),
             lock_l_skip=LOCK_SKIP[self.dialect].format(alias="l"),
+            lock_c_share_skip=LOCK_SHARE_SKIP[self.dialect].format(alias="c"),
             lock_ra_skip=LOCK_SKIP[self.dialect].format(alias="r, a"),
             greatest=GREATEST[self.dialect],
             lease_batch=LEASE_BATCH[self.dialect],
