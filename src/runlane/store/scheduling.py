@@ -8,6 +8,7 @@ in ``sql.py`` under "claim" and "policy, admission, dependencies, budgets".
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections import Counter
@@ -167,7 +168,9 @@ class SchedulingMixin:
                 elif limit != row.max_active:
                     conn.execute(self._q(sql.COUNTER_SET_MAX),
                                  {"scope": row.scope, "max_active": limit})
-                if row.active >= row.max_active and (limit is None or row.active < limit):
+                # Every raised or removed limit: this read of ``active`` is not locked,
+                # and a claim may fill the scope and a lane sleep on it before commit.
+                if limit is None or limit > row.max_active:
                     freed.add(row.scope)
             if freed:  # lanes blocked on a limit the policy raised: woken before commit
                 conn.info.setdefault(FREED_SCOPES, set()).update(freed)
@@ -363,12 +366,28 @@ class SchedulingMixin:
         if freed:  # woken last in the transaction: Store._transaction
             conn.info.setdefault(FREED_SCOPES, set()).update(freed)
 
-    def _wake_blocked_lanes(self, conn: Connection, freed: set[str]) -> None:
+    def _wake_blocked_lanes(self, conn: Connection, freed: set[str]) -> set[int]:
         """Scopes that were full have room again: the lanes asleep on them wake. The
-        last lane write of a transaction (sql.WAKE_BLOCKED_LANES)."""
+        last lane write of a transaction (sql.WAKE_BLOCKED_LANES). Returns the lanes
+        it had to skip, still asleep: the caller wakes them after its commit
+        (``_wake_skipped_lanes``)."""
         params = {"scopes": sorted(freed), "ahead": JOIN_AHEAD}
         conn.execute(self._q(sql.WAKE_BLOCKED_LANES, "scopes"), params)
-        conn.execute(self._q(sql.LANE_BLOCKS_DELETE, "scopes"), params)
+        return {r.lane_id for r in conn.execute(self._q(sql.LANE_BLOCKS_DELETE, "scopes"),
+                                                 params) if r.still_asleep}
+
+    def _wake_skipped_lanes(self, lane_ids: set[int]) -> None:
+        """After the release committed, each lane its wake skipped, one transaction
+        each: holding nothing else, it can wait for the lane's holder and be in no
+        deadlock cycle. A lane asleep on its blocks would otherwise sleep a whole
+        recheck interval with room for its runs (a cancel in it, or a policy's
+        flags, held it during the wake)."""
+        def wake(conn: Connection, lane_id: int) -> None:
+            conn.execute(self._q(sql.LANE_WAKE_AFTER_RELEASE),
+                         {"lane_id": lane_id, "ahead": JOIN_AHEAD})
+
+        for lane_id in sorted(lane_ids):
+            self._transaction(functools.partial(wake, lane_id=lane_id))
 
     def _audit_slots(self, conn: Connection) -> list[Any]:
         """Each counter must equal the slots live attempts hold in its scope."""
@@ -506,7 +525,7 @@ class SchedulingMixin:
         asleep: set[int] = set()
         for lane_id, b in sorted(seen.items()):
             asleep.update(conn.execute(self._q(sql.BLOCKED_LANE_SLEEP), {
-                "lane_id": lane_id, "queued_count": b.queued_count, "pass_": b.pass_,
+                "lane_id": lane_id, "row_version": b.row_version,
                 "next_visible_at": b.next_visible_at, "now": now,
                 "recheck": BLOCKED_LANE_RECHECK_SECONDS}).scalars())
         rows = [{"scope": b.scope, "lane_id": b.lane_id} for b in blocks if b.lane_id in asleep]

@@ -26,6 +26,9 @@ NOW = {
 }
 LOCK_SKIP = {"postgresql": "FOR UPDATE OF {alias} SKIP LOCKED", "sqlite": ""}
 LOCK_SHARE_SKIP = {"postgresql": "FOR SHARE OF {alias} SKIP LOCKED", "sqlite": ""}
+# Changes with every update of the row: PostgreSQL's xmin (the writing transaction);
+# SQLite has one writer, whose transaction holds the file from BEGIN IMMEDIATE.
+ROW_VERSION = {"postgresql": "CAST({alias}.xmin AS text)", "sqlite": "''"}
 GREATEST = {"postgresql": "GREATEST", "sqlite": "MAX"}
 LOCK_WAIT = {"postgresql": "FOR UPDATE OF {alias}", "sqlite": ""}
 
@@ -284,38 +287,46 @@ LANES_SLEEP = {"postgresql": _LANES_SLEEP.format(in_lanes="= ANY(CAST(:lane_ids 
 # waits for this claim's commit, and its wake (the last statement of its transaction)
 # then sees the blocks. LANES_SLEEP, just before, locked each empty lane it could (a
 # submit to it waits for this claim, then wakes it); one another transaction held
-# then can change after this read, so each lane comes with its queued count and pass
-# as read, and the sleep (BLOCKED_LANE_SLEEP) is only for a lane still so; it ends
-# when the lane's next invisible run becomes visible, if that is sooner than the
-# recheck. Reads the lanes' visible runs once.
+# then can change after this read, so each lane comes with its row version as read,
+# and the sleep (BLOCKED_LANE_SLEEP) is only for a lane not updated since (a queued
+# count and pass compared instead were fooled by a cancel and a submit in between);
+# it ends when the lane's next invisible run becomes visible, if that is sooner than
+# the recheck. Reads the lanes' queued runs once, and the time once.
 _LANE_BLOCKING_SCOPES = """
-WITH queued AS (
+WITH t AS (SELECT {{now}} AS now),
+queued AS (
     SELECT r.lane_id, r.visible_at, 'repo:' || r.repo AS repo_scope,
            'user:' || COALESCE(r.user_id, '') AS user_scope, 'risk:' || r.risk_class AS risk_scope
     FROM runs r
     WHERE r.lane_id {in_lanes} AND r.status = 'QUEUED'),
-visible AS (SELECT * FROM queued WHERE visible_at <= {{now}}),
+visible AS (SELECT * FROM queued WHERE visible_at <= (SELECT now FROM t)),
+run_scopes AS (
+    SELECT lane_id, repo_scope AS scope FROM visible
+    UNION ALL SELECT lane_id, user_scope FROM visible
+    UNION ALL SELECT lane_id, risk_scope FROM visible),
+-- Each run's scopes looked up by the counters' primary key (a join ON scope IN (three
+-- columns), or IN a CTE, was planned as a nested loop over every pair of run and full
+-- scope: 2 s for 20,000 runs over 1,000 full repositories, inside the claim, with the
+-- counters share-locked; the review of 2026-12-01). A counter is share-locked once
+-- per run that has its scope (all but the first find it held already).
 full_scopes AS (
-    SELECT c.scope FROM limit_counters c
+    SELECT rs.lane_id, c.scope FROM run_scopes rs
+    JOIN limit_counters c ON c.scope = rs.scope
     WHERE c.active >= c.max_active
-      AND c.scope IN (SELECT repo_scope FROM visible UNION SELECT user_scope FROM visible
-                      UNION SELECT risk_scope FROM visible)
     {{lock_c_share_skip}}),
 runnable AS (
     SELECT lane_id FROM visible
     WHERE repo_scope NOT IN (SELECT scope FROM full_scopes)
       AND user_scope NOT IN (SELECT scope FROM full_scopes)
       AND risk_scope NOT IN (SELECT scope FROM full_scopes)),
-blocked AS (
-    SELECT DISTINCT v.lane_id, f.scope
-    FROM visible v JOIN full_scopes f ON f.scope IN (v.repo_scope, v.user_scope, v.risk_scope)
-    WHERE v.lane_id NOT IN (SELECT lane_id FROM runnable)),
+blocked AS (SELECT DISTINCT lane_id, scope FROM full_scopes),
 next_visible AS (
     SELECT lane_id, MIN(visible_at) AS visible_at FROM queued
-    WHERE visible_at > {{now}} GROUP BY lane_id)
-SELECT b.lane_id, b.scope, l.queued_count, l.pass AS pass_, n.visible_at AS next_visible_at
+    WHERE visible_at > (SELECT now FROM t) GROUP BY lane_id)
+SELECT b.lane_id, b.scope, {{row_version}} AS row_version, n.visible_at AS next_visible_at
 FROM blocked b JOIN lanes l ON l.lane_id = b.lane_id
 LEFT JOIN next_visible n ON n.lane_id = b.lane_id
+WHERE b.lane_id NOT IN (SELECT lane_id FROM runnable)
 """
 LANE_BLOCKING_SCOPES = {
     "postgresql": _LANE_BLOCKING_SCOPES.format(in_lanes="= ANY(CAST(:lane_ids AS bigint[]))"),
@@ -324,11 +335,12 @@ LANE_BLOCKING_SCOPES = {
 # transaction holds it (a submit, a claim, a wake: it is changing).
 BLOCKED_LANE_SLEEP = """
 UPDATE lanes
-SET wake_at = CASE WHEN CAST(:next_visible_at AS double precision) < {now} + :recheck
-                   THEN CAST(:next_visible_at AS double precision) ELSE {now} + :recheck END
+SET wake_at = (SELECT CASE WHEN CAST(:next_visible_at AS double precision) < t.until
+                           THEN CAST(:next_visible_at AS double precision) ELSE t.until END
+               FROM (SELECT {now} + :recheck AS until) t)
 WHERE lanes.lane_id IN (SELECT l.lane_id FROM lanes l
                         WHERE l.lane_id = :lane_id AND l.wake_at IS NULL
-                          AND l.queued_count = :queued_count AND l.pass = :pass_
+                          AND {row_version} = :row_version
                         {lock_l_skip})
 RETURNING lane_id
 """
@@ -352,18 +364,29 @@ LANES_WAKE = "UPDATE lanes" + _WAKE_SET + "WHERE lanes.lane_id IN (" + _DUE_LANE
 # A release gave room in ``:scopes``: wake the sleeping lanes blocked on any of them,
 # then forget every block on those scopes. Sent last in the release's transaction
 # (Store._transaction), after every lane write that may wait: it skips lanes others
-# hold, so it never waits itself, and nothing waits after it. A sleeping lane held by
-# another transaction is being woken by it (a new run, LANES_WAKE, another release);
-# an awake lane with a stale block is not touched (its pass stays its own). The
-# blocks of a woken lane on other scopes stay until those scopes free (an early wake
-# at worst: the lane is walked, and sleeps again).
+# hold, so it never waits itself, and nothing waits after it. An awake lane with a
+# stale block is not touched (its pass stays its own). The blocks of a woken lane on
+# other scopes stay until those scopes free (an early wake at worst: the lane is
+# walked, and sleeps again). The delete returns the lanes still asleep: the ones the
+# wake skipped (a cancel, a policy's flags, another claim held them; not all of them
+# wake lanes), woken one by one after the commit (LANE_WAKE_AFTER_RELEASE).
 WAKE_BLOCKED_LANES = "UPDATE lanes" + _WAKE_SET + """WHERE lanes.lane_id IN (
     SELECT l.lane_id FROM lanes l
     WHERE l.lane_id IN (SELECT b.lane_id FROM lane_blocks b WHERE b.scope IN :scopes)
       AND l.wake_at IS NOT NULL
     ORDER BY l.lane_id {lock_l_skip})
 """
-LANE_BLOCKS_DELETE = "DELETE FROM lane_blocks WHERE scope IN :scopes"
+LANE_BLOCKS_DELETE = """
+DELETE FROM lane_blocks WHERE scope IN :scopes
+RETURNING lane_id,
+          (SELECT l.wake_at FROM lanes l WHERE l.lane_id = lane_blocks.lane_id) IS NOT NULL
+            AS still_asleep
+"""
+# One lane the release's wake skipped, in a transaction of its own after the release
+# committed: it holds no other lock, so it may wait for the lane's holder.
+LANE_WAKE_AFTER_RELEASE = "UPDATE lanes" + _WAKE_SET + """
+WHERE lanes.lane_id = :lane_id AND lanes.wake_at IS NOT NULL
+"""
 
 CLAIM_WRITE_PG = """
 WITH t AS (SELECT {now} AS now),
@@ -1286,6 +1309,7 @@ class Statements:
             lock_a_skip=LOCK_SKIP[self.dialect].format(alias="a"),
             lock_l_skip=LOCK_SKIP[self.dialect].format(alias="l"),
             lock_c_share_skip=LOCK_SHARE_SKIP[self.dialect].format(alias="c"),
+            row_version=ROW_VERSION[self.dialect].format(alias="l"),
             lock_ra_skip=LOCK_SKIP[self.dialect].format(alias="r, a"),
             greatest=GREATEST[self.dialect],
             lease_batch=LEASE_BATCH[self.dialect],

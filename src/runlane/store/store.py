@@ -341,6 +341,7 @@ class Store(SchedulingMixin):
         attempt = 0
         while True:
             sent = [False]
+            skipped: set[int] = set()
             try:
                 with engine.begin() as conn:
                     info = conn.info
@@ -351,11 +352,13 @@ class Store(SchedulingMixin):
                         # that no lane write waits after these locks (see sql.py).
                         freed = info.pop(FREED_SCOPES, None)
                         if freed:
-                            self._wake_blocked_lanes(conn, freed)
-                        return result
+                            skipped = self._wake_blocked_lanes(conn, freed)
                     finally:
                         info.pop(_SENT, None)
                         info.pop(FREED_SCOPES, None)
+                if skipped:  # committed: the lanes its wake could not take
+                    self._wake_skipped_lanes(skipped)
+                return result
             except DBAPIError as exc:
                 attempt += 1
                 if exc.connection_invalidated and not sent[0] and attempt == 1:
