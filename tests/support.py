@@ -50,8 +50,9 @@ def wait_for_a_lock_wait(url: str, statement_part: str, what: str) -> None:
     """Poll until a session of the database waits for a lock while running a statement
     that contains ``statement_part`` (``what``: what it should be waiting for, for the
     message)."""
+    deadline = time.monotonic() + 30.0  # a loaded machine (xdist beside a busy test)
     with psycopg.connect(libpq_url(url), autocommit=True) as watch:
-        for _ in range(500):
+        while time.monotonic() < deadline:
             waiting = watch.execute(
                 "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
                 " AND wait_event_type = 'Lock' AND query LIKE %s",

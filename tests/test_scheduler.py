@@ -384,6 +384,36 @@ def test_reading_a_blocked_lanes_scopes_pairs_no_run_with_every_full_scope(
     assert dropped <= 5 * 1000, dropped
 
 
+def test_a_claim_that_read_an_older_policy_does_not_write_its_limit_back(
+        store: Store, db_url: str) -> None:
+    """A policy raising a limit commits between a claim's first statement and its
+    counters: the claim wrote its version's maximum back over the raise, and with the
+    scope full under the old limit its runs were kept out of every walk. The claim
+    now writes a maximum only under the policy in force, and starts again."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("a policy applied during a claim (SQLite serializes writers)")
+    apply(store, "[concurrency]\nper_repository_max_active = 1\n")
+    submit(store, 5, tenant="flood", repo="/srv/git/mono.git")
+    store.complete(store.claim("w0", limit=1, lease_ttl=TTL)[0])  # mono's counter, empty
+    raised: list[int] = []
+
+    def raise_the_limit(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if "page AS (" in statement and not raised:
+            raised.append(apply(store, "[concurrency]\nper_repository_max_active = 2\n"))
+
+    event.listen(store.engine, "after_cursor_execute", raise_the_limit)
+    try:
+        [first] = store.claim("w1", limit=1, lease_ttl=TTL)
+    finally:
+        event.remove(store.engine, "after_cursor_execute", raise_the_limit)
+    assert raised
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT active, max_active FROM limit_counters "
+                                 "WHERE scope = 'repo:/srv/git/mono.git'")).one() == (1, 2)
+    [second] = store.claim("w1", limit=1, lease_ttl=TTL)  # 2 of 2 under the new policy
+    store.complete_many([first, second])
+
+
 def test_a_lane_with_a_runnable_run_another_claim_holds_stays_awake(
         store: Store, clock: ManualClock, db_url: str) -> None:
     """The walk skips runs other claims hold, so a lane can give nothing while one of

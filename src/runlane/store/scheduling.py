@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError
 
 from runlane.domain.admission import AdmissionRequest, Decision, TenantUsage, admit
 from runlane.domain.fairness import LaneState, share_slots
@@ -92,6 +93,11 @@ def scope_limit(policy: Policy, scope: str) -> int | None:
         tenant=str(probe["tenant"]), repo=str(probe["repo"]), user=probe["user"],
         risk_class=str(probe["risk_class"]), queue=str(probe["queue"]))
     return limits.get(scope)
+
+
+class PolicyChanged(Exception):
+    """A policy was applied after the claim read its version: the claim starts again
+    under the new one (its slots must follow the limits in force)."""
 
 
 class LanesDue(Exception):
@@ -301,13 +307,14 @@ class SchedulingMixin:
 
     # --- slots (concurrency limits) ----------------------------------------------
 
-    def _lock_counters(self, conn: Connection, limits: dict[str, int]
+    def _lock_counters(self, conn: Connection, limits: dict[str, int], version: int
                        ) -> dict[str, list[int]]:
         """Lock the counter of every scope a claim may take a slot in, in one global
         order (by scope), before it takes any: two claims whose runs share scopes then
         queue on the first shared one instead of deadlocking. Returns each scope's
         ``[active, max_active]``. A scope without a counter yet, or whose maximum the
-        policy changed, is upserted (in scope order) and the set locked again."""
+        policy changed, is upserted (in scope order) and the set locked again; raises
+        PolicyChanged when ``version`` (the claim's) is no longer in force."""
         if not limits:
             return {}
         scopes = sorted(limits)
@@ -315,10 +322,17 @@ class SchedulingMixin:
                     for r in self._lock_scopes(conn, scopes)}
         stale = [s for s in scopes if s not in counters or counters[s][1] != limits[s]]
         if stale:
-            conn.execute(self._q(sql.ENSURE_COUNTER),
-                         [{"scope": s, "max_active": limits[s]} for s in stale])
+            conn.execute(self._q(sql.ENSURE_COUNTER), [
+                {"scope": s, "max_active": limits[s], "version": version} for s in stale])
+            before = counters
             counters = {r.scope: [int(r.active), int(r.max_active)]
                         for r in self._lock_scopes(conn, scopes)}
+            if any(s not in counters or counters[s][1] != limits[s] for s in stale):
+                raise PolicyChanged(version)
+            freed = {s for s in stale if s in before
+                     and before[s][1] <= before[s][0] < limits[s]}
+            if freed:  # a full scope the claim raised to the policy's limit
+                conn.info.setdefault(FREED_SCOPES, set()).update(freed)
         return counters
 
     def _lock_scopes(self, conn: Connection, scopes: list[str]) -> list[Any]:
@@ -383,11 +397,19 @@ class SchedulingMixin:
         recheck interval with room for its runs (a cancel in it, or a policy's
         flags, held it during the wake)."""
         def wake(conn: Connection, lane_id: int) -> None:
+            # Not past the recheck, which bounds the sleep anyway: the caller's work
+            # has committed, and its caller should not wait on a lane for long.
+            conn.execute(self._q(sql.LOCAL_LOCK_TIMEOUT),
+                         {"timeout": f"{int(BLOCKED_LANE_RECHECK_SECONDS * 1000)}ms"})
             conn.execute(self._q(sql.LANE_WAKE_AFTER_RELEASE),
                          {"lane_id": lane_id, "ahead": JOIN_AHEAD})
 
         for lane_id in sorted(lane_ids):
-            self._transaction(functools.partial(wake, lane_id=lane_id))
+            try:
+                self._transaction(functools.partial(wake, lane_id=lane_id))
+            except DBAPIError as exc:  # never an error for work that committed
+                log.warning("blocked_lane_wake_failed", lane_id=lane_id,
+                            error=str(exc.orig)[:200])
 
     def _audit_slots(self, conn: Connection) -> list[Any]:
         """Each counter must equal the slots live attempts hold in its scope."""
@@ -518,15 +540,14 @@ class SchedulingMixin:
         """Lanes that gave nothing although runs of them are visible, every one blocked
         by full scopes, sleep on those scopes (sql.LANE_BLOCKING_SCOPES)."""
         expanding = () if self.dialect == "postgresql" else ("lane_ids",)
-        now = self.clock.now()
         blocks = conn.execute(self._q(sql.LANE_BLOCKING_SCOPES[self.dialect], *expanding),
-                              {"lane_ids": sorted(empty), "now": now}).all()
+                              {"lane_ids": sorted(empty), "now": self.clock.now()}).all()
         seen = {b.lane_id: b for b in blocks}
         asleep: set[int] = set()
         for lane_id, b in sorted(seen.items()):
             asleep.update(conn.execute(self._q(sql.BLOCKED_LANE_SLEEP), {
                 "lane_id": lane_id, "row_version": b.row_version,
-                "next_visible_at": b.next_visible_at, "now": now,
+                "next_visible_at": b.next_visible_at, "now": b.read_at,  # the read's
                 "recheck": BLOCKED_LANE_RECHECK_SECONDS}).scalars())
         rows = [{"scope": b.scope, "lane_id": b.lane_id} for b in blocks if b.lane_id in asleep]
         if rows:
@@ -660,7 +681,8 @@ class SchedulingMixin:
         their slots and the tenants they bring to their limit."""
         # Lock order, everywhere: run rows, then counters (by scope), then lanes.
         counters = self._lock_counters(conn, {
-            scope: limit for _, d in admitted for scope, limit in d.concurrency.items()})
+            scope: limit for _, d in admitted for scope, limit in d.concurrency.items()},
+            admitted[0][1].policy_version)
         passed: list[tuple[Any, Decision]] = []
         slots: Counter[str] = Counter()
         for c, decision in admitted:

@@ -323,7 +323,8 @@ blocked AS (SELECT DISTINCT lane_id, scope FROM full_scopes),
 next_visible AS (
     SELECT lane_id, MIN(visible_at) AS visible_at FROM queued
     WHERE visible_at > (SELECT now FROM t) GROUP BY lane_id)
-SELECT b.lane_id, b.scope, {{row_version}} AS row_version, n.visible_at AS next_visible_at
+SELECT b.lane_id, b.scope, {{row_version}} AS row_version, n.visible_at AS next_visible_at,
+       (SELECT now FROM t) AS read_at
 FROM blocked b JOIN lanes l ON l.lane_id = b.lane_id
 LEFT JOIN next_visible n ON n.lane_id = b.lane_id
 WHERE b.lane_id NOT IN (SELECT lane_id FROM runnable)
@@ -383,7 +384,9 @@ RETURNING lane_id,
             AS still_asleep
 """
 # One lane the release's wake skipped, in a transaction of its own after the release
-# committed: it holds no other lock, so it may wait for the lane's holder.
+# committed: it holds no other lock, so it may wait for the lane's holder (for at
+# most LOCAL_LOCK_TIMEOUT; PostgreSQL only: SQLite's wake never skips a lane).
+LOCAL_LOCK_TIMEOUT = "SELECT set_config('lock_timeout', :timeout, true)"
 LANE_WAKE_AFTER_RELEASE = "UPDATE lanes" + _WAKE_SET + """
 WHERE lanes.lane_id = :lane_id AND lanes.wake_at IS NOT NULL
 """
@@ -491,8 +494,14 @@ RETURNING runs.run_id, runs.fencing_token, runs.attempt_count, {now} AS now
 """
 
 # Slots: make sure a limited scope has its counter row with the policy's maximum ...
+# Only under the policy in force: a claim that decided under an older version (a
+# policy committed since its first statement) wrote that version's maximum back over
+# the raise, and a scope full under the old limit then kept its runs out of every
+# walk until a release. The claim finds the counter unchanged and starts again.
 ENSURE_COUNTER = """
-INSERT INTO limit_counters (scope, active, max_active) VALUES (:scope, 0, :max_active)
+INSERT INTO limit_counters (scope, active, max_active)
+SELECT :scope, 0, :max_active
+WHERE (SELECT MAX(version) FROM policy_versions) = :version
 ON CONFLICT (scope) DO UPDATE SET max_active = excluded.max_active
 WHERE limit_counters.max_active <> excluded.max_active
 """

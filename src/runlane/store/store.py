@@ -65,6 +65,7 @@ from runlane.store.scheduling import (
     FREED_SCOPES,
     JOIN_AHEAD,
     LanesDue,
+    PolicyChanged,
     SchedulingMixin,
     policy_needs_usage,
 )
@@ -731,6 +732,9 @@ class Store(SchedulingMixin):
                     lambda conn: self._lane_upkeep(conn, set(), wake=True))
                 # Due lanes held elsewhere cannot be woken now: go on without them.
                 check_due = woken > 0 and attempt < 1
+                continue
+            except PolicyChanged as changed:  # rolled back: again, under the new one
+                log.info("claim_restarted_policy_changed", read_version=changed.args[0])
                 continue
             if leases is not None:
                 break
