@@ -327,6 +327,14 @@ def test_a_lane_the_releases_wake_skipped_is_woken_after_the_release_commits(
     assert len(store.claim("w1", limit=1, lease_ttl=TTL)) == 1
 
 
+def _flood_with_mono_counted_and_free(store: Store) -> None:
+    """Limit 1 per repository, 5 flood runs in mono, whose counter exists and is empty
+    (one run claimed and completed)."""
+    apply(store, "[concurrency]\nper_repository_max_active = 1\n")
+    submit(store, 5, tenant="flood", repo="/srv/git/mono.git")
+    store.complete(store.claim("w0", limit=1, lease_ttl=TTL)[0])
+
+
 def test_a_policy_raising_a_limit_wakes_a_lane_put_to_sleep_after_it_read_the_counters(
         store: Store, db_url: str) -> None:
     """apply_policy reads the counters without locking them: a claim can fill a scope
@@ -334,9 +342,7 @@ def test_a_policy_raising_a_limit_wakes_a_lane_put_to_sleep_after_it_read_the_co
     the lanes blocked on it, full when read or not."""
     if not db_url.startswith("postgresql"):
         pytest.skip("a second writer during apply_policy (SQLite serializes writers)")
-    apply(store, "[concurrency]\nper_repository_max_active = 1\n")
-    submit(store, 5, tenant="flood", repo="/srv/git/mono.git")
-    store.complete(store.claim("w0", limit=1, lease_ttl=TTL)[0])  # mono's counter, empty
+    _flood_with_mono_counted_and_free(store)
     held: list[Any] = []
 
     def fill_and_sleep(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
@@ -392,9 +398,7 @@ def test_a_claim_that_read_an_older_policy_does_not_write_its_limit_back(
     now writes a maximum only under the policy in force, and starts again."""
     if not db_url.startswith("postgresql"):
         pytest.skip("a policy applied during a claim (SQLite serializes writers)")
-    apply(store, "[concurrency]\nper_repository_max_active = 1\n")
-    submit(store, 5, tenant="flood", repo="/srv/git/mono.git")
-    store.complete(store.claim("w0", limit=1, lease_ttl=TTL)[0])  # mono's counter, empty
+    _flood_with_mono_counted_and_free(store)
     raised: list[int] = []
 
     def raise_the_limit(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
