@@ -58,6 +58,7 @@ from lifecycle import (
     table,
     with_database,
 )
+from runlane.domain.admission import TenantUsage, admit
 from runlane.domain.policy import policy_from_document
 from runlane.domain.routing import canonical_requirements, parse_requirements
 from runlane.logs import configure_logging
@@ -122,6 +123,20 @@ FROM generate_series(1, {shape.runs}) g
 """
 
 
+# The admission record a submit writes (Decision.to_json of policy v1's ADMIT), built
+# in SQL for a million rows; ``check_admissions`` compares a sample with ``admit``.
+ADMISSION = f"""json_build_object(
+    'decision', 'ADMIT', 'reason_code', NULL, 'message', NULL, 'retry_after', NULL,
+    'queue', s.queue, 'priority', s.priority, 'max_attempts', 3, 'risk_class', 'low',
+    'requires', s.route_key, 'limits', json_build_object(),
+    'concurrency', json_build_object(
+        'global', {LIMITS_POLICY["global_max_active"]},
+        'tenant:' || s.tenant, {LIMITS_POLICY["per_tenant_max_active"]},
+        'repo:' || s.repo, {LIMITS_POLICY["per_repository_max_active"]},
+        'user:' || s.user_id, {LIMITS_POLICY["per_user_max_active"]}),
+    'weight', s.weight, 'policy_version', 1)"""
+
+
 def population(shape: Shape) -> list[str]:
     full_tenant = f"tenant BETWEEN 'tenant-0900' AND 'tenant-{899 + FULL_TENANTS:04d}'"
     s = source(shape)
@@ -141,10 +156,10 @@ def population(shape: Shape) -> list[str]:
         f"""INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority, status,
                    attempt_count, max_attempts, fencing_token, visible_at, created_at,
                    updated_at, cost_usd, user_id, risk_class, route_key, lane_id,
-                   policy_version, limits)
+                   policy_version, limits, admission)
             SELECT s.run_id, s.task_id, s.tenant, s.repo, s.queue, s.priority, 'QUEUED', 0,
                    3, 0, s.visible_at, s.created_at, s.created_at, 0, s.user_id, 'low',
-                   s.route_key, l.lane_id, 1, '{{"max_cost_usd": 5.0}}'
+                   s.route_key, l.lane_id, 1, '{{"max_cost_usd": 5.0}}', {ADMISSION}
             FROM ({s}) s JOIN lanes l ON l.queue = s.queue AND l.route_key = s.route_key
                  AND l.priority = s.priority AND l.tenant = s.tenant""",
         f"""INSERT INTO limit_counters (scope, active, max_active)
@@ -216,8 +231,9 @@ def populate(url: str, shape: Shape) -> dict[str, float]:
             for index in indexes:
                 conn.execute(text(index.indexdef))
         seconds["index"] = time.monotonic() - started - seconds["insert"]
-        Store(url, engine=engine).apply_policy(policy_from_document(policy(shape)),
-                                               source="bench/scheduler.py")
+        store = Store(url, engine=engine)
+        store.apply_policy(policy_from_document(policy(shape)), source="bench/scheduler.py")
+        check_admissions(store)
     finally:
         engine.dispose()
     step = time.monotonic()
@@ -225,6 +241,20 @@ def populate(url: str, shape: Shape) -> dict[str, float]:
         conn.execute("VACUUM ANALYZE")
     seconds["vacuum"] = time.monotonic() - step
     return seconds
+
+
+def check_admissions(store: Store) -> None:
+    """The synthetic admission records (ADMISSION) must be what admission decides."""
+    version, in_force = store.current_policy()
+    with store.engine.connect() as conn:
+        sample = conn.execute(text(
+            "SELECT run_id, tenant, repo, queue, priority, user_id, max_attempts, "
+            "route_key, admission FROM runs TABLESAMPLE SYSTEM (1) LIMIT 200")).all()
+    for row in sample:
+        expected = admit(Store._request_of(row), in_force, version, TenantUsage(), 0.0)
+        if expected.to_json() != row.admission:
+            raise SystemExit(f"run {row.run_id}: admission {row.admission} is not "
+                             f"policy v{version}'s {expected.to_json()}")
 
 
 # --- the two claims ----------------------------------------------------------------------

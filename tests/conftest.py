@@ -91,7 +91,12 @@ def truncate_pg(url: str) -> None:
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A migrated, empty database of each kind."""
-    if request.param == "sqlite":
+    return empty_database(request, request.param, tmp_path)
+
+
+def empty_database(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> str:
+    """A migrated, empty database: ``kind`` is "sqlite" or "postgresql"."""
+    if kind == "sqlite":
         url = f"sqlite:///{tmp_path / 'runlane.db'}"
         engine = build_engine(url)
         upgrade(engine)

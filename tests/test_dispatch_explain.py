@@ -1039,7 +1039,9 @@ def test_a_worker_without_a_gpu_reads_no_gpu_lane(explain_db: ExplainDb) -> None
     """The GPU lanes nobody serves sort first in (default, 50) (95 of them, one per
     tenant with GPU runs); a worker without a GPU pages through its own route only."""
     for delta in claims_activity(explain_db.url, "default", 1, 3, capabilities={}):
-        assert lane_reads(delta) <= LANE_PAGE * 2, delta
+        # Two pages at most, and the one-statement form's first page before them when it
+        # could not finish the claim (the planted heads: test_real_claims_read_rows...).
+        assert lane_reads(delta) <= LANE_PAGE * 3, delta
 
 
 @pytest.mark.parametrize("limit", [1, 50])
@@ -1072,11 +1074,17 @@ def test_real_claims_read_rows_bounded_by_the_batch(explain_db: ExplainDb, queue
                                    1)[1] for k in ("cancelled", "backoff", "full_repo", "blocked")}
         planted, blocked = sum(heads.values()), heads["blocked"]
     claims = claims_activity(explain_db.url, queue, limit, 6 if limit == 1 else 2)
-    bound = 4 * limit + planted + blocked
+    # Plus, when the one-statement form could not finish the claim (a planted head
+    # among its runs), what its own walk read before the transaction walked again.
+    bound = 4 * limit + planted + blocked + (limit + planted)
     for n, delta in enumerate(claims):
         seq = {t: delta[t] for t in BIG_TABLES if delta[t][0]}
         assert not seq, f"sequential scans (count, rows) {seq}"
         for index in (DISPATCH_INDEX_NAME, "tasks_pkey"):
             assert delta[index][1] <= bound, \
                 f"claim {n}, {index}: {delta[index][1]} entries, bound {bound}"
-        assert lane_reads(delta) <= max(limit, LANE_PAGE) * len(ALL_ROUTES) * 2, delta
+        # Pages of lanes per served route: up to two as a transaction (a lane coming up
+        # short sends the claim to the next page), and the one-statement form's first
+        # page before it when that form could not finish the claim (a planted cancelled
+        # task, a full repository); each index scan also reads the entries it filters.
+        assert lane_reads(delta) <= max(limit, LANE_PAGE) * len(ALL_ROUTES) * 4, delta

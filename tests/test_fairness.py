@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from sqlalchemy import Engine, text
 
 from runlane.domain.fairness import LaneState, share_bounds, share_slots
+from runlane.store import sql
+from runlane.store.engine import build_engine
 
 LANES = st.lists(st.tuples(st.integers(0, 2), st.sampled_from([0.5, 1.0, 2.0, 3.0, 7.0, 1000.0]),
                            st.one_of(st.floats(0, 50), st.floats(1e5, 1e6),
@@ -51,3 +57,49 @@ def test_bounds_are_tight_for_equal_lanes() -> None:
     page = page_of([(0, 2.0, 0.0, 100), (0, 1.0, 0.5, 100), (0, 1.0, 0.5, 100)])
     assert share_bounds(page, 3) == {0: 2, 1: 1, 2: 1}
     assert dict(share_slots(page, 3)) == {0: 2, 1: 1}
+
+
+# Weights whose turns (pass + k / weight) are exact in binary floating point, so that a
+# tie is a tie both in share_slots (pass advanced turn by turn) and in SQL (pass + k / w).
+EXACT_LANES = st.lists(st.tuples(st.integers(0, 2), st.sampled_from([0.25, 0.5, 1.0, 2.0, 4.0]),
+                                 st.integers(0, 40).map(lambda quarter: quarter / 4),
+                                 st.integers(1, 12)),
+                       min_size=1, max_size=20)
+SHARES_OF_PAGE = text(
+    "WITH page AS (SELECT * FROM unnest(CAST(:lane_ids AS bigint[]), "
+    "CAST(:priorities AS integer[]), CAST(:passes AS double precision[]), "
+    "CAST(:weights AS double precision[]), CAST(:queued AS integer[]), "
+    "CAST(:ranks AS integer[])) AS p(lane_id, priority, pass_, weight, queued_count, rank)),"
+    + sql.SHARE_TURNS + " SELECT lane_id, share FROM shares WHERE share > 0")
+
+
+@pytest.fixture(scope="module")
+def pg_engine(pg_url: str) -> Iterator[Engine]:
+    engine = build_engine(pg_url)
+    yield engine
+    engine.dispose()
+
+
+@settings(max_examples=300, deadline=None)
+@given(lanes=EXACT_LANES, data=st.data())
+def test_the_one_statement_claim_deals_what_share_slots_deals(
+        pg_engine: Engine, lanes: list[tuple[int, float, float, int]], data: st.DataObject) -> None:
+    """CLAIM_ONE_TRIP_PG deals a page's shares in SQL (sql.SHARE_TURNS): for any page of
+    lanes (a full page: no turn after its last lane) and claim size, the same shares as
+    share_slots, which the transaction's claim deals in Python."""
+    page = page_of(lanes)
+    size = data.draw(st.sampled_from([len(page), len(page) + 1, 16]), label="page size")
+    size = max(size, len(page))
+    wanted = data.draw(st.integers(1, size), label="wanted")
+    last = page[-1]
+    until = (last.priority, last.pass_, last.lane_id) if len(page) == size else None
+    expected = dict(share_slots(page, wanted, until=until))
+    with pg_engine.connect() as conn:
+        got: dict[int, int] = {r.lane_id: r.share for r in conn.execute(SHARES_OF_PAGE, {
+            "lane_ids": [lane.lane_id for lane in page],
+            "priorities": [lane.priority for lane in page],
+            "passes": [lane.pass_ for lane in page], "weights": [lane.weight for lane in page],
+            "queued": [lane.queued for lane in page],
+            "ranks": list(range(1, len(page) + 1)), "wanted": wanted, "limit": size})}
+    assert got == expected, (page, wanted, size)
+

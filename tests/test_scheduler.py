@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,10 +22,22 @@ from runlane.store import sql
 from runlane.store.scheduling import BLOCKED_LANE_RECHECK_SECONDS
 from runlane.store.store import Store
 
+from .conftest import empty_database
 from .support import events_of, execute, run_row, spec, submit, wait_for_a_lock_wait
 
 S = RunStatus
 TTL = 30.0
+
+
+@pytest.fixture(params=["sqlite", "postgresql", "postgresql-transaction"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path,
+           monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both engines, and PostgreSQL's claims both ways: in one statement where they can
+    (the default; SchedulingMixin._claim_in_one_trip) and always as a transaction (the
+    form every claim falls back to, and SQLite's)."""
+    if request.param == "postgresql-transaction":
+        monkeypatch.setattr(Store, "_claim_in_one_trip", lambda *args, **kwargs: None)
+    return empty_database(request, request.param.removesuffix("-transaction"), tmp_path)
 
 
 def apply(store: Store, text_: str) -> int:
@@ -96,8 +109,10 @@ daily_model_budget_usd = 1.0
 
 def test_drill_6_policy_denies_while_queued_the_run_never_executes(store: Store) -> None:
     """Policy checked at claim: the run admitted under v1 is refused under v2, and its
-    record names both versions."""
+    record names both versions. The claimer has claimed under v1 before (on PostgreSQL
+    its claims are then one statement, which must see that v1 is no longer in force)."""
     v1 = apply(store, "[defaults]\nqueue = 'default'\n")
+    assert store.claim("w1", limit=1, lease_ttl=TTL) == []  # the claimer saw v1
     run = submit(store)[0]
     v2 = apply(store, "[[rules]]\nwhen = { tenant = 'acme' }\naction = 'deny'\n"
                       "reason_code = 'TENANT_SUSPENDED'\nmessage = 'suspended'\n")

@@ -278,7 +278,7 @@ def test_a_submit_without_dependencies_is_one_round_trip_with_no_begin_or_commit
     the pool takes the connection back). A store's first submit reads the time and the
     policy version (SUBMIT_CONTEXT); later ones decide under the version the last
     write found and send the write alone. The pooled connection is transactional
-    again for the next caller (a claim's locks must last until its write)."""
+    again for the next caller (a heartbeat's transaction here)."""
     store, path = traced
     with store.engine.connect() as conn:  # connected: the dialect's first queries
         conn.execute(text("SELECT 1"))
@@ -286,11 +286,37 @@ def test_a_submit_without_dependencies_is_one_round_trip_with_no_begin_or_commit
     assert trips == ["statement", "statement"]  # SUBMIT_CONTEXT, SUBMIT_WRITE_PG
     trips = traced_round_trips(store, path, lambda: store.submit([spec(), spec(queue="b")]))
     assert trips == ["statement"]  # SUBMIT_WRITE_PG
-    trips = traced_round_trips(store, path, lambda: store.claim("w1"))
+    leases = store.claim("w1")
+    trips = traced_round_trips(store, path, lambda: store.heartbeat("w1", leases))
     assert trips[0].startswith("BEGIN") and trips[-1] == "COMMIT"
     with store.engine.connect() as conn:
         assert conn.connection.dbapi_connection is not None
         assert conn.connection.dbapi_connection.autocommit is False
+
+
+def test_a_claim_of_up_to_n_runs_is_one_round_trip(traced: tuple[Store, Path]) -> None:
+    """Issue 5: one round trip claims up to N runs and opens their attempts and leases
+    (CLAIM_ONE_TRIP_PG, autocommit: no BEGIN, no COMMIT). A store's first claim reads
+    the policy in force first; a claim of a tenant over its daily budget, or of a run
+    admitted under another policy, is a transaction (the decision must be made again)."""
+    store, path = traced
+    store.submit([spec(tenant=f"t{i % 4}") for i in range(30)])
+    claimed: list[Any] = []
+    trips = traced_round_trips(store, path, lambda: claimed.extend(store.claim("w1")))
+    # The policy version, the served routes (both cached), CLAIM_ONE_TRIP_PG.
+    assert len(trips) == 3 and not {"BEGIN", "COMMIT"} & set(trips), trips
+    trips = traced_round_trips(store, path,
+                               lambda: claimed.extend(store.claim("w1", limit=10)))
+    assert trips == ["statement"] and len(claimed) == 11
+    # Four equal tenants share the eleven slots fairly across both claims.
+    assert sorted(Counter(lease.tenant for lease in claimed).values()) == [2, 3, 3, 3]
+    with store.engine.connect() as conn:
+        live = conn.execute(text(
+            "SELECT COUNT(*) FROM attempts a JOIN runs r ON r.run_id = a.run_id "
+            "WHERE a.lease_status = 'ACTIVE' AND r.status = 'CLAIMED' "
+            "AND a.worker_id = 'w1'")).scalar_one()
+    assert live == 11
+    assert store.audit() == []
 
 
 def test_a_submit_decided_without_the_time_is_stamped_once_by_the_database_clock(

@@ -120,11 +120,13 @@ class SchedulingMixin:
         dialect: str
         _policy_cache: dict[int, Policy]
         _routes_cache: dict[str, tuple[float, frozenset[str]]]
+        _one_trip_policy: tuple[int, bool] | None
 
         def _q(self, statement: str, *expanding: str) -> Any: ...
         def _notify(self, conn: Connection, channel: str, payload: str) -> None: ...
         def _now(self, conn: Connection) -> float: ...
-        def _transaction(self, work: Callable[[Connection], T]) -> T: ...
+        def _transaction(self, work: Callable[[Connection], T], *,
+                         autocommit: bool = False) -> T: ...
         def _record(self, conn: Connection, events: list[dict[str, Any]]) -> None: ...
         def _set_status(self, conn: Connection, *, run_id: str, source: RunStatus,
                         path: Sequence[RunStatus], run_token: int, actor: str,
@@ -540,6 +542,38 @@ class SchedulingMixin:
             carried = page
         return candidates, empty
 
+    def _claim_in_one_trip(self, queue: str, limit: int,
+                           capabilities: dict[str, Any] | None, *, worker_id: str,
+                           lease_ttl: float) -> list[Any] | None:
+        """PostgreSQL: the whole claim as one autocommit statement, one round trip
+        (sql.CLAIM_ONE_TRIP_PG), while the policy in force is the one this store last
+        saw and it sets no daily budgets: admission at claim then repeats the decision
+        recorded at admission (a pure function of the same inputs), which the statement
+        reads from the run. Returns the claimed runs (each row has what its lease
+        needs); ``[]`` when nothing is queued for this claimer; None when the claim
+        must run as a transaction (the statement wrote nothing)."""
+        def work(conn: Connection) -> list[Any] | None:
+            if self._one_trip_policy is None:  # once per store and policy change
+                version, policy = self._policy(conn)
+                self._one_trip_policy = (version, not has_budgets(policy))
+            version, one_trip = self._one_trip_policy
+            if not one_trip:
+                return None
+            routes = sorted(self._servable_routes(conn, capabilities))
+            rows = list(conn.execute(self._q(sql.CLAIM_ONE_TRIP_PG), {
+                "queue": queue, "routes": routes, "limit": max(limit, LANE_PAGE),
+                "wanted": limit, "after_priority": -(2**31), "after_pass": float("-inf"),
+                "after_lane": -1, "version": version, "worker_id": worker_id,
+                "ttl": lease_ttl, "now": self.clock.now()}))
+            if rows[0].run_id is None and rows[0].policy_version != version:
+                self._one_trip_policy = None  # a new policy: read it before the next claim
+            return rows
+
+        rows = self._transaction(work, autocommit=True)
+        if rows is None or rows[0].run_id is not None:
+            return rows
+        return [] if rows[0].page_lanes == 0 and not rows[0].lanes_due else None
+
     def _sleep_blocked_lanes(self, conn: Connection, empty: set[int]) -> None:
         """Lanes that gave nothing although runs of them are visible, every one blocked
         by full scopes, sleep on those scopes (sql.LANE_BLOCKING_SCOPES)."""
@@ -657,6 +691,7 @@ class SchedulingMixin:
         if not candidates:
             return []
         policy = self._policy_version(conn, version)
+        self._one_trip_policy = (version, not has_budgets(policy))  # _claim_in_one_trip
         usage = self._tenant_usage(conn, {c.tenant for c in candidates}, now) \
             if has_budgets(policy) else {}
         decisions: dict[tuple[Any, ...], Decision] = {}
@@ -767,8 +802,10 @@ class SchedulingMixin:
         # Cannot happen: the runs and the counters are locked.
         if len(rows) != len(passed) or slots_taken != len(slots):
             raise TransitionRefused("claimed runs or their slots changed while locked")
-        for tenant in sorted(full_tenants or ()):
-            conn.execute(self._q(sql.MARK_TENANT_LANES), {"tenant": tenant, "at_limit": 1})
+        if self.dialect != "postgresql":  # PostgreSQL's statement hid them itself
+            for tenant in sorted(full_tenants or ()):
+                conn.execute(self._q(sql.MARK_TENANT_LANES),
+                             {"tenant": tenant, "at_limit": 1})
         return rows
 
     def _check_policy_before_effect(self, conn: Connection, run_id: str, effect: str) -> None:

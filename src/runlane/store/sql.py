@@ -48,6 +48,13 @@ LOCK_WAIT = {"postgresql": "FOR UPDATE OF {alias}", "sqlite": ""}
 #                locks and checks the counters itself, so LOCK_SCOPES runs only when
 #                that check fails; SQLite: the same writes one after another).
 #
+# On PostgreSQL a claim is first tried as one autocommit statement, one round trip
+# (CLAIM_ONE_TRIP_PG: the page, the shares dealt in SQL, each lane's share walked, and
+# CLAIM_WRITE_PG's writes). It claims only when nothing needs Python: no run to prune
+# or to decide again under a newer policy or a daily budget, no lane short of its
+# share or due to wake, room in every counter. Otherwise it writes nothing and the
+# claim runs as the transaction above.
+#
 # Rows that cannot run never fill a LIMIT: full tenants' lanes are hidden by
 # ``tenant_at_limit``, lanes a worker cannot serve are filtered by route, full
 # repositories/users/risk classes are excluded inside the lane scan, runs waiting for
@@ -127,7 +134,7 @@ PICK_LANES = {
 _LANE_WALK = """
 SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.user_id,
        r.risk_class, r.route_key, r.lane_id, r.created_at, r.max_attempts, r.limits,
-       r.policy_version, r.estimated_cost_usd, r.fencing_token,
+       r.policy_version, r.estimated_cost_usd, r.fencing_token,{extra}
        (SELECT CASE WHEN t.cancel_requested_at IS NULL THEN 0 ELSE 1 END
         FROM tasks t WHERE t.task_id = r.task_id) AS task_cancelled
 FROM runs r
@@ -157,13 +164,13 @@ FROM ctx,
        AS q(lane_id, share, after_created, after_id)
 CROSS JOIN LATERAL (""" + _LANE_WALK.format(
         lane="q.lane_id", after_created="q.after_created", after_id="q.after_id",
-        limit="q.share") + """) w
+        limit="q.share", extra="") + """) w
 """,
     # One lane per statement (no LATERAL; a statement is a function call here).
     "sqlite": _CLAIM_CTX + """
 SELECT w.*, ctx.version, ctx.now FROM ctx, (""" + _LANE_WALK.format(
         lane=":lane_id", after_created=":after_created", after_id=":after_id",
-        limit=":share") + """) w
+        limit=":share", extra="") + """) w
 """,
 }
 
@@ -181,10 +188,17 @@ SELECT w.*, ctx.version, ctx.now FROM ctx, (""" + _LANE_WALK.format(
 # fairness.TURN_SLACK. The claim deals the shares from what came back and walks
 # again (LANE_RUNS) only for a lane that came up short. No ORDER BY (a Sort node):
 # the claim orders the page and each lane's runs itself.
-PICK_AND_WALK_PG = _CLAIM_CTX + """,
+# The page of lanes (ranked in fair order) and whether sleeping lanes are due: the
+# start of both PICK_AND_WALK_PG and CLAIM_ONE_TRIP_PG.
+_PAGE_PG = _CLAIM_CTX + """,
      page AS (
        SELECT p.*, row_number() OVER (ORDER BY p.priority, p.pass_, p.lane_id) AS rank
        FROM (""" + _PICK_PAGE_PG + """) p),
+     due AS (SELECT CASE WHEN MIN(w.wake_at) <= (SELECT now FROM ctx) THEN 1 ELSE 0 END
+                      AS lanes_due
+             FROM lanes w WHERE w.wake_at IS NOT NULL)
+"""
+_PICK_AND_REACH_PG = _PAGE_PG + """,
      edge AS (SELECT priority, pass_ FROM page WHERE rank = :wanted),
      capped AS (
        SELECT p.lane_id, p.priority, p.pass_, p.weight,
@@ -205,16 +219,15 @@ PICK_AND_WALK_PG = _CLAIM_CTX + """,
                    ELSE GREATEST(0, LEAST(c.cap, 1 + CAST(
                             floor((t.at - c.pass_) * c.weight + 1e-6) AS integer))) END
                 AS runs
-       FROM capped c LEFT JOIN last_turn t ON true),
-     due AS (SELECT CASE WHEN MIN(w.wake_at) <= (SELECT now FROM ctx) THEN 1 ELSE 0 END
-                      AS lanes_due
-             FROM lanes w WHERE w.wake_at IS NOT NULL)
+       FROM capped c LEFT JOIN last_turn t ON true)
+"""
+PICK_AND_WALK_PG = _PICK_AND_REACH_PG + """
 SELECT p.lane_id AS page_lane_id, p.priority AS page_priority, p.weight, p.pass_,
        p.queued_count, due.lanes_due, w.*, ctx.version, ctx.now
 FROM page p LEFT JOIN reach s ON s.lane_id = p.lane_id CROSS JOIN ctx CROSS JOIN due
 LEFT JOIN LATERAL (""" + _LANE_WALK.format(
     lane="p.lane_id", after_created="CAST('-Infinity' AS double precision)",
-    after_id="''", limit="COALESCE(s.runs, 0)") + """) w ON true
+    after_id="''", limit="COALESCE(s.runs, 0)", extra="") + """) w ON true
 """
 
 # A named run (a delivery that names its run): the same re-validation.
@@ -405,37 +418,47 @@ LANE_WAKE_AFTER_RELEASE = "UPDATE lanes" + _WAKE_SET + """
 WHERE lanes.lane_id = :lane_id AND lanes.wake_at IS NOT NULL
 """
 
-CLAIM_WRITE_PG = """
-WITH t AS (SELECT {now} AS now),
-slot_deltas AS (
-    SELECT * FROM unnest(CAST(:slot_scopes AS text[]), CAST(:slot_counts AS integer[]),
-                         CAST(:slot_max AS integer[]))
-      AS d(scope, n, max_active)),
--- The counters, locked in scope order, must all exist, carry the policy's maximum and
--- have room for every slot; else nothing is written and the claim allots the slots
--- run by run (LOCK_SCOPES). Every write below waits for this check, so the counters
--- are locked before the lanes, in scope order (the store sends each scope once).
--- Not LOCK_SCOPES' LATERAL probe per scope: in this statement it cost every claim
--- 0.4 ms more (a woken claim's write 0.41 -> 0.83 ms, measured 2026-11-30). This form
--- and ``slots`` read the counters by one primary-key scan of the scopes; at the
--- default random_page_cost a claim of ~150 scopes got a Seq Scan of every counter
--- instead (engine.PLANNER_OPTIONS, tests/test_dispatch_explain.py).
+# The writes of a claim, on PostgreSQL one statement of data-modifying CTEs over three
+# inputs, defined before it: ``slot_deltas(scope, n, max_active)`` (the slots to take
+# per scope and the policy's maximum), ``picked(run_id, estimated_cost_usd, scopes)``
+# (the runs, each with its scopes as a JSON list) and ``lane_deltas(lane_id, n)``; and
+# ``t(now)``. CLAIM_WRITE_PG gives them as parallel arrays (the claim decided in
+# Python), CLAIM_ONE_TRIP_PG computes them from its own pick.
+#
+# The counters, locked in scope order, must all exist, carry the policy's maximum and
+# have room for every slot; else nothing is written (CLAIM_WRITE_PG: the claim then
+# allots the slots run by run, LOCK_SCOPES; CLAIM_ONE_TRIP_PG: the claim starts again
+# as a transaction). Every write below waits for this check, so the counters are locked
+# before the lanes, in scope order. Not LOCK_SCOPES' LATERAL probe per scope: in this
+# statement it cost every claim 0.4 ms more (a woken claim's write 0.41 -> 0.83 ms,
+# measured 2026-11-30). ``scope = ANY(array)`` reads the counters by one primary-key
+# scan of the scopes; at the default random_page_cost a claim of ~150 scopes got a Seq
+# Scan of every counter instead (engine.PLANNER_OPTIONS, tests/test_dispatch_explain.py).
+#
+# ``slots`` has no guard on ``active``: it would test it on the statement's snapshot,
+# older than the locked rows ``room`` checked (a slot given back since would be
+# missed); the update itself applies to the latest, locked version.
+#
+# Lanes come last: the claimed lanes and, when a slot fills a tenant's limit, every
+# lane of that tenant (hidden by ``tenant_at_limit``), all locked in lane_id order
+# first: an UPDATE locks rows in whatever order its scan meets them (physical order
+# moves with every update), and two claims of the same lanes would deadlock; so would
+# a claim that marked its tenant's lanes after locking the one it claimed from (a
+# submit holding another lane of that tenant, waiting for it).
+_CLAIM_WRITES_PG = """
 counter_locks AS (
     SELECT c.scope, c.active, c.max_active FROM limit_counters c
-    WHERE c.scope = ANY(CAST(:slot_scopes AS text[]))
+    WHERE c.scope = ANY({slot_scopes}) AND {gate}
     ORDER BY c.scope FOR UPDATE),
 room AS (
-    SELECT COUNT(*) = cardinality(CAST(:slot_scopes AS text[]))
+    SELECT {gate} AND COUNT(*) = cardinality({slot_scopes})
            AND COALESCE(bool_and(k.active + d.n <= k.max_active
                                  AND k.max_active = d.max_active), true) AS ok
     FROM counter_locks k JOIN slot_deltas d ON d.scope = k.scope),
--- No guard on ``active`` here: this UPDATE would test it on the statement's snapshot,
--- older than the locked rows ``room`` checked (a slot given back since would be
--- missed); the update itself applies to the latest, locked version.
 slots AS (
     UPDATE limit_counters c
     SET active = c.active + (SELECT d.n FROM slot_deltas d WHERE d.scope = c.scope)
-    WHERE c.scope = ANY(CAST(:slot_scopes AS text[]))
+    WHERE c.scope = ANY({slot_scopes})
       AND (SELECT ok FROM room)
     RETURNING c.scope, c.active >= c.max_active AS at_limit),
 claimed AS (
@@ -444,12 +467,9 @@ claimed AS (
         fencing_token = runs.fencing_token + 1,
         attempt_count = runs.attempt_count + 1,
         updated_at = (SELECT now FROM t)
-    WHERE runs.run_id = ANY(CAST(:run_ids AS text[])) AND runs.status = 'QUEUED'
+    WHERE runs.run_id = ANY({run_ids}) AND runs.status = 'QUEUED'
       AND (SELECT ok FROM room)
     RETURNING runs.run_id, runs.fencing_token, runs.attempt_count),
-picked AS (
-    SELECT * FROM unnest(CAST(:run_ids AS text[]), CAST(:estimated AS double precision[]),
-                         CAST(:scopes AS text[])) AS p(run_id, estimated_cost_usd, scopes)),
 new_attempts AS (
     INSERT INTO attempts (run_id, attempt_no, fencing_token, worker_id, status,
                           lease_status, lease_expires_at, heartbeat_at, started_at,
@@ -463,30 +483,129 @@ events AS (
                             fencing_token)
     SELECT run_id, attempt_count, t.now, :worker_id, 'QUEUED', 'CLAIMED', fencing_token
     FROM claimed, t),
+full_tenants AS (
+    SELECT substr(scope, 8) AS tenant FROM slots WHERE at_limit AND scope LIKE 'tenant:%'),
+lane_locks AS (
+    SELECT l.lane_id FROM lanes l
+    WHERE l.lane_id = ANY(ARRAY(
+            SELECT x.lane_id FROM lane_deltas x
+            UNION
+            SELECT m.lane_id FROM lanes m
+            WHERE m.tenant = ANY(ARRAY(SELECT tenant FROM full_tenants))
+              AND m.tenant_at_limit = 0))
+      AND (SELECT ok FROM room)
+    ORDER BY l.lane_id FOR UPDATE),
+lane_counts AS (
+    UPDATE lanes
+    SET queued_count = lanes.queued_count - COALESCE(
+            (SELECT x.n FROM lane_deltas x WHERE x.lane_id = lanes.lane_id), 0),
+        pass = lanes.pass + CAST(COALESCE((SELECT x.n FROM lane_deltas x
+                                           WHERE x.lane_id = lanes.lane_id), 0)
+                                 AS double precision) / lanes.weight,
+        tenant_at_limit = CASE WHEN lanes.tenant IN (SELECT tenant FROM full_tenants)
+                               THEN 1 ELSE lanes.tenant_at_limit END
+    WHERE lanes.lane_id = ANY(ARRAY(SELECT lane_id FROM lane_locks)))
+"""
+CLAIM_WRITE_PG = """
+WITH t AS (SELECT {now} AS now),
+slot_deltas AS (
+    SELECT * FROM unnest(CAST(:slot_scopes AS text[]), CAST(:slot_counts AS integer[]),
+                         CAST(:slot_max AS integer[]))
+      AS d(scope, n, max_active)),
+picked AS (
+    SELECT * FROM unnest(CAST(:run_ids AS text[]), CAST(:estimated AS double precision[]),
+                         CAST(:scopes AS text[])) AS p(run_id, estimated_cost_usd, scopes)),
 lane_deltas AS (
     SELECT * FROM unnest(CAST(:lane_ids AS bigint[]), CAST(:lane_counts AS integer[]))
       AS x(lane_id, n)),
--- Lanes locked in lane_id order first: an UPDATE locks rows in whatever order its
--- scan meets them (physical order moves with every update), and two claims of the
--- same lanes would deadlock.
-lane_locks AS (
-    SELECT lane_id FROM lanes WHERE lane_id = ANY(CAST(:lane_ids AS bigint[]))
-      AND (SELECT ok FROM room)
-    ORDER BY lane_id FOR UPDATE),
-lane_counts AS (
-    UPDATE lanes
-    SET queued_count = lanes.queued_count
-            - (SELECT x.n FROM lane_deltas x WHERE x.lane_id = lanes.lane_id),
-        pass = lanes.pass + CAST((SELECT x.n FROM lane_deltas x
-                                  WHERE x.lane_id = lanes.lane_id) AS double precision)
-                            / lanes.weight
-    WHERE lanes.lane_id = ANY(CAST(:lane_ids AS bigint[]))
-      AND (SELECT COUNT(*) FROM lane_locks) > 0)  -- a one-time filter: locks first
+""" + _CLAIM_WRITES_PG.replace("{slot_scopes}", "CAST(:slot_scopes AS text[])").replace(
+    "{run_ids}", "CAST(:run_ids AS text[])").replace("{gate}", "true") + """
 SELECT claimed.run_id, claimed.fencing_token, claimed.attempt_count, t.now,
        (SELECT COUNT(*) FROM slots) AS slots_taken,
-       ARRAY(SELECT substr(scope, 8) FROM slots
-             WHERE at_limit AND scope LIKE 'tenant:%' ORDER BY scope) AS full_tenants
+       ARRAY(SELECT tenant FROM full_tenants ORDER BY tenant) AS full_tenants
 FROM claimed, t
+"""
+
+# PostgreSQL: a whole claim in one statement and one round trip, autocommit (issue 5's
+# "one round trip claims up to N"). PICK_AND_WALK_PG's pick and walk; the shares of
+# the page dealt in SQL (SHARE_TURNS: fairness.share_slots, tested against it); then
+# the writes above. It claims only when the claim needs nothing else, and otherwise
+# writes nothing and the claim runs as a transaction (``SchedulingMixin.claim``):
+#   * every run it would take was admitted under the policy in force, which the
+#     claimer has read and which sets no daily budgets (``:version``): the check at
+#     claim (invariant 7) is then admission again on the same inputs, a pure function
+#     (domain/admission.py), so the decision recorded in ``runs.admission``, with its
+#     concurrency limits, is the one it would make;
+#   * no run's task was cancelled (the transaction prunes those), no lane came up
+#     short of its share (it would walk on, or put the lane to sleep), no sleeping lane
+#     is due (it would wake it first);
+#   * every counter exists, with the policy's maximum and room for every slot.
+# The last row tells the claimer, when nothing was claimed, whether the page was empty
+# and no lane due: then the transaction would find nothing either.
+#
+# The shares: each lane of the page has a turn at pass + k / weight for k = 0, 1, ...
+# (up to its queued runs); the first ``:wanted`` turns in fair order are dealt. None of
+# them comes after the page's last lane (a turn that may belong to a lane of the next
+# page): a full page holds at least ``:wanted`` first turns no later than that. The
+# result is share_slots(page, wanted, until=the last lane), tests/test_fairness.py.
+# Only the page's first ``:wanted`` lanes can get a turn (each lane's first turn comes
+# before any later lane's), which also keeps the planner's estimate of the lanes walked
+# small: with a GROUP BY of the turns, the generic plan was costed at 67 lanes and
+# PostgreSQL planned the statement again at every claim (1.2-1.8 ms).
+SHARE_TURNS = """
+turns AS MATERIALIZED (
+    SELECT p.lane_id FROM page p
+    CROSS JOIN LATERAL generate_series(0, LEAST(p.queued_count, :wanted) - 1) AS k
+    WHERE p.weight > 0
+    ORDER BY p.priority, p.pass_ + k / p.weight, p.lane_id
+    LIMIT :wanted),
+shares AS (
+    SELECT p.lane_id, (SELECT COUNT(*) FROM turns t WHERE t.lane_id = p.lane_id) AS share
+    FROM page p WHERE p.rank <= :wanted)
+"""
+CLAIM_ONE_TRIP_PG = _PAGE_PG + """,
+""" + SHARE_TURNS + """,
+chosen AS (
+    SELECT w.* FROM shares s
+    CROSS JOIN LATERAL (""" + _LANE_WALK.format(
+    lane="s.lane_id", after_created="CAST('-Infinity' AS double precision)",
+    after_id="''", limit="s.share", extra=" r.admission,") + """) w),
+fast AS (
+    SELECT (SELECT lanes_due FROM due) = 0
+       AND COALESCE((SELECT version FROM ctx), 0) = CAST(:version AS integer)
+       AND EXISTS (SELECT 1 FROM chosen)
+       AND NOT EXISTS (SELECT 1 FROM shares s
+                       WHERE s.share > (SELECT COUNT(*) FROM chosen c
+                                        WHERE c.lane_id = s.lane_id))
+       AND NOT EXISTS (SELECT 1 FROM chosen c
+                       WHERE c.task_cancelled <> 0 OR c.policy_version <> CAST(:version AS integer)
+                          OR (c.admission ->> 'decision') IS DISTINCT FROM 'ADMIT')
+         AS ok),
+-- The claim's time, read again: ``t`` is first read by ``claimed``, after the counters
+-- were locked (a wait for a release's commit comes before it, as in CLAIM_WRITE_PG):
+-- an attempt starts when its slots are taken, never before the release that freed them.
+t AS (SELECT {now} AS now),
+slot_deltas AS (
+    SELECT s.key AS scope, CAST(COUNT(*) AS integer) AS n,
+           MIN(CAST(s.value AS integer)) AS max_active
+    FROM chosen c CROSS JOIN LATERAL json_each_text(c.admission -> 'concurrency') s
+    GROUP BY s.key),
+picked AS (
+    SELECT c.run_id, c.estimated_cost_usd,
+           (SELECT CAST(json_agg(s.key ORDER BY s.key COLLATE "C") AS text)
+            FROM json_object_keys(c.admission -> 'concurrency') AS s(key)) AS scopes
+    FROM chosen c),
+lane_deltas AS (
+    SELECT lane_id, CAST(COUNT(*) AS integer) AS n FROM chosen GROUP BY lane_id),
+""" + _CLAIM_WRITES_PG.replace(
+    "{slot_scopes}", "ARRAY(SELECT scope FROM slot_deltas)").replace(
+    "{run_ids}", "ARRAY(SELECT run_id FROM chosen)").replace(
+    "{gate}", "(SELECT ok FROM fast)") + """
+SELECT c.run_id, c.fencing_token, c.attempt_count, (SELECT now FROM t) AS now,
+       w.task_id, w.tenant, w.repo, w.queue, w.priority, w.max_attempts, w.limits,
+       w.created_at, (SELECT COUNT(*) FROM page) AS page_lanes, due.lanes_due,
+       COALESCE((SELECT version FROM ctx), 0) AS policy_version
+FROM due LEFT JOIN (claimed c JOIN chosen w ON w.run_id = c.run_id) ON true
 """
 
 # SQLite: the same writes, one after another (ADD_SLOTS, CLAIM_RUNS, INSERT_ATTEMPT,

@@ -119,6 +119,18 @@ class Lease:
         return f"{self.run_id}/{self.attempt_no}"
 
 
+def _lease(claimed: Any, run: Any, worker_id: str, lease_ttl: float) -> Lease:
+    """The lease of a claimed run: ``claimed`` is the claim's write (token, attempt,
+    time), ``run`` the run as the claim read it."""
+    limits = run.limits if isinstance(run.limits, dict) else json.loads(run.limits or "{}")
+    return Lease(
+        run_id=claimed.run_id, task_id=run.task_id, attempt_no=claimed.attempt_count,
+        fencing_token=claimed.fencing_token, worker_id=worker_id,
+        expires_at=claimed.now + lease_ttl, tenant=run.tenant, repo=run.repo,
+        queue=run.queue, priority=run.priority, max_attempts=run.max_attempts,
+        limits=limits or {})
+
+
 @dataclass(frozen=True)
 class Submission:
     task_id: str
@@ -293,6 +305,9 @@ class Store(SchedulingMixin):
         self._cache: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._policy_cache: dict[int, Policy] = {}
         self._routes_cache: dict[str, tuple[float, frozenset[str]]] = {}
+        # The policy version in force as this store's claims last saw it, and whether a
+        # claim may then be one statement (PostgreSQL: SchedulingMixin._claim_in_one_trip).
+        self._one_trip_policy: tuple[int, bool] | None = None
         # The policy version in force at this store's last submit write (PostgreSQL):
         # the next submit may decide under it without reading it first.
         self._submit_policy_seen: int | None = None
@@ -684,6 +699,14 @@ class Store(SchedulingMixin):
         whose requirements they satisfy.
         """
         check_path([S.QUEUED], [S.CLAIMED])
+        if run_id is None and self.is_postgres:
+            one_trip = self._claim_in_one_trip(queue, limit, capabilities,
+                                               worker_id=worker_id, lease_ttl=lease_ttl)
+            if one_trip is not None:
+                return self._claimed(worker_id, [
+                    _lease(r, r, worker_id, lease_ttl)
+                    for r in sorted(one_trip, key=lambda r: (r.priority, r.created_at,
+                                                             r.run_id))])
 
         def work(conn: Connection, check_due: bool) -> list[Lease] | None:
             candidates, empty = self._claim_candidates(conn, queue, limit, capabilities,
@@ -705,18 +728,10 @@ class Store(SchedulingMixin):
             if not rows:
                 return [] if not woken else None  # None: lanes woke, look once more
             by_id = {c.run_id: c for c, _ in passed}
-            leases = []
-            for r in sorted(rows, key=lambda r: (by_id[r.run_id].priority,
-                                                 by_id[r.run_id].created_at, r.run_id)):
-                c = by_id[r.run_id]
-                limits = c.limits if isinstance(c.limits, dict) else json.loads(c.limits or "{}")
-                leases.append(Lease(
-                    run_id=r.run_id, task_id=c.task_id, attempt_no=r.attempt_count,
-                    fencing_token=r.fencing_token, worker_id=worker_id,
-                    expires_at=r.now + lease_ttl, tenant=c.tenant, repo=c.repo,
-                    queue=c.queue, priority=c.priority, max_attempts=c.max_attempts,
-                    limits=limits or {}))
-            return leases
+            return [_lease(r, by_id[r.run_id], worker_id, lease_ttl)
+                    for r in sorted(rows, key=lambda r: (by_id[r.run_id].priority,
+                                                         by_id[r.run_id].created_at,
+                                                         r.run_id))]
 
         # Due lanes are woken first, in a transaction of their own (taking lane locks
         # before the counters would break the lock order); a claim that found nothing
@@ -738,7 +753,10 @@ class Store(SchedulingMixin):
                 continue
             if leases is not None:
                 break
-        leases = leases or []
+        return self._claimed(worker_id, leases or [])
+
+    @staticmethod
+    def _claimed(worker_id: str, leases: list[Lease]) -> list[Lease]:
         # One level check per claim, not a bound logger built per lease to be dropped.
         for lease in leases if log.is_enabled_for(logging.DEBUG) else ():
             log.debug("claimed", task_id=lease.task_id, run_id=lease.run_id,
