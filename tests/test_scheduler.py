@@ -172,6 +172,46 @@ def test_a_full_tenant_does_not_block_another(store: Store) -> None:
         assert {r.tenant_at_limit for r in hidden} == {1}
 
 
+
+def test_a_claim_filling_its_tenant_locks_the_tenants_lanes_in_lane_id_order(
+        store: Store, db_url: str) -> None:
+    """The claim that takes a tenant's last slot hides all its lanes. It locks them with
+    the lane it claims from, in lane_id order, before touching any: it used to update
+    its own lane first and then the tenant's others in scan order, so a writer holding
+    a lower lane of that tenant (a submit) and then wanting the claimed one deadlocked
+    with it."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("row locks (SQLite serializes writers on the file)")
+    apply(store, "[concurrency]\nper_tenant_max_active = 1\n")
+    submit(store, tenant="t", priority="low")  # the lower lane_id
+    submit(store, tenant="t", priority="high")
+    store.complete_many(store.claim("w0", limit=1, lease_ttl=TTL))  # the counters exist
+    [high] = submit(store, tenant="t", priority="high")  # claimed next
+    with store.engine.connect() as conn:
+        low_lane, high_lane = conn.execute(text(
+            "SELECT lane_id FROM lanes WHERE tenant = 't' ORDER BY priority DESC")).scalars()
+    assert low_lane < high_lane
+    claimed: list[Any] = []
+    with store.engine.connect() as holder:  # a submit to the low lane, in progress
+        holder.execute(text("SELECT lane_id FROM lanes WHERE lane_id = :l FOR UPDATE"),
+                       {"l": low_lane})
+        claim = threading.Thread(target=lambda: claimed.extend(
+            store.claim("w1", limit=1, lease_ttl=TTL)))
+        claim.start()
+        # Any statement of the claim: the holder's is the only lock it can wait for.
+        wait_for_a_lock_wait(store.url, "", "the claim's lock of the low lane")
+        # The claim holds no lane yet: the high lane is free to take, now.
+        holder.execute(text("SET LOCAL lock_timeout = '2s'"))
+        holder.execute(text("UPDATE lanes SET queued_count = queued_count WHERE lane_id = :l"),
+                       {"l": high_lane})
+        holder.commit()
+    claim.join(timeout=30)
+    assert [lease.run_id for lease in claimed] == [high.run_id]
+    with store.engine.connect() as conn:
+        assert set(conn.execute(text(
+            "SELECT tenant_at_limit FROM lanes WHERE tenant = 't'")).scalars()) == {1}
+    assert store.audit() == []
+
 # --- priority, fairness, starvation (seed 003) -------------------------------------------
 
 
