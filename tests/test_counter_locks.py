@@ -119,3 +119,20 @@ def test_claim_write_takes_slots_only_when_every_scope_has_a_counter(pg: Engine)
         claim_write(conn, ["global", "repo:a"], n=1)  # repo:a has no room: nothing
         assert active(conn)["global"] == 2
         conn.rollback()
+
+
+def test_lock_scopes_is_planned_once_per_session_not_per_release(pg: Engine) -> None:
+    """Every release of a limited run locks its counters with LOCK_SCOPES. PostgreSQL
+    kept it on custom plans (planned at every execution, 500 of 500 after a benchmark's
+    completions) while the generic plan's estimate of the array looked dearer; with the
+    array's own length as a LIMIT the generic plan wins after the first custom ones."""
+    with pg.connect() as conn:
+        for _ in range(12):
+            lock_scopes(conn, ["global", "repo:a", "tenant:acme"])
+            conn.commit()
+        plans = conn.execute(text(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+            "WHERE statement LIKE '%DISTINCT a.scope%'")).all()
+    assert len(plans) == 1, plans
+    generic, custom = plans[0]
+    assert generic > 0 and custom <= 5, plans
