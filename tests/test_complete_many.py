@@ -335,10 +335,12 @@ def test_a_batch_locks_all_its_counters_once_in_scope_order(store: Store) -> Non
         if "FROM limit_counters" in statement and "SELECT scope, active" in statement:
             values = params["scopes"] if isinstance(params, dict) else list(params)
             sent.append(("lock", list(values)))
-        elif statement.lstrip().startswith("UPDATE limit_counters SET active = active - 1"):
+        elif statement.lstrip().startswith("UPDATE limit_counters"):
             sent.append(("give", []))
     assert len(done.completed) == 2
     scopes = ["global", "repo:/srv/git/a.git", "repo:/srv/git/z.git"]
-    assert sent == [("lock", scopes), ("give", []), ("give", [])]
+    # PostgreSQL gives the whole batch's slots back in one statement, SQLite run by run.
+    gives = [("give", [])] * (1 if store.is_postgres else 2)
+    assert sent == [("lock", scopes), *gives]
     assert counters(store) == {scope: 0 for scope in scopes}
     assert store.audit() == []

@@ -212,6 +212,43 @@ def test_a_claim_filling_its_tenant_locks_the_tenants_lanes_in_lane_id_order(
             "SELECT tenant_at_limit FROM lanes WHERE tenant = 't'")).scalars()) == {1}
     assert store.audit() == []
 
+
+def test_an_attempt_starts_when_its_slots_are_taken_not_before_a_wait_for_them(
+        db_url: str) -> None:
+    """A claim that waits for a counter (a release holding it until it commits) reads
+    its time after the wait: the attempt's start is never before the release that
+    freed its slot ended, so lease intervals reconstructed from the attempts hold the
+    limits. Both claim forms read it first before (the 8-process test saw a repository
+    with 3 runs under a limit of 2)."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("row locks (SQLite serializes writers on the file)")
+    store = Store(db_url)  # the database's clock: the time is read when it is read
+    apply(store, "[concurrency]\nglobal_max_active = 20\n")
+    runs = store.submit([spec(tenant=f"t{i}") for i in range(11)])
+    [first] = store.claim("w0", limit=1, lease_ttl=TTL)  # the counter exists now
+    claimed: list[Any] = []
+    with store.engine.connect() as holder:  # a release of "global", not yet committed
+        holder.execute(text("SELECT scope FROM limit_counters WHERE scope = 'global' "
+                            "FOR UPDATE"))
+        claim = threading.Thread(target=lambda: claimed.extend(
+            store.claim("w1", limit=10, lease_ttl=TTL)))
+        claim.start()
+        wait_for_a_lock_wait(store.url, "", "the claim's lock of the global counter")
+        time.sleep(0.05)
+        released_at = holder.execute(text(
+            "SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS double precision)"
+        )).scalar_one()
+        holder.commit()
+    claim.join(timeout=30)
+    assert sorted(lease.run_id for lease in claimed) == sorted(
+        r.run_id for r in runs if r.run_id != first.run_id)
+    with store.engine.connect() as conn:
+        started = conn.execute(text("SELECT MIN(started_at) FROM attempts WHERE worker_id = "
+                                    "'w1'")).scalar_one()
+    assert started >= released_at
+    store.complete_many([first, *claimed])
+    store.close()
+
 # --- priority, fairness, starvation (seed 003) -------------------------------------------
 
 

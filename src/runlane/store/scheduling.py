@@ -355,34 +355,41 @@ class SchedulingMixin:
         self._give_back_slots_many(conn, [(run_id, token, raw)])
 
     def _give_back_slots_many(self, conn: Connection,
-                              ended: Sequence[tuple[str, int, Any]]) -> None:
+                              ended: Sequence[tuple[str, int, Any]], *,
+                              cleared: bool = False) -> None:
         """Attempts ended (``(run_id, token, raw)`` each, ``raw`` as above): free their
-        slots, once. The counters of all of them are locked first, in scope order, as
-        a claim locks them: run by run, one run's scopes would be locked before a lower
-        scope of the next (a deadlock with a claim holding that one)."""
+        slots, once (their attempts forget them: ``cleared`` when the ending statement
+        did it, COMPLETE_WRITE_PG). The counters of all of them are locked first, in
+        scope order, as a claim locks them: run by run, one run's scopes would be
+        locked before a lower scope of the next (a deadlock with a claim holding that
+        one)."""
         held = [(run_id, token, raw if isinstance(raw, list) else json.loads(raw))
                 for run_id, token, raw in ended if raw is not None]
         if not held:
             return
-        conn.execute(self._q(sql.CLEAR_ATTEMPT_SLOTS),
-                     [{"run_id": run_id, "token": token} for run_id, token, _ in held])
-        scopes = sorted({scope for _, _, run_scopes in held for scope in run_scopes})
-        if not scopes:
+        if not cleared:
+            conn.execute(self._q(sql.CLEAR_ATTEMPT_SLOTS),
+                         [{"run_id": run_id, "token": token} for run_id, token, _ in held])
+        slots = Counter(scope for _, _, run_scopes in held for scope in run_scopes)
+        if not slots:
             return
+        scopes = sorted(slots)
         self._lock_scopes(conn, scopes)
-        freed: set[str] = set()
-        for _, _, run_scopes in held:
-            if not run_scopes:
-                continue
-            for r in conn.execute(self._q(sql.GIVE_SLOTS, "scopes"),
-                                  {"scopes": sorted(run_scopes)}):
-                if r.active != r.max_active - 1:
-                    continue  # the scope was not full: nothing waits on it
-                if r.scope.startswith("tenant:"):
-                    conn.execute(self._q(sql.MARK_TENANT_LANES),
-                                 {"tenant": r.scope.removeprefix("tenant:"), "at_limit": 0})
-                else:
-                    freed.add(r.scope)
+        below: set[str] = set()  # scopes this release took below their limit
+        if self.dialect == "postgresql":
+            below.update(r.scope for r in conn.execute(self._q(sql.GIVE_SLOTS_MANY_PG), {
+                "scopes": scopes, "counts": [slots[s] for s in scopes]}) if r.freed)
+        else:
+            for _, _, run_scopes in held:
+                if not run_scopes:
+                    continue
+                below.update(r.scope for r in conn.execute(
+                    self._q(sql.GIVE_SLOTS, "scopes"), {"scopes": sorted(run_scopes)})
+                    if r.active == r.max_active - 1)  # it was full: something may wait
+        for scope in sorted(s for s in below if s.startswith("tenant:")):
+            conn.execute(self._q(sql.MARK_TENANT_LANES),
+                         {"tenant": scope.removeprefix("tenant:"), "at_limit": 0})
+        freed = {s for s in below if not s.startswith("tenant:")}
         if freed:  # woken last in the transaction: Store._transaction
             conn.info.setdefault(FREED_SCOPES, set()).update(freed)
 

@@ -435,6 +435,12 @@ WHERE lanes.lane_id = :lane_id AND lanes.wake_at IS NOT NULL
 # scan of the scopes; at the default random_page_cost a claim of ~150 scopes got a Seq
 # Scan of every counter instead (engine.PLANNER_OPTIONS, tests/test_dispatch_explain.py).
 #
+# ``t`` (the claim's time, the attempts' start) is first read by ``claimed``, after the
+# counters were locked: a claim that waited there for a release's commit starts its
+# attempts after that release ended its lease, never before (read first, as when the
+# final SELECT joined ``t``, it could be older than the release: the 8-process test
+# reconstructs the lease intervals and saw one scope over its limit).
+#
 # ``slots`` has no guard on ``active``: it would test it on the statement's snapshot,
 # older than the locked rows ``room`` checked (a slot given back since would be
 # missed); the update itself applies to the latest, locked version.
@@ -520,10 +526,10 @@ lane_deltas AS (
       AS x(lane_id, n)),
 """ + _CLAIM_WRITES_PG.replace("{slot_scopes}", "CAST(:slot_scopes AS text[])").replace(
     "{run_ids}", "CAST(:run_ids AS text[])").replace("{gate}", "true") + """
-SELECT claimed.run_id, claimed.fencing_token, claimed.attempt_count, t.now,
-       (SELECT COUNT(*) FROM slots) AS slots_taken,
+SELECT claimed.run_id, claimed.fencing_token, claimed.attempt_count,
+       (SELECT now FROM t) AS now, (SELECT COUNT(*) FROM slots) AS slots_taken,
        ARRAY(SELECT tenant FROM full_tenants ORDER BY tenant) AS full_tenants
-FROM claimed, t
+FROM claimed
 """
 
 # PostgreSQL: a whole claim in one statement and one round trip, autocommit (issue 5's
@@ -663,11 +669,25 @@ ORDER BY scope
 SELECT scope, active, max_active FROM limit_counters WHERE scope IN :scopes ORDER BY scope
 """,
 }
-# ... and give slots back (an attempt's end).
+# ... and give slots back (an attempt's end): SQLite one attempt's scopes at a time,
+# PostgreSQL every ended attempt's at once (one statement, not one per attempt: a
+# completed batch of 10 limited runs sent 10). Each scope returns whether the release
+# took it below its limit from at or over it (``freed``: its blocked lanes wake, a
+# tenant's lanes show again). The counters are locked (LOCK_SCOPES) before, so the
+# values this statement reads are the ones it updates.
 GIVE_SLOTS = """
 UPDATE limit_counters SET active = active - 1
 WHERE scope IN :scopes AND active > 0
 RETURNING scope, active, max_active
+"""
+GIVE_SLOTS_MANY_PG = """
+UPDATE limit_counters c
+SET active = GREATEST(c.active - g.n, 0)
+FROM (SELECT k.scope, k.active, d.n
+      FROM unnest(CAST(:scopes AS text[]), CAST(:counts AS integer[])) AS d(scope, n)
+      JOIN limit_counters k ON k.scope = d.scope) g
+WHERE c.scope = g.scope AND c.active > 0
+RETURNING c.scope, g.active >= c.max_active AND c.active < c.max_active AS freed
 """
 CLEAR_ATTEMPT_SLOTS = """
 UPDATE attempts SET limit_scopes = NULL WHERE run_id = :run_id AND fencing_token = :token
@@ -1169,7 +1189,8 @@ ended AS (
     SET status = 'SUCCEEDED',
         lease_status = 'RELEASED',
         lease_ended_at = t.now,
-        ended_at = t.now
+        ended_at = t.now,
+        limit_scopes = NULL  -- given back by this transaction (won returned them), once
     FROM won, t
     WHERE attempts.run_id = won.run_id
       AND attempts.fencing_token = won.fencing_token

@@ -871,7 +871,7 @@ class Store(SchedulingMixin):
             # (run rows, counters by scope, lanes) than the other way round.
             self._give_back_slots_many(conn, [
                 (run_id, moves[run_id][1].fencing_token, row.limit_scopes)
-                for run_id, row in sorted(won.items())])
+                for run_id, row in sorted(won.items())], cleared=self.is_postgres)
             for _, row in sorted(won.items()):
                 if row.has_dependents:
                     self._resolve_dependents(conn, row.task_id, row.now)
