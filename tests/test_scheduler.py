@@ -22,7 +22,7 @@ from runlane.store import sql
 from runlane.store.scheduling import BLOCKED_LANE_RECHECK_SECONDS
 from runlane.store.store import Store
 
-from .conftest import empty_database
+from .conftest import empty_database, truncate_pg
 from .support import events_of, execute, run_row, spec, submit, wait_for_a_lock_wait
 
 S = RunStatus
@@ -247,6 +247,35 @@ def test_an_attempt_starts_when_its_slots_are_taken_not_before_a_wait_for_them(
                                     "'w1'")).scalar_one()
     assert started >= released_at
     store.complete_many([first, *claimed])
+    store.close()
+
+
+def test_after_one_statement_claims_fall_back_the_next_claims_are_transactions(
+        pg_url: str, clock: ManualClock) -> None:
+    """A one-statement claim that finds no room for its whole batch falls back to the
+    transaction (which gives the slots run by run): a statement for nothing. After a
+    fallback the store's next claim is a transaction, after two in a row the next 3,
+    then 7 (scheduling.ONE_TRIP_MAX_SKIPS): under a repository limit of 1, claims of 2
+    runs of that repository try the one statement 3 times in 8 claims, not 8."""
+    truncate_pg(pg_url)
+    store = Store(pg_url, clock=clock)
+    apply(store, "[concurrency]\nper_repository_max_active = 1\n")
+    store.submit([spec(tenant=f"t{i % 2}") for i in range(20)])  # one repository
+    tried: list[str] = []
+
+    def one_statement(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if "chosen AS" in statement:
+            tried.append(statement)
+
+    event.listen(store.engine, "before_cursor_execute", one_statement)
+    try:
+        for _ in range(8):
+            [lease] = store.claim("w1", limit=2, lease_ttl=TTL)
+            store.complete(lease)
+    finally:
+        event.remove(store.engine, "before_cursor_execute", one_statement)
+    assert len(tried) == 3  # claims 1, 3 and 7
+    assert store.audit() == []
     store.close()
 
 # --- priority, fairness, starvation (seed 003) -------------------------------------------

@@ -57,6 +57,12 @@ JOIN_AHEAD = 1e-6
 BLOCKED_LANE_RECHECK_SECONDS = 10.0
 # The longest the after-commit wake of a lane a release had to skip waits for it.
 SKIPPED_LANE_WAKE_WAIT_SECONDS = 1.0
+# After a one-statement claim that had to fall back to the transaction, the store's
+# next claims are transactions: 1, then 3, 7, ... at most this many after fallbacks in
+# a row, until one succeeds. Under tight limits most one-statement claims find a
+# counter without room for the batch (the 8-process limit test: 288 of 440 fell back),
+# and each fallback cost a statement for nothing.
+ONE_TRIP_MAX_SKIPS = 15
 # conn.info key: the scopes a transaction's releases took below their limit; the
 # lanes blocked on them are woken just before it commits (Store._transaction).
 FREED_SCOPES = "runlane_freed_scopes"
@@ -121,6 +127,7 @@ class SchedulingMixin:
         _policy_cache: dict[int, Policy]
         _routes_cache: dict[str, tuple[float, frozenset[str]]]
         _one_trip_policy: tuple[int, bool] | None
+        _one_trip_skips: tuple[int, int]
 
         def _q(self, statement: str, *expanding: str) -> Any: ...
         def _notify(self, conn: Connection, channel: str, payload: str) -> None: ...
@@ -558,7 +565,13 @@ class SchedulingMixin:
         recorded at admission (a pure function of the same inputs), which the statement
         reads from the run. Returns the claimed runs (each row has what its lease
         needs); ``[]`` when nothing is queued for this claimer; None when the claim
-        must run as a transaction (the statement wrote nothing)."""
+        must run as a transaction (the statement wrote nothing, or it is not tried:
+        after fallbacks in a row, ONE_TRIP_MAX_SKIPS)."""
+        left, streak = self._one_trip_skips
+        if left > 0:
+            self._one_trip_skips = (left - 1, streak)
+            return None
+
         def work(conn: Connection) -> list[Any] | None:
             if self._one_trip_policy is None:  # once per store and policy change
                 version, policy = self._policy(conn)
@@ -577,9 +590,15 @@ class SchedulingMixin:
             return rows
 
         rows = self._transaction(work, autocommit=True)
-        if rows is None or rows[0].run_id is not None:
+        if rows is None:
+            return None
+        if rows[0].run_id is not None:
+            self._one_trip_skips = (0, 0)
             return rows
-        return [] if rows[0].page_lanes == 0 and not rows[0].lanes_due else None
+        if rows[0].page_lanes == 0 and not rows[0].lanes_due:
+            return []  # nothing queued: the transaction would find nothing either
+        self._one_trip_skips = (min(2 ** (streak + 1) - 1, ONE_TRIP_MAX_SKIPS), streak + 1)
+        return None
 
     def _sleep_blocked_lanes(self, conn: Connection, empty: set[int]) -> None:
         """Lanes that gave nothing although runs of them are visible, every one blocked

@@ -308,6 +308,8 @@ class Store(SchedulingMixin):
         # The policy version in force as this store's claims last saw it, and whether a
         # claim may then be one statement (PostgreSQL: SchedulingMixin._claim_in_one_trip).
         self._one_trip_policy: tuple[int, bool] | None = None
+        # (claims left to run as transactions, one-statement claims fallen back in a row)
+        self._one_trip_skips: tuple[int, int] = (0, 0)
         # The policy version in force at this store's last submit write (PostgreSQL):
         # the next submit may decide under it without reading it first.
         self._submit_policy_seen: int | None = None
