@@ -61,3 +61,15 @@ def wait_for_a_lock_wait(url: str, statement_part: str, what: str) -> None:
                 return
             time.sleep(0.01)
     raise AssertionError(f"no session waited for {what}")
+
+
+def assert_planned_once(conn: Any, statement_part: str) -> None:
+    """The session's one prepared statement containing ``statement_part`` settled on
+    its generic plan (planned once, not at every execution) after its first custom
+    plans (PostgreSQL tries five)."""
+    plans = conn.execute(text(
+        "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+        "WHERE statement LIKE :part"), {"part": f"%{statement_part}%"}).all()
+    assert len(plans) == 1, plans
+    generic, custom = plans[0]
+    assert generic > 0 and custom <= 5, plans

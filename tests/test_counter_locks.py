@@ -19,7 +19,7 @@ from runlane.store.engine import build_engine
 from runlane.store.wakeup import libpq_url
 
 from .conftest import truncate_pg
-from .support import wait_for_a_lock_wait
+from .support import assert_planned_once, wait_for_a_lock_wait
 
 PG = sql.Statements("postgresql")
 COUNTERS = {"global": 10, "repo:a": 2, "repo:m": 2, "repo:z": 2, "tenant:acme": 3}
@@ -130,9 +130,4 @@ def test_lock_scopes_is_planned_once_per_session_not_per_release(pg: Engine) -> 
         for _ in range(12):
             lock_scopes(conn, ["global", "repo:a", "tenant:acme"])
             conn.commit()
-        plans = conn.execute(text(
-            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
-            "WHERE statement LIKE '%DISTINCT a.scope%'")).all()
-    assert len(plans) == 1, plans
-    generic, custom = plans[0]
-    assert generic > 0 and custom <= 5, plans
+        assert_planned_once(conn, "DISTINCT a.scope")

@@ -23,7 +23,15 @@ from runlane.store.scheduling import BLOCKED_LANE_RECHECK_SECONDS
 from runlane.store.store import Store
 
 from .conftest import empty_database, truncate_pg
-from .support import events_of, execute, run_row, spec, submit, wait_for_a_lock_wait
+from .support import (
+    assert_planned_once,
+    events_of,
+    execute,
+    run_row,
+    spec,
+    submit,
+    wait_for_a_lock_wait,
+)
 
 S = RunStatus
 TTL = 30.0
@@ -747,12 +755,7 @@ def test_the_claims_pick_is_planned_once_per_session_not_per_claim(
     for _ in range(12):
         store.complete_many(store.claim("w1", limit=1, lease_ttl=TTL))
     with store.engine.connect() as conn:  # the one pooled session the claims used
-        plans = conn.execute(text(
-            "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
-            "WHERE statement LIKE '%page AS (%'")).all()
-    assert len(plans) == 1, plans
-    generic, custom = plans[0]
-    assert generic > 0 and custom <= 5, plans
+        assert_planned_once(conn, "page AS (")
 
 
 def submit_each(store: Store, tenants: list[str], **fields: Any) -> list[Any]:
