@@ -685,7 +685,8 @@ def explain_all(url: str) -> list[Explained]:
                                index="ix_runs_lane_dispatch", table="runs", bound=40,
                                note="a claim of 10 shared over 10 lanes, one statement"))
             out.append(explain(conn, "ENSURE_COUNTER", sql.ENSURE_COUNTER,
-                               {"scope": scopes_one[-1], "max_active": 5},
+                               {"scope": scopes_one[-1], "active": 0, "max_active": 5,
+                                "version": 1},
                                index="limit_counters_pkey", table="limit_counters", bound=1,
                                note="one scope (executemany: one per scope)", ordered=False))
             out.append(explain(conn, "LOCK_SCOPES", sql.LOCK_SCOPES["postgresql"],

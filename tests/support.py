@@ -46,10 +46,11 @@ def execute(store: Store, sql: str, **params: Any) -> None:
         conn.execute(text(sql), params)
 
 
-def wait_for_a_lock_wait(url: str, statement_part: str, what: str) -> None:
-    """Poll until a session of the database waits for a lock while running a statement
-    that contains ``statement_part`` (``what``: what it should be waiting for, for the
-    message)."""
+def wait_for_a_lock_wait(url: str, statement_part: str, what: str, *,
+                         sessions: int = 1) -> None:
+    """Poll until ``sessions`` sessions of the database wait for a lock while running a
+    statement that contains ``statement_part`` (``what``: what they should be waiting
+    for, for the message)."""
     deadline = time.monotonic() + 30.0  # a loaded machine (xdist beside a busy test)
     with psycopg.connect(libpq_url(url), autocommit=True) as watch:
         while time.monotonic() < deadline:
@@ -57,7 +58,7 @@ def wait_for_a_lock_wait(url: str, statement_part: str, what: str) -> None:
                 "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = current_database()"
                 " AND wait_event_type = 'Lock' AND query LIKE %s",
                 (f"%{statement_part}%",)).fetchone()
-            if waiting and waiting[0]:
+            if waiting and waiting[0] >= sessions:
                 return
             time.sleep(0.01)
     raise AssertionError(f"no session waited for {what}")

@@ -787,7 +787,8 @@ def test_claim_write_probes_the_counters_of_a_batch(explain_db: ExplainDb,
 def test_ensure_counter_is_a_primary_key_upsert(explain_db: ExplainDb) -> None:
     with explain_db.engine.connect() as conn:
         plan = explain(conn, sql.ENSURE_COUNTER,
-                       {"scope": "repo:acme/repo-00010", "max_active": REPO_MAX, "version": 1})
+                       {"scope": "repo:acme/repo-00010", "active": 0, "max_active": REPO_MAX,
+                        "version": 1})
         conn.rollback()
     top = plan["Plan"]
     assert top.get("Conflict Arbiter Indexes") == ["limit_counters_pkey"], describe(plan)

@@ -276,6 +276,31 @@ def test_0007_downgrades_and_upgrades_again_with_rows(
     assert migrate.current_revision(engine) == "0007"
 
 
+
+def test_0009_lets_a_policy_document_come_back_and_downgrades_while_none_did(
+        fresh_url: str, make_engine: Callable[[str], Engine]) -> None:
+    """Reverting to an earlier policy document makes a new version with an earlier
+    version's digest: refused by 0004's unique digest (a UniqueViolation to the
+    caller), allowed from 0009 on. Its downgrade restores the constraint while no
+    document came back, and refuses once one did."""
+    from runlane.domain.policy import parse_policy
+
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine)
+    store = Store(fresh_url, engine=engine)
+    first, second = (parse_policy(f"[concurrency]\nglobal_max_active = {n}\n")
+                     for n in (5, 6))
+    assert [store.apply_policy(p, source="t").version for p in (first, second)] == [1, 2]
+    assert migrate.downgrade(engine, "0008") == (HEAD, "0008")
+    with pytest.raises(IntegrityError):  # the revert, under 0004's unique digest
+        store.apply_policy(first, source="revert")
+    assert migrate.upgrade(engine) == ("0008", HEAD)
+    assert store.apply_policy(first, source="revert").version == 3
+    assert store.current_policy()[1] == first
+    with pytest.raises(Exception, match="applied more than once"):
+        migrate.downgrade(engine, "0008")
+    assert migrate.current_revision(engine) == HEAD
+
 def test_metadata_matches_migrations(fresh_url: str,
                                      make_engine: Callable[[str], Engine]) -> None:
     engine = make_engine(fresh_url)

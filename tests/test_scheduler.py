@@ -286,6 +286,74 @@ def test_after_one_statement_claims_fall_back_the_next_claims_are_transactions(
     assert store.audit() == []
     store.close()
 
+
+def test_a_limit_removed_and_applied_again_counts_the_runs_still_holding_it(
+        store: Store) -> None:
+    """A policy that removes a limit deletes its counter; the attempts claimed under it
+    still hold the scope. When a policy brings the limit back, the new counter starts
+    at what they hold: it started at 0, and a repository limited to 1 ran 2 runs (a
+    review of 2026-12-01). A scope without a counter is not audited."""
+    limit = "[concurrency]\nper_repository_max_active = 1\n"
+    apply(store, limit)
+    submit(store, 3)
+    [first] = store.claim("w1", limit=1, lease_ttl=TTL)
+    apply(store, "[defaults]\nqueue = 'default'\n")  # the limit removed
+    assert store.audit() == []
+    apply(store, limit + "global_max_active = 100\n")  # and back
+    assert store.claim("w2", limit=1, lease_ttl=TTL) == []  # the repository is full
+    store.complete(first)
+    assert len(store.claim("w2", limit=1, lease_ttl=TTL)) == 1
+    assert store.audit() == []
+
+
+def test_applying_a_policy_locks_the_counters_in_scope_order(db_url: str) -> None:
+    """apply_policy brings every counter to the new maxima. It updated them in the order
+    its scan met them (physical order), so with "global" stored after "tenant:a" it
+    held tenant:a and waited for global while a claim held global and waited for
+    tenant:a: a deadlock, raised to the claim (a review of 2026-12-01). It locks them
+    in scope order first, as claims and releases do."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("row locks (SQLite serializes writers on the file)")
+    store = Store(db_url)
+    apply(store, "[concurrency]\nglobal_max_active = 50\nper_tenant_max_active = 10\n")
+    submit(store, 6, tenant="a")
+    store.complete_many(store.claim("w0", limit=1, lease_ttl=TTL))  # the counters exist
+    execute(store, "UPDATE limit_counters SET active = active WHERE scope = 'global'")
+    with store.engine.connect() as conn:  # global now comes after tenant:a in the heap
+        assert conn.execute(text("SELECT scope FROM limit_counters")).scalars().all() == \
+            ["tenant:a", "global"]
+    outcome: dict[str, Any] = {}
+
+    def claim() -> None:
+        try:
+            outcome["claim"] = len(store.claim("w1", limit=1, lease_ttl=TTL))
+        except Exception as exc:  # the deadlock is what is looked for
+            outcome["claim"] = repr(exc)
+
+    def policy() -> None:
+        try:
+            outcome["policy"] = apply(Store(db_url), "[concurrency]\nglobal_max_active = 51"
+                                                     "\nper_tenant_max_active = 11\n")
+        except Exception as exc:
+            outcome["policy"] = repr(exc)
+
+    threads = [threading.Thread(target=claim), threading.Thread(target=policy)]
+    with store.engine.connect() as holder:  # a release holding "global"
+        holder.execute(text("SELECT scope FROM limit_counters WHERE scope = 'global' "
+                            "FOR UPDATE"))
+        threads[0].start()
+        wait_for_a_lock_wait(store.url, "", "the claim's lock of the global counter")
+        threads[1].start()
+        wait_for_a_lock_wait(store.url, "", "the policy's lock of a counter", sessions=2)
+        holder.commit()
+    for t in threads:
+        t.join(timeout=30)
+    assert outcome == {"claim": 1, "policy": 2}
+    assert store.audit() == []
+    store.close()
+
+
+
 # --- priority, fairness, starvation (seed 003) -------------------------------------------
 
 
@@ -431,13 +499,14 @@ def _release_while(store: Store, db_url: str, statement_part: str, held: Any) ->
     return threads, lambda: event.remove(store.engine, "after_cursor_execute", hook)
 
 
-@pytest.mark.parametrize("holder", ["cancel", "policy"])
+@pytest.mark.parametrize("holder", ["cancel"])
 def test_a_lane_the_releases_wake_skipped_is_woken_after_the_release_commits(
         store: Store, db_url: str, holder: str) -> None:
     """The wake skips lanes another transaction holds (waiting there could close a
-    cycle), and not every holder wakes them: a cancel of one of the lane's runs, a
-    policy recomputing the tenant flags. Such a lane stayed asleep with room for its
-    runs; the release wakes it after its commit, holding nothing else."""
+    cycle), and not every holder wakes them: a cancel of one of the lane's runs. Such a
+    lane stayed asleep with room for its runs; the release wakes it after its commit,
+    holding nothing else. (A policy recomputing the tenant flags was another such
+    holder; it now holds every counter while it does, so no release runs meanwhile.)"""
     if not db_url.startswith("postgresql"):
         pytest.skip("row locks (SQLite serializes writers on the file)")
     flood, held = _asleep_on_mono(store)
@@ -464,29 +533,36 @@ def _flood_with_mono_counted_and_free(store: Store) -> None:
     store.complete(store.claim("w0", limit=1, lease_ttl=TTL)[0])
 
 
-def test_a_policy_raising_a_limit_wakes_a_lane_put_to_sleep_after_it_read_the_counters(
+def test_a_claim_during_a_policy_change_waits_for_it_then_claims_under_the_new_limit(
         store: Store, db_url: str) -> None:
-    """apply_policy reads the counters without locking them: a claim can fill a scope
-    and another put a lane to sleep on it after that read. Every raised limit wakes
-    the lanes blocked on it, full when read or not."""
+    """apply_policy locks every counter, in scope order, before it reads them: no claim
+    fills a scope, and no lane falls asleep on one, between that read and the policy's
+    commit (with an unlocked read both could, and the lane then slept with room under
+    the raised limit). A claim meanwhile waits, then claims under the new limit."""
     if not db_url.startswith("postgresql"):
         pytest.skip("a second writer during apply_policy (SQLite serializes writers)")
     _flood_with_mono_counted_and_free(store)
-    held: list[Any] = []
+    claims: list[threading.Thread] = []
+    claimed: list[Any] = []
 
-    def fill_and_sleep(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+    def claim_meanwhile(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
         if statement.startswith("SELECT scope, active, max_active FROM limit_counters") \
-                and not held:
-            held.extend(store.claim("w0", limit=1, lease_ttl=TTL))  # mono full
-            assert store.claim("w1", limit=1, lease_ttl=TTL) == []  # asleep on mono
+                and not claims:
+            claims.append(threading.Thread(target=lambda: claimed.extend(
+                store.claim("w0", limit=1, lease_ttl=TTL))))
+            claims[0].start()
+            wait_for_a_lock_wait(db_url, "", "the claim's wait for the policy's counters")
 
-    event.listen(store.engine, "after_cursor_execute", fill_and_sleep)
+    event.listen(store.engine, "after_cursor_execute", claim_meanwhile)
     try:
         apply(store, "[concurrency]\nper_repository_max_active = 2\n")
     finally:
-        event.remove(store.engine, "after_cursor_execute", fill_and_sleep)
-    assert held and flood_lane(store) == (None, [])
-    assert len(store.claim("w1", limit=1, lease_ttl=TTL)) == 1
+        event.remove(store.engine, "after_cursor_execute", claim_meanwhile)
+    claims[0].join(timeout=30)
+    assert len(claimed) == 1
+    assert len(store.claim("w1", limit=1, lease_ttl=TTL)) == 1  # mono's second slot
+    assert store.claim("w1", limit=1, lease_ttl=TTL) == []  # and no third
+    assert store.audit() == []
 
 
 def test_reading_a_blocked_lanes_scopes_pairs_no_run_with_every_full_scope(

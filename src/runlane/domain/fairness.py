@@ -36,6 +36,10 @@ def share_slots(lanes: Sequence[LaneState], slots: int,
     order the lanes first received one. With ``until`` (priority, pass, lane_id), no
     turn due after it is given: the lanes are one page, and a later turn may belong
     to a lane of the next page."""
+    # A lane's k-th turn is at pass + k / weight, computed so (not by adding 1 / weight
+    # k times): the claim's one statement deals the same turns in SQL (sql.SHARE_TURNS),
+    # and repeated additions broke near-ties differently (weight 10 at pass 0 against
+    # weight 1 at pass 1.0: the tenth turn, 0 + 10 / 10, ties the second lane's first).
     heap = [(lane.priority, lane.pass_, lane.lane_id, lane) for lane in lanes
             if lane.queued > 0 and lane.weight > 0]
     heapq.heapify(heap)
@@ -43,11 +47,12 @@ def share_slots(lanes: Sequence[LaneState], slots: int,
     while slots > 0 and heap:
         if until is not None and heap[0][:3] > until:
             break
-        priority, pass_, lane_id, lane = heapq.heappop(heap)
+        priority, _, lane_id, lane = heapq.heappop(heap)
         given[lane_id] = given.get(lane_id, 0) + 1
         slots -= 1
         if given[lane_id] < lane.queued:
-            heapq.heappush(heap, (priority, pass_ + 1.0 / lane.weight, lane_id, lane))
+            heapq.heappush(heap, (priority, lane.pass_ + given[lane_id] / lane.weight,
+                                  lane_id, lane))
     return list(given.items())
 
 

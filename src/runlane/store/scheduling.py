@@ -180,7 +180,9 @@ class SchedulingMixin:
                 "document": json.dumps(policy_document(policy)), "source": source,
                 "now": self._now(conn)})
             freed: set[str] = set()
-            for row in conn.execute(self._q(sql.COUNTERS)).all():
+            # Locked first, in scope order, as every claim and release locks them: in
+            # the order the scan met them, an update here deadlocked with a claim.
+            for row in conn.execute(self._q(sql.LOCK_COUNTERS)).all():
                 limit = scope_limit(policy, row.scope)
                 if limit is None:
                     conn.execute(self._q(sql.COUNTER_DELETE), {"scope": row.scope})
@@ -335,8 +337,11 @@ class SchedulingMixin:
                     for r in self._lock_scopes(conn, scopes)}
         stale = [s for s in scopes if s not in counters or counters[s][1] != limits[s]]
         if stale:
+            held = self._held_slots(conn) if any(s not in counters for s in stale) \
+                else Counter()
             conn.execute(self._q(sql.ENSURE_COUNTER), [
-                {"scope": s, "max_active": limits[s], "version": version} for s in stale])
+                {"scope": s, "active": held[s], "max_active": limits[s], "version": version}
+                for s in stale])
             before = counters
             counters = {r.scope: [int(r.active), int(r.max_active)]
                         for r in self._lock_scopes(conn, scopes)}
@@ -347,6 +352,15 @@ class SchedulingMixin:
             if freed:  # a full scope the claim raised to the policy's limit
                 conn.info.setdefault(FREED_SCOPES, set()).update(freed)
         return counters
+
+    def _held_slots(self, conn: Connection) -> Counter[str]:
+        """The slots live attempts hold, per scope (ACTIVE_SLOTS: one row per running
+        attempt of a limited run)."""
+        held: Counter[str] = Counter()
+        for r in conn.execute(self._q(sql.ACTIVE_SLOTS)):
+            held.update(r.limit_scopes if isinstance(r.limit_scopes, list)
+                        else json.loads(r.limit_scopes))
+        return held
 
     def _lock_scopes(self, conn: Connection, scopes: list[str]) -> list[Any]:
         """LOCK_SCOPES: the counters of ``scopes`` (sorted), locked in that order."""
@@ -432,7 +446,9 @@ class SchedulingMixin:
                             error=str(exc.orig)[:200])
 
     def _audit_slots(self, conn: Connection) -> list[Any]:
-        """Each counter must equal the slots live attempts hold in its scope."""
+        """Each counter must equal the slots live attempts hold in its scope. (A scope
+        without a counter is no longer limited: attempts claimed while it was may
+        still hold it; a counter made for it again starts at what they hold.)"""
         from runlane.store.store import Violation
 
         counters: dict[str, int] = {}
@@ -443,9 +459,8 @@ class SchedulingMixin:
             else:
                 held.update(json.loads(r.held))
         return [Violation("slot_count_drift", f"scope {scope}",
-                          f"counter {counters.get(scope, 0)} but {held[scope]} held")
-                for scope in sorted(set(counters) | set(held))
-                if counters.get(scope, 0) != held[scope]]
+                          f"counter {counters[scope]} but {held[scope]} held")
+                for scope in sorted(counters) if counters[scope] != held[scope]]
 
     def _repair_scheduling_counts(self, conn: Connection) -> dict[str, int]:
         """Recount lanes' queued runs and counters' slots, and re-derive the tenant
@@ -456,10 +471,7 @@ class SchedulingMixin:
         locked_counters = conn.execute(self._q(sql.LOCK_COUNTERS)).all()
         counters = {r.scope: int(r.active) for r in locked_counters}
         maxima = {r.scope: int(r.max_active) for r in locked_counters}
-        held: Counter[str] = Counter()
-        for r in conn.execute(self._q(sql.ACTIVE_SLOTS)):
-            held.update(r.limit_scopes if isinstance(r.limit_scopes, list)
-                        else json.loads(r.limit_scopes))
+        held = self._held_slots(conn)
         fixed = 0
         for scope, active in counters.items():
             if held[scope] != active:

@@ -217,7 +217,7 @@ policy_versions = Table(
     "policy_versions",
     metadata,
     Column("version", Integer, primary_key=True, autoincrement=False),
-    Column("digest", String(64), nullable=False, unique=True),
+    Column("digest", String(64), nullable=False),  # a document may come back (0009)
     Column("document", JSON, nullable=False),
     Column("source", Text, nullable=False),
     Column("created_at", Timestamp, nullable=False),

@@ -633,13 +633,17 @@ RETURNING runs.run_id, runs.fencing_token, runs.attempt_count, {now} AS now
 """
 
 # Slots: make sure a limited scope has its counter row with the policy's maximum ...
+# A new counter starts at the slots live attempts still hold in its scope (``:active``,
+# from ACTIVE_SLOTS): a policy that removed the limit deleted the counter, and one that
+# brings it back must count the attempts claimed under the first (at 0, a repository
+# limited to 1 ran 2).
 # Only under the policy in force: a claim that decided under an older version (a
 # policy committed since its first statement) wrote that version's maximum back over
 # the raise, and a scope full under the old limit then kept its runs out of every
 # walk until a release. The claim finds the counter unchanged and starts again.
 ENSURE_COUNTER = """
 INSERT INTO limit_counters (scope, active, max_active)
-SELECT :scope, 0, :max_active
+SELECT :scope, :active, :max_active
 WHERE (SELECT MAX(version) FROM policy_versions) = :version
 ON CONFLICT (scope) DO UPDATE SET max_active = excluded.max_active
 WHERE limit_counters.max_active <> excluded.max_active
@@ -921,7 +925,6 @@ LOCK_COUNTERS = ("SELECT scope, active, max_active FROM limit_counters ORDER BY 
 # is in no deadlock cycle; a lane held now is recounted at its next pass).
 LOCK_LANES = "SELECT l.lane_id FROM lanes l ORDER BY l.lane_id {lock_l_skip}"
 COUNTER_SET = "UPDATE limit_counters SET active = :n WHERE scope = :scope"
-COUNTERS = "SELECT scope, active, max_active FROM limit_counters"
 COUNTER_SET_MAX = "UPDATE limit_counters SET max_active = :max_active WHERE scope = :scope"
 COUNTER_DELETE = "DELETE FROM limit_counters WHERE scope = :scope"
 RECOMPUTE_TENANT_FLAGS = """
