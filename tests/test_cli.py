@@ -196,3 +196,14 @@ per_tenant_max_active = 2
     assert [r["run_id"] for r in unroutable] == [parent["run_id"]]
     assert "no live worker" in unroutable[0]["unroutable_because"]
     assert json.loads(unroutable[0]["route_key"]) == {"jdk": ">=21", "tools": ["git", "maven"]}
+    # A new version: `maintain` admits the queued run again, and `runs show` says so.
+    good.write_text(good.read_text().replace("per_tenant_max_active = 2",
+                                             "per_tenant_max_active = 3"))
+    assert cli.json("policy", "apply", str(good))["version"] == 2
+    assert cli.json("maintain", "--once")["queued_readmitted"] == 1
+    shown = cli.json("runs", "show", parent["run_id"])
+    assert shown["policy_version"] == 2
+    assert shown["admission"]["concurrency"]["tenant:acme"] == 3
+    assert shown["admission"]["first_policy_version"] == 1
+    assert "ADMIT under policy v2, first admitted under v1" in \
+        cli("runs", "show", parent["run_id"]).stdout

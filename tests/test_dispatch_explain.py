@@ -707,6 +707,28 @@ def test_lanes_wake_reads_only_sleeping_lanes(explain_db: ExplainDb) -> None:
     assert_bounded(plan, index="ix_lanes_wake", table="lanes", bound=3, ordered=False)
 
 
+@pytest.mark.parametrize("start", ["head", "middle"])
+def test_a_page_of_the_queued_backlog_reads_one_page(explain_db: ExplainDb,
+                                                     start: str) -> None:
+    """The scheduler pass that admits the backlog again after a policy change reads it
+    a page at a time through the dispatch index, in its order, from its cursor."""
+    with explain_db.engine.connect() as conn:
+        after = (-(2**31), float("-inf"), "")
+        if start == "middle":
+            row = conn.execute(text(
+                "SELECT lane_id, created_at, run_id FROM runs WHERE status = 'QUEUED' "
+                "AND lane_id = :l ORDER BY created_at, run_id LIMIT 1"),
+                {"l": explain_db.lanes["plain"]}).one()
+            after = (row.lane_id, row.created_at, row.run_id)
+        params = {"after_lane": after[0], "after_created": after[1], "after_id": after[2],
+                  "scan": 1000}
+        plan = explain(conn, sql.QUEUED_PAGE, params)
+        page = run(conn, sql.QUEUED_PAGE, params)
+    assert len(page) == 1000
+    assert (page[0].lane_id, page[0].created_at, page[0].run_id) > after
+    assert_bounded(plan, index=DISPATCH_INDEX_NAME, table="runs", bound=1000)
+
+
 @pytest.mark.parametrize(("queue", "priority"), [("default", BEST), ("batch", 100)])
 def test_lane_virtual_time_reads_one_lane(explain_db: ExplainDb, queue: str,
                                           priority: int) -> None:

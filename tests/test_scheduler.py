@@ -18,7 +18,7 @@ from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
 from runlane.errors import CostLimitExceeded, PolicyDenied
 from runlane.services.scheduler import PassTrigger
-from runlane.store import sql
+from runlane.store import scheduling, sql
 from runlane.store.scheduling import BLOCKED_LANE_RECHECK_SECONDS
 from runlane.store.store import Store
 
@@ -109,7 +109,7 @@ daily_model_budget_usd = 1.0
     # after it re-admits it (the spend belongs to the day before).
     assert store.claim("w1", limit=10, lease_ttl=TTL)[0].run_id == admitted.run_id
     assert store.schedule_pass() == {"readmitted": 0, "denied": 0, "deferred": 0,
-                                     "dependencies_resolved": 0}
+                                     "dependencies_resolved": 0, "queued_readmitted": 0}
     clock.set(1800057600.0 + 1)
     assert store.schedule_pass()["readmitted"] == 1
     assert run_row(store, deferred.run_id).status == S.QUEUED.value
@@ -129,6 +129,90 @@ def test_drill_6_policy_denies_while_queued_the_run_never_executes(store: Store)
     assert (row.status, row.reason_code) == (S.POLICY_DENIED.value, "TENANT_SUSPENDED")
     assert f"policy v{v2}" in row.message and f"v{v1}" in row.message
     assert row.attempt_count == 0  # never executed
+
+
+def test_a_policy_change_admits_the_queued_backlog_again(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a policy change the scheduler's pass admits every run queued under an older
+    version again: one the new policy denies ends POLICY_DENIED now, not at its claim
+    (its message names both versions), one it defers waits, and one it admits records
+    the new decision and the version it was first admitted under. Paged through the
+    dispatch index (2 runs a page here, equal created_at across pages and lanes)."""
+    from runlane.services.scheduler import Scheduler
+
+    monkeypatch.setattr(scheduling, "QUEUED_SCAN", 2)
+    v1 = apply(store, "[defaults]\nqueue = 'default'\n")
+    kept = [*submit(store, 2), *submit(store, 2, tenant="zeta")]
+    denied = submit(store, 2, repo="/srv/git/payments.git")
+    deferred = submit(store, tenant="beta")[0]
+    v2 = apply(store, """
+[[rules]]
+when = { repo = '*payments*' }
+action = 'deny'
+reason_code = 'REPOSITORY_FROZEN'
+message = 'frozen'
+
+[[rules]]
+when = { tenant = 'beta' }
+action = 'defer'
+retry_after_seconds = 3600
+""")
+    scheduler = Scheduler(store)
+    # Its first pass: the policy may have changed while no scheduler ran.
+    counts = scheduler.run_once()
+    assert (counts["queued_readmitted"], counts["denied"], counts["deferred"]) == (4, 2, 1)
+    for run in kept:
+        row = run_row(store, run.run_id)
+        assert (row.status, row.policy_version) == (S.QUEUED.value, v2)
+        admission = store.get_run(run.run_id)["admission"]
+        assert (admission["decision"], admission["policy_version"]) == ("ADMIT", v2)
+        assert admission["first_policy_version"] == v1
+    for run in denied:
+        row = run_row(store, run.run_id)
+        assert (row.status, row.reason_code) == (S.POLICY_DENIED.value, "REPOSITORY_FROZEN")
+        assert f"policy v{v2}" in row.message and f"admitted under v{v1}" in row.message
+        assert row.attempt_count == 0
+    assert run_row(store, deferred.run_id).status == S.WAITING_CAPACITY.value
+    # Nothing left under an older version; a third version keeps the first one.
+    assert store.schedule_pass(queued_under_older=True)["queued_readmitted"] == 0
+    apply(store, "[defaults]\nqueue = 'default'\npriority = 'high'\n")
+    assert scheduler.run_once()["queued_readmitted"] == 4
+    assert store.get_run(kept[0].run_id)["admission"]["first_policy_version"] == v1
+    assert {lease.run_id for lease in store.claim("w1", limit=10, lease_ttl=TTL)} == \
+        {run.run_id for run in kept}
+    assert store.audit() == []
+
+
+def test_once_the_backlog_is_admitted_again_its_claims_are_one_statement(
+        pg_url: str, clock: ManualClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-statement claim takes only runs admitted under the version in force:
+    after a policy change the queued backlog went through the transaction until it
+    drained (a review of 2026-12-01). Once the pass has admitted it again, a store's
+    claim is one statement; before, it falls back."""
+    truncate_pg(pg_url)
+    store = Store(pg_url, clock=clock)
+    apply(store, "[defaults]\nqueue = 'default'\n")
+    submit(store, 4)
+    apply(store, "[[rules]]\nwhen = { repo = '*legacy*' }\naction = 'deny'\n")
+
+    def claim_in_one_statement() -> int:
+        claimer = Store(pg_url, clock=clock)
+
+        def transaction(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError("the claim fell back to the transaction")
+
+        monkeypatch.setattr(claimer, "_claim_candidates", transaction)
+        try:
+            return len(claimer.claim("w1", limit=2, lease_ttl=TTL))
+        finally:
+            claimer.close()
+
+    with pytest.raises(AssertionError, match="fell back"):
+        claim_in_one_statement()
+    assert store.schedule_pass(queued_under_older=True)["queued_readmitted"] == 4
+    assert claim_in_one_statement() == 2
+    assert store.audit() == []
+    store.close()
 
 
 def test_policy_checked_before_a_side_effect(store: Store) -> None:

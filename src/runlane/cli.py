@@ -318,8 +318,10 @@ def runs_show(run_id: str, as_json: bool) -> None:
         out.print(f"[bold]{key}[/bold]: {document[key]}")
     admission = document["admission"] or {}
     if admission:
+        first = admission.get("first_policy_version")
         out.print(f"[bold]admission[/bold]: {admission.get('decision')} under policy "
                   f"v{admission.get('policy_version')}"
+                  + (f", first admitted under v{first}" if first is not None else "")
                   + (f" ({admission.get('reason_code')}: {admission.get('message')})"
                      if admission.get("reason_code") else ""))
     attempts = Table("#", "status", "reason", "worker", "token", "lease", "started", "ended")

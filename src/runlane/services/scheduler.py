@@ -83,9 +83,14 @@ class Scheduler(MaintenanceService):
         # A new policy may admit deferred runs before their retry-after: look at all.
         version = self.store.current_policy()[0]
         changed = self._policy_seen is not None and version != self._policy_seen
+        # The queued backlog admitted under an older version is admitted again after a
+        # change, and on this scheduler's first pass (a change may have come while no
+        # scheduler ran); under version 0 every run was admitted under it.
+        backlog = version > 0 and (changed or self._policy_seen is None)
         self._policy_seen = version
         self._last = self.store.schedule_pass(page_size=self.config.page_size,
-                                              not_yet_due=changed)
+                                              not_yet_due=changed,
+                                              queued_under_older=backlog)
         return self._last
 
     def run_once(self) -> dict[str, int]:

@@ -63,6 +63,9 @@ SKIPPED_LANE_WAKE_WAIT_SECONDS = 1.0
 # counter without room for the batch (the 8-process limit test: 288 of 440 fell back),
 # and each fallback cost a statement for nothing.
 ONE_TRIP_MAX_SKIPS = 15
+# Queued runs read per page when a policy change has the scheduler pass admit the
+# backlog again (sql.QUEUED_PAGE): a short transaction each, whatever the queue's size.
+QUEUED_SCAN = 1000
 # conn.info key: the scopes a transaction's releases took below their limit; the
 # lanes blocked on them are woken just before it commits (Store._transaction).
 FREED_SCOPES = "runlane_freed_scopes"
@@ -113,6 +116,14 @@ class PolicyChanged(Exception):
 class LanesDue(Exception):
     """Sleeping lanes are due: the claim wakes them before it goes on, so a due lane's
     runs compete in this claim, by priority and pass, not one claim late."""
+
+
+def first_policy_version(run: Any) -> int:
+    """The version a run was first admitted under (its admission record keeps it when
+    a scheduler pass admits the run again under a newer one)."""
+    record = run.admission if isinstance(run.admission, dict) else json.loads(
+        run.admission or "{}")
+    return int(record.get("first_policy_version", run.policy_version))
 
 
 def rows_due(rows: Sequence[Any]) -> bool:
@@ -730,11 +741,22 @@ class SchedulingMixin:
             return []
         policy = self._policy_version(conn, version)
         self._one_trip_policy = (version, not has_budgets(policy))  # _claim_in_one_trip
-        usage = self._tenant_usage(conn, {c.tenant for c in candidates}, now) \
+        return [(c, d) for c, d in self._admit_queued_again(
+            conn, candidates, version, policy, now, actor=actor, where="at claim")
+            if d.decision == "ADMIT"]
+
+    def _admit_queued_again(self, conn: Connection, queued: Sequence[Any], version: int,
+                            policy: Policy, now: float, *, actor: str, where: str
+                            ) -> list[tuple[Any, Decision]]:
+        """Queued runs (locked) admitted again under ``policy``, version ``version``: a
+        denied run ends POLICY_DENIED, its message naming both versions (drill 6), a
+        deferred one waits for capacity. Returns each run with its decision. The run is
+        already queued: the tenant's queue length does not count against it."""
+        usage = self._tenant_usage(conn, {c.tenant for c in queued}, now) \
             if has_budgets(policy) else {}
         decisions: dict[tuple[Any, ...], Decision] = {}
-        admitted = []
-        for c in candidates:
+        decided = []
+        for c in queued:
             spent = usage.get(c.tenant)
             spent_usd = spent.spent_today_usd if spent else 0.0
             key = (c.tenant, c.repo, c.queue, c.priority, c.user_id, c.max_attempts,
@@ -748,7 +770,7 @@ class SchedulingMixin:
                     conn, run_id=c.run_id, source=S.QUEUED, path=[S.POLICY_DENIED],
                     run_token=c.fencing_token, actor=actor, now=now,
                     reason_code=decision.reason_code,
-                    message=(f"denied at claim by policy v{version} (admitted under "
+                    message=(f"denied {where} by policy v{version} (admitted under "
                              f"v{c.policy_version}): {decision.message}"))
             elif decision.decision == "DEFER":
                 self._set_status(
@@ -756,9 +778,8 @@ class SchedulingMixin:
                     run_token=c.fencing_token, actor=actor, now=now,
                     reason_code=decision.reason_code, message=decision.message,
                     visible_at=decision.retry_after)
-            else:
-                admitted.append((c, decision))
-        return admitted
+            decided.append((c, decision))
+        return decided
 
     def _allot_slots(self, conn: Connection, admitted: list[tuple[Any, Decision]]
                      ) -> tuple[list[tuple[Any, Decision]], set[str]]:
@@ -885,8 +906,8 @@ class SchedulingMixin:
 
     # --- the scheduler pass --------------------------------------------------------
 
-    def schedule_pass(self, *, page_size: int = 200, not_yet_due: bool = False
-                      ) -> dict[str, int]:
+    def schedule_pass(self, *, page_size: int = 200, not_yet_due: bool = False,
+                      queued_under_older: bool = False) -> dict[str, int]:
         """One pass over waiting runs, each page its own short transaction.
 
         Deferred runs whose retry-after passed are re-admitted under the policy in
@@ -897,8 +918,14 @@ class SchedulingMixin:
         share a timestamp, and rows are taken with SKIP LOCKED, so several schedulers
         never wait on each other. ``not_yet_due`` looks at every deferred run (after a
         policy change: a raised budget or a lifted rule admits them now).
+        ``queued_under_older`` (after a policy change) also admits again every queued
+        run admitted under another version than the one in force
+        (``_admit_queued_backlog``).
         """
-        counts = {"readmitted": 0, "denied": 0, "deferred": 0, "dependencies_resolved": 0}
+        counts = {"readmitted": 0, "denied": 0, "deferred": 0, "dependencies_resolved": 0,
+                  "queued_readmitted": 0}
+        if queued_under_older:
+            counts.update(self._admit_queued_backlog(scan=max(page_size, QUEUED_SCAN)))
         for status in (S.WAITING_CAPACITY, S.ADMITTED):
             cursor: tuple[float, str] = (float("-inf"), "")
             while True:
@@ -965,6 +992,57 @@ class SchedulingMixin:
                     usage[r.tenant] = TenantUsage(current.queued_runs + 1,
                                                   current.spent_today_usd)
         return (rows[-1].created_at, rows[-1].run_id), counts, len(rows)
+
+    def _admit_queued_backlog(self, *, scan: int) -> dict[str, int]:
+        """After a policy change: every queued run admitted under another version is
+        admitted again under the version in force, a page of the dispatch index at a
+        time, each page its own short transaction (sql.QUEUED_PAGE). An admitted run
+        records its new decision, which names the version it was first admitted under
+        (``first_policy_version``), and can then be claimed in one statement
+        (CLAIM_ONE_TRIP_PG takes only runs admitted under the version in force); a
+        denied or deferred run leaves the queue now rather than at its claim."""
+        counts = {"queued_readmitted": 0, "denied": 0, "deferred": 0}
+        after: tuple[int, float, str] = (-(2**31), float("-inf"), "")
+
+        def page(conn: Connection) -> tuple[tuple[int, float, str], int]:
+            keys = conn.execute(self._q(sql.QUEUED_PAGE), {
+                "after_lane": after[0], "after_created": after[1], "after_id": after[2],
+                "scan": scan}).all()
+            if not keys:
+                return after, 0
+            version, policy = self._policy(conn)
+            other = [k.run_id for k in keys if k.policy_version != version]
+            rows = conn.execute(self._q(
+                sql.QUEUED_UNDER_OTHER_POLICY[self.dialect],
+                *(() if self.dialect == "postgresql" else ("run_ids",))), {
+                "run_ids": other, "version": version}).all() if other else []
+            if rows:
+                now = self._now(conn)
+                decided = self._admit_queued_again(conn, rows, version, policy, now,
+                                                   actor="scheduler",
+                                                   where="by the scheduler pass")
+                admitted = {c.run_id: json.dumps({
+                    **decision.to_json(), "first_policy_version": first_policy_version(c)})
+                    for c, decision in decided if decision.decision == "ADMIT"}
+                if admitted and self.dialect == "postgresql":
+                    conn.execute(self._q(sql.SET_ADMISSIONS_PG), {
+                        "run_ids": list(admitted), "admissions": list(admitted.values()),
+                        "policy_version": version})
+                elif admitted:
+                    conn.execute(self._q(sql.SET_ADMISSION), [
+                        {"run_id": run_id, "admission": admission, "policy_version": version}
+                        for run_id, admission in admitted.items()])
+                kinds = Counter(decision.decision for _, decision in decided)
+                counts["queued_readmitted"] += kinds["ADMIT"]
+                counts["denied"] += kinds["DENY"]
+                counts["deferred"] += kinds["DEFER"]
+            last = keys[-1]
+            return (last.lane_id, last.created_at, last.run_id), len(keys)
+
+        while True:
+            after, seen = self._transaction(page)
+            if seen < scan:
+                return counts
 
     # --- budgets ------------------------------------------------------------------
 

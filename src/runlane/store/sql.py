@@ -1003,6 +1003,43 @@ SET_ADMISSION = """
 UPDATE runs SET admission = :admission, policy_version = :policy_version
 WHERE run_id = :run_id
 """
+# After a policy change, the scheduler pass admits the queued backlog again (runs
+# admitted under an older version are what CLAIM_ONE_TRIP_PG leaves to the transaction,
+# and a run the new policy denies should not wait for its claim to say so). A page is
+# :scan entries of the dispatch index, in its order (lane, created_at, run_id), read
+# without locks whatever their version: no statement reads the whole queue. The runs of
+# the page admitted under another version are then locked, skipping those a claim holds
+# (it admits them again itself).
+QUEUED_PAGE = """
+SELECT r.run_id, r.lane_id, r.created_at, r.policy_version
+FROM runs r
+WHERE r.status = 'QUEUED'
+  AND (r.lane_id, r.created_at, r.run_id) > (:after_lane, :after_created, :after_id)
+ORDER BY r.lane_id, r.created_at, r.run_id
+LIMIT :scan
+"""
+_QUEUED_UNDER_OTHER_POLICY = """
+SELECT r.run_id, r.task_id, r.fencing_token, r.tenant, r.repo, r.queue, r.priority,
+       r.user_id, r.route_key, r.max_attempts, r.lane_id, r.policy_version, r.admission
+FROM runs r
+WHERE r.run_id {in_run_ids}
+  AND r.status = 'QUEUED'
+  AND r.policy_version <> :version
+ORDER BY r.lane_id, r.created_at, r.run_id
+{{lock_r_skip}}
+"""
+QUEUED_UNDER_OTHER_POLICY = {  # an array of a page's ids, not a thousand placeholders
+    "postgresql": _QUEUED_UNDER_OTHER_POLICY.format(
+        in_run_ids="= ANY(CAST(:run_ids AS text[]))"),
+    "sqlite": _QUEUED_UNDER_OTHER_POLICY.format(in_run_ids="IN :run_ids"),
+}
+# The new decisions of a page of runs, admitted again: one statement on PostgreSQL;
+# SQLite sends SET_ADMISSION row by row (in process, no round trips).
+SET_ADMISSIONS_PG = """
+UPDATE runs r SET admission = CAST(u.admission AS json), policy_version = :policy_version
+FROM unnest(CAST(:run_ids AS text[]), CAST(:admissions AS text[])) AS u(run_id, admission)
+WHERE r.run_id = u.run_id
+"""
 
 INSERT_ATTEMPT = """
 INSERT INTO attempts (run_id, attempt_no, fencing_token, worker_id, status, lease_status,
