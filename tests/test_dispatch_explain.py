@@ -707,6 +707,23 @@ def test_lanes_wake_reads_only_sleeping_lanes(explain_db: ExplainDb) -> None:
     assert_bounded(plan, index="ix_lanes_wake", table="lanes", bound=3, ordered=False)
 
 
+@pytest.mark.parametrize("plan_of", [explain, explain_generic])
+def test_marking_a_tenants_lanes_reads_only_that_tenants_lanes(
+        explain_db: ExplainDb, plan_of: Any) -> None:
+    """A release that takes a tenant below its limit (or a claim on SQLite that fills
+    it) locks that tenant's lanes in lane_id order: through the index by tenant, a sort
+    of its few lanes, never a scan of every lane."""
+    with explain_db.engine.connect() as conn:
+        params = {"tenant": "tenant-0900", "at_limit": 0}
+        mine = conn.execute(text("SELECT COUNT(*) FROM lanes WHERE tenant = :tenant "
+                                 "AND tenant_at_limit <> :at_limit"), params).scalar_one()
+        plan = plan_of(conn, sql.MARK_TENANT_LANES, params)
+        conn.rollback()
+    assert mine > 0
+    assert_bounded(plan, index="ix_lanes_tenant", table="lanes", bound=2 * mine,
+                   ordered=False)
+
+
 @pytest.mark.parametrize("start", ["head", "middle"])
 def test_a_page_of_the_queued_backlog_reads_one_page(explain_db: ExplainDb,
                                                      start: str) -> None:

@@ -305,6 +305,56 @@ def test_a_claim_filling_its_tenant_locks_the_tenants_lanes_in_lane_id_order(
     assert store.audit() == []
 
 
+def test_a_release_below_its_tenants_limit_locks_the_tenants_lanes_in_lane_id_order(
+        store: Store, db_url: str) -> None:
+    """The release that takes a tenant below its limit shows all its lanes again. It
+    updated them in scan order, where a lane updated since comes after the others: a
+    writer holding a lower lane of that tenant (a submit) and then wanting a higher one
+    deadlocked with it. It now locks them in lane_id order first."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("row locks (SQLite serializes writers on the file)")
+    apply(store, "[concurrency]\nper_tenant_max_active = 1\n")
+    submit(store, tenant="t", priority="low")  # the lower lane_id
+    submit(store, tenant="t", priority="high")
+    [lease] = store.claim("w1", limit=1, lease_ttl=TTL)  # the tenant is full
+    with store.engine.connect() as conn:
+        low_lane, high_lane = conn.execute(text(
+            "SELECT lane_id FROM lanes WHERE tenant = 't' ORDER BY priority DESC")).scalars()
+        assert low_lane < high_lane
+        # The low lane's pass moves, as a claim from it moves it: its new version comes
+        # after the high lane's, in the table and in the index by tenant.
+        conn.execute(text("UPDATE lanes SET pass = pass + 1 WHERE lane_id = :l"),
+                     {"l": low_lane})
+        conn.commit()
+        assert set(conn.execute(text(
+            "SELECT tenant_at_limit FROM lanes WHERE tenant = 't'")).scalars()) == {1}
+    errors: list[BaseException] = []
+
+    def complete() -> None:
+        try:
+            store.complete(lease)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    with store.engine.connect() as holder:  # a submit to the low lane, in progress
+        holder.execute(text("SELECT lane_id FROM lanes WHERE lane_id = :l FOR UPDATE"),
+                       {"l": low_lane})
+        release = threading.Thread(target=complete)
+        release.start()
+        wait_for_a_lock_wait(store.url, "", "the release's lock of the low lane")
+        # The release holds no lane yet: the high lane is free to take, now.
+        holder.execute(text("SET LOCAL lock_timeout = '5s'"))
+        holder.execute(text("UPDATE lanes SET queued_count = queued_count WHERE lane_id = :l"),
+                       {"l": high_lane})
+        holder.commit()
+    release.join(timeout=30)
+    assert errors == []
+    with store.engine.connect() as conn:
+        assert set(conn.execute(text(
+            "SELECT tenant_at_limit FROM lanes WHERE tenant = 't'")).scalars()) == {0}
+    assert store.audit() == []
+
+
 def test_an_attempt_starts_when_its_slots_are_taken_not_before_a_wait_for_them(
         db_url: str) -> None:
     """A claim that waits for a counter (a release holding it until it commits) reads
@@ -1109,10 +1159,23 @@ def test_the_reconciler_never_waits_on_a_lane_another_transaction_holds(
     assert store.audit() == []
 
 
-def test_a_new_policy_readmits_deferred_runs_at_once(store: Store, db_url: str) -> None:
+def test_a_new_policy_readmits_deferred_runs_at_once(
+        store: Store, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Event-driven: applying a policy wakes the scheduler (NOTIFY on PostgreSQL; the
-    next pass elsewhere), which then looks at deferred runs before their retry-after."""
+    next pass elsewhere), which then looks at deferred runs before their retry-after.
+    The scheduler's listener connects slowly here: a policy applied before it listens
+    must still be seen (its loop read the version before it listened, and the policy
+    waited for the periodic pass: this test failed 2 times in 30)."""
     from runlane.services.scheduler import Scheduler, SchedulerConfig
+    from runlane.store import wakeup
+
+    libpq_url = wakeup.libpq_url
+
+    def slow_url(url: str) -> str:
+        time.sleep(0.3)
+        return libpq_url(url)
+
+    monkeypatch.setattr(wakeup, "libpq_url", slow_url)
 
     apply(store, "[[rules]]\nwhen = { tenant = 'acme' }\naction = 'defer'\n"
                  "retry_after_seconds = 3600\n")

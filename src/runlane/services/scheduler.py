@@ -106,6 +106,9 @@ class Scheduler(MaintenanceService):
             super().run_forever(stop)
             return
         with Listener(self.store.url, channels=(SCHEDULE_CHANNEL,)).start() as listener:
+            # LISTEN before the first pass reads the version in force: a policy applied
+            # in between was notified to nobody and waited for the periodic pass.
+            listener.wait_connected()
             due = 0.0
             woken: list[Any] = []
             while not stop.is_set():

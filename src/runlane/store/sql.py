@@ -696,10 +696,15 @@ RETURNING c.scope, g.active >= c.max_active AND c.active < c.max_active AS freed
 CLEAR_ATTEMPT_SLOTS = """
 UPDATE attempts SET limit_scopes = NULL WHERE run_id = :run_id AND fencing_token = :token
 """
-# A tenant at its limit hides (or, below it again, shows) all its lanes.
+# A tenant at its limit hides (or, below it again, shows) all its lanes, locked in
+# lane_id order first, as every writer of several lanes locks them (their scan order
+# is not lane_id order once a lane's row was written again: a release deadlocked with
+# a submit holding a lower lane of the tenant).
 MARK_TENANT_LANES = """
 UPDATE lanes SET tenant_at_limit = :at_limit
-WHERE tenant = :tenant AND tenant_at_limit <> :at_limit
+WHERE lane_id IN (SELECT l.lane_id FROM lanes l
+                  WHERE l.tenant = :tenant AND l.tenant_at_limit <> :at_limit
+                  ORDER BY l.lane_id {lock_for_update})
 """
 
 # Lane bookkeeping. A lane that gains work after being empty joins just ahead of the

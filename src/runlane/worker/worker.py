@@ -89,7 +89,9 @@ class Worker:
         self.store.register_worker(self.worker_id, version=__version__,
                                    queues=self.config.queues,
                                    capabilities=self.config.capabilities)
-        self.listener.start()
+        # LISTEN before the first claim: a run submitted in between would otherwise
+        # wait for the poll.
+        self.listener.start().wait_connected()
         heartbeat = threading.Thread(target=self._heartbeat_loop, name="runlane-heartbeat",
                                      daemon=True)
         heartbeat.start()
