@@ -46,7 +46,10 @@ class Listener:
         self.channels = channels
         self.reconnect_seconds = reconnect_seconds
         self.enabled = dialect_of(url) == "postgresql"
-        self._inbox: queue.Queue[Wakeup] = queue.Queue()
+        # A SimpleQueue: its put() is reentrant, so poke() is safe from a signal handler
+        # (the worker's SIGTERM drain) that runs while this thread is inside wait():
+        # queue.Queue.put would block forever on the mutex its own thread holds.
+        self._inbox: queue.SimpleQueue[Wakeup] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._connected = threading.Event()
         self.backend_pid: int | None = None
