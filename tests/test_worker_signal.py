@@ -1,7 +1,8 @@
 """SIGTERM starts a worker's drain from a signal handler, which Python runs in the main
 thread between two bytecodes: also while that thread is inside ``Listener.wait`` (the
-claim loop's idle wait). The handler must not block on a lock the interrupted code
-holds, or the worker never drains (the harness: "worker did not drain within 15s")."""
+claim loop's idle wait) or writing a log line. The handler must not block on a lock the
+interrupted code holds, or the worker never drains (the fault harness: "worker did not
+drain within 15s")."""
 
 from __future__ import annotations
 
@@ -11,10 +12,15 @@ import textwrap
 from pathlib import Path
 
 SCRIPT = textwrap.dedent("""
-    import faulthandler, os, signal, sys, threading
+    import faulthandler, logging, os, signal, sys, threading
+    import structlog
     from runlane.store.store import Store
     from runlane.worker.worker import Worker, WorkerConfig
 
+    # INFO on a PrintLogger, as `runlane worker` logs by default: one write lock.
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        logger_factory=structlog.PrintLoggerFactory(file=open(os.devnull, "w")))
     worker = Worker(Store(sys.argv[1]), driver=None, config=WorkerConfig())
     handled = threading.Event()
 
@@ -36,8 +42,9 @@ SCRIPT = textwrap.dedent("""
         finished.set()
 
     threading.Thread(target=send, daemon=True).start()
-    while not finished.is_set():
-        worker.listener.wait(0)  # as often as possible inside the wait
+    while not finished.is_set():  # as often as possible inside the wait and a log write
+        worker.listener.wait(0)
+        worker.log.info("claim_loop_tick")
 """)
 
 

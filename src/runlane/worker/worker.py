@@ -74,6 +74,7 @@ class Worker:
         self._beat_now = threading.Event()
         self._active: dict[str, tuple[threading.Thread, AttemptState]] = {}
         self._lock = threading.Lock()
+        self._signal: str | None = None  # the signal that started the drain
         self.outcomes: list[str] = []
         self.log = log.bind(worker_id=self.worker_id)
 
@@ -100,6 +101,8 @@ class Worker:
         try:
             self._claim_loop()
         finally:
+            if self._signal is not None:
+                self.log.info("drain_requested", signal=self._signal)
             self.request_drain()
             self._drain()  # never leave with attempts running: they would be orphaned
             self._stopped.set()
@@ -116,7 +119,11 @@ class Worker:
             self.listener.poke()
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        self.log.info("drain_requested", signal=signal.Signals(signum).name)
+        # Python runs a handler in the main thread between two bytecodes, maybe while
+        # that thread holds a lock: the listener's inbox (inside Listener.wait), the
+        # log's write lock. Taking one of those here would never return (the worker
+        # would never drain): no logging here, and poke() is reentrant.
+        self._signal = signal.Signals(signum).name
         self.request_drain()
 
     # --- claiming ----------------------------------------------------------------------
