@@ -113,6 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with psycopg.connect(libpq(url), autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE runs")
         vacuum_seconds = time.perf_counter() - started
+        # A pass with nothing left to admit again (a scheduler's first pass does one):
+        # the cost of reading the queue.
+        started = time.perf_counter()
+        again = store.schedule_pass(queued_under_older=True)["queued_readmitted"]
+        scan_seconds = time.perf_counter() - started
         progress(f"pass: {counts} in {pass_seconds:.1f} s; claims after it")
         store.ends = Counter()
         claims(store, 30, args.limit, held)  # the skip after fallbacks runs out
@@ -134,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nThe pass: {counts['queued_readmitted']:,} runs admitted again in "
           f"{pass_seconds:.1f} s ({counts['queued_readmitted'] / pass_seconds:,.0f} runs/s); "
           f"{updated:,} run updates, {hot:,} of them HOT ({hot / max(updated, 1):.0%}); "
-          f"then VACUUM ANALYZE runs, {vacuum_seconds:.1f} s.")
+          f"then VACUUM ANALYZE runs, {vacuum_seconds:.1f} s. A pass with nothing left "
+          f"to admit again ({again} admitted): {scan_seconds:.1f} s.")
     # The population holds its full scopes' slots without attempts (bench/scheduler.py):
     # the audit reports each of those counters, and nothing else should be reported.
     checks = Counter(p.check for p in problems)

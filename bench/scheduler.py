@@ -65,6 +65,7 @@ from runlane.logs import configure_logging
 from runlane.store import sql
 from runlane.store.engine import PLANNER_OPTIONS, build_engine
 from runlane.store.migrate import upgrade
+from runlane.store.scheduling import same_terms
 from runlane.store.store import Lease, Store
 
 DEFAULT_POSTGRES_URL = BENCH_POSTGRES_URL
@@ -159,7 +160,7 @@ def population(shape: Shape) -> list[str]:
                    policy_version, limits, admission)
             SELECT s.run_id, s.task_id, s.tenant, s.repo, s.queue, s.priority, 'QUEUED', 0,
                    3, 0, s.visible_at, s.created_at, s.created_at, 0, s.user_id, 'low',
-                   s.route_key, l.lane_id, 1, '{{"max_cost_usd": 5.0}}', {ADMISSION}
+                   s.route_key, l.lane_id, 1, '{{}}', {ADMISSION}
             FROM ({s}) s JOIN lanes l ON l.queue = s.queue AND l.route_key = s.route_key
                  AND l.priority = s.priority AND l.tenant = s.tenant""",
         f"""INSERT INTO limit_counters (scope, active, max_active)
@@ -244,16 +245,20 @@ def populate(url: str, shape: Shape) -> dict[str, float]:
 
 
 def check_admissions(store: Store) -> None:
-    """The synthetic admission records (ADMISSION) must be what admission decides."""
+    """The synthetic admission records (ADMISSION) must be what admission decides, and
+    the runs' own terms the decision's (as a submit writes them)."""
     version, in_force = store.current_policy()
     with store.engine.connect() as conn:
         sample = conn.execute(text(
             "SELECT run_id, tenant, repo, queue, priority, user_id, max_attempts, "
-            "route_key, admission FROM runs TABLESAMPLE SYSTEM (1) LIMIT 200")).all()
+            "risk_class, route_key, limits, admission "
+            "FROM runs TABLESAMPLE SYSTEM (1) LIMIT 200")).all()
     for row in sample:
         expected = admit(Store._request_of(row), in_force, version, TenantUsage(), 0.0)
-        if expected.to_json() != row.admission:
-            raise SystemExit(f"run {row.run_id}: admission {row.admission} is not "
+        if expected.to_json() != row.admission or not same_terms(row, expected):
+            raise SystemExit(f"run {row.run_id}: admission {row.admission} (terms "
+                             f"{row.queue}, {row.priority}, {row.max_attempts}, "
+                             f"{row.risk_class}, {row.route_key!r}, {row.limits}) is not "
                              f"policy v{version}'s {expected.to_json()}")
 
 

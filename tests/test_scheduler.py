@@ -109,7 +109,8 @@ daily_model_budget_usd = 1.0
     # after it re-admits it (the spend belongs to the day before).
     assert store.claim("w1", limit=10, lease_ttl=TTL)[0].run_id == admitted.run_id
     assert store.schedule_pass() == {"readmitted": 0, "denied": 0, "deferred": 0,
-                                     "dependencies_resolved": 0, "queued_readmitted": 0}
+                                     "dependencies_resolved": 0, "queued_readmitted": 0,
+                                     "queued_terms_changed": 0, "queued_skipped": 0}
     clock.set(1800057600.0 + 1)
     assert store.schedule_pass()["readmitted"] == 1
     assert run_row(store, deferred.run_id).status == S.QUEUED.value
@@ -175,12 +176,102 @@ retry_after_seconds = 3600
     assert run_row(store, deferred.run_id).status == S.WAITING_CAPACITY.value
     # Nothing left under an older version; a third version keeps the first one.
     assert store.schedule_pass(queued_under_older=True)["queued_readmitted"] == 0
+    # A third version lifts the deferral: the deferred run is admitted once (not
+    # decided again by the backlog's part of the pass) and keeps its first version.
     apply(store, "[defaults]\nqueue = 'default'\npriority = 'high'\n")
-    assert scheduler.run_once()["queued_readmitted"] == 4
-    assert store.get_run(kept[0].run_id)["admission"]["first_policy_version"] == v1
+    counts = scheduler.run_once()
+    assert (counts["queued_readmitted"], counts["readmitted"], counts["deferred"]) == (4, 1, 0)
+    for run in [*kept, deferred]:
+        assert store.get_run(run.run_id)["admission"]["first_policy_version"] == v1
     assert {lease.run_id for lease in store.claim("w1", limit=10, lease_ttl=TTL)} == \
-        {run.run_id for run in kept}
+        {run.run_id for run in [*kept, deferred]}
     assert store.audit() == []
+
+
+def test_the_backlog_pass_keeps_a_runs_terms_and_prunes_cancelled_tasks(
+        store: Store) -> None:
+    """A queued run keeps the terms it entered the queue with (its lane, retries,
+    limits, risk class): a new version that would change them leaves its record as it
+    is, true to the run, and its claim admits it again (a review found the record
+    claiming terms the run did not have). A run whose task's cancel was requested is
+    pruned, as at claim (it was denied)."""
+    from runlane.services.scheduler import Scheduler
+
+    v1 = apply(store, "[defaults]\nqueue = 'default'\n")
+    risky = submit(store, 2, repo="/srv/git/infra.git")
+    plain = submit(store)[0]
+    [cancelled] = submit(store)
+    execute(store, "UPDATE tasks SET cancel_requested_at = 1 WHERE task_id = :t",
+            t=cancelled.task_id)
+    apply(store, "[[repositories]]\nmatch = '*infra*'\nrisk_class = 'high'\n"
+                 "max_attempts = 1\n")
+    counts = Scheduler(store).run_once()
+    assert (counts["queued_terms_changed"], counts["queued_readmitted"]) == (2, 1)
+    for run in risky:
+        row = run_row(store, run.run_id)
+        assert (row.status, row.policy_version, row.risk_class, row.max_attempts) == (
+            S.QUEUED.value, v1, "low", 3)
+        assert store.get_run(run.run_id)["admission"]["risk_class"] == "low"
+    assert run_row(store, plain.run_id).policy_version == v1 + 1
+    row = run_row(store, cancelled.run_id)
+    assert (row.status, row.reason_code) == (S.CANCELLED.value, Reason.CANCELLED_BY_USER)
+    assert {lease.run_id for lease in store.claim("w1", limit=10, lease_ttl=TTL)} == \
+        {plain.run_id, *(run.run_id for run in risky)}
+    assert store.audit() == []
+
+
+def test_a_failed_backlog_pass_is_run_again(store: Store,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass that fails after a policy change (a lost connection) must not count the
+    change as seen: the next pass admits the backlog again and looks at the deferred
+    runs (a review found both dropped until the next change)."""
+    from runlane.services.scheduler import Scheduler
+
+    apply(store, "[defaults]\nqueue = 'default'\n")
+    run = submit(store)[0]
+    scheduler = Scheduler(store)
+    scheduler.run_once()
+    v2 = apply(store, "[concurrency]\nglobal_max_active = 5\n")
+    passes = store.schedule_pass
+    failures = [RuntimeError("connection lost")]
+
+    def schedule_pass(**kwargs: Any) -> dict[str, int]:
+        if failures:
+            raise failures.pop()
+        return passes(**kwargs)
+
+    monkeypatch.setattr(store, "schedule_pass", schedule_pass)
+    with pytest.raises(RuntimeError, match="connection lost"):
+        scheduler.run_once()
+    assert scheduler.run_once()["queued_readmitted"] == 1
+    assert run_row(store, run.run_id).policy_version == v2
+
+
+def test_runs_a_claim_holds_during_the_backlog_pass_are_admitted_by_the_next(
+        store: Store, db_url: str) -> None:
+    """The pass skips the runs a claim holds (SKIP LOCKED) and tries them again at its
+    end; those still held are counted, and the scheduler's next pass admits them (a
+    review found them left under the old version for good)."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("row locks (SQLite serializes writers on the file)")
+    from runlane.services.scheduler import Scheduler
+
+    apply(store, "[defaults]\nqueue = 'default'\n")
+    held, free = submit(store, 2)
+    scheduler = Scheduler(store)
+    scheduler.run_once()
+    v2 = apply(store, "[concurrency]\nglobal_max_active = 5\n")
+    with store.engine.connect() as claim:  # a claim's lock, through the whole pass
+        claim.execute(text("SELECT run_id FROM runs WHERE run_id = :r FOR UPDATE"),
+                      {"r": held.run_id})
+        counts = scheduler.run_once()
+        claim.rollback()
+    assert (counts["queued_readmitted"], counts["queued_skipped"]) == (1, 1)
+    assert run_row(store, held.run_id).policy_version == v2 - 1
+    counts = scheduler.run_once()  # no change since: the skipped run's turn
+    assert (counts["queued_readmitted"], counts["queued_skipped"]) == (1, 0)
+    assert run_row(store, held.run_id).policy_version == v2
+    assert run_row(store, free.run_id).policy_version == v2
 
 
 def test_once_the_backlog_is_admitted_again_its_claims_are_one_statement(

@@ -76,6 +76,7 @@ class Scheduler(MaintenanceService):
         self.trigger = PassTrigger(self._pass)
         self._last: dict[str, int] = {}
         self._policy_seen: int | None = None
+        self._backlog_left = False  # the last backlog pass skipped runs claims held
         self.passes = 0
 
     def _pass(self) -> dict[str, int]:
@@ -84,13 +85,17 @@ class Scheduler(MaintenanceService):
         version = self.store.current_policy()[0]
         changed = self._policy_seen is not None and version != self._policy_seen
         # The queued backlog admitted under an older version is admitted again after a
-        # change, and on this scheduler's first pass (a change may have come while no
-        # scheduler ran); under version 0 every run was admitted under it.
-        backlog = version > 0 and (changed or self._policy_seen is None)
-        self._policy_seen = version
+        # change, on this scheduler's first pass (a change may have come while no
+        # scheduler ran) and after a pass that could not reach all of it; under
+        # version 0 every run was admitted under it.
+        backlog = version > 0 and (changed or self._policy_seen is None
+                                   or self._backlog_left)
         self._last = self.store.schedule_pass(page_size=self.config.page_size,
                                               not_yet_due=changed,
                                               queued_under_older=backlog)
+        # Only once the pass is done: one that failed is run again in full.
+        self._policy_seen = version
+        self._backlog_left = self._last.get("queued_skipped", 0) > 0
         return self._last
 
     def run_once(self) -> dict[str, int]:

@@ -63,6 +63,8 @@ SKIPPED_LANE_WAKE_WAIT_SECONDS = 1.0
 # counter without room for the batch (the 8-process limit test: 288 of 440 fell back),
 # and each fallback cost a statement for nothing.
 ONE_TRIP_MAX_SKIPS = 15
+# Statements taking a list of run ids: an array on PostgreSQL, an IN list on SQLite.
+RUN_IDS_EXPANDING: dict[str, tuple[str, ...]] = {"postgresql": (), "sqlite": ("run_ids",)}
 # Queued runs read per page when a policy change has the scheduler pass admit the
 # backlog again (sql.QUEUED_PAGE): a short transaction each, whatever the queue's size.
 QUEUED_SCAN = 1000
@@ -124,6 +126,16 @@ def first_policy_version(run: Any) -> int:
     record = run.admission if isinstance(run.admission, dict) else json.loads(
         run.admission or "{}")
     return int(record.get("first_policy_version", run.policy_version))
+
+
+def same_terms(run: Any, decision: Decision) -> bool:
+    """Whether a decision keeps a queued run's terms, those it entered the queue with
+    (its lane, its retries, its limits): only then does its record take the decision."""
+    limits = run.limits if isinstance(run.limits, dict) else json.loads(run.limits or "{}")
+    return (decision.queue, decision.priority, decision.max_attempts, decision.risk_class,
+            decision.requires, dict(decision.limits)) == (
+        run.queue, run.priority, run.max_attempts, run.risk_class, run.route_key or "",
+        limits)
 
 
 def rows_due(rows: Sequence[Any]) -> bool:
@@ -729,14 +741,8 @@ class SchedulingMixin:
         force now; a denied run ends POLICY_DENIED, a deferred one waits for capacity.
         Returns the admitted runs with their decisions (their slots come next)."""
         version, now = int(candidates[0].version or 0), float(candidates[0].now)
-        for c in candidates:
-            if c.task_cancelled:
-                self._set_status(
-                    conn, run_id=c.run_id, source=S.QUEUED, path=[S.CANCELLED],
-                    run_token=c.fencing_token, actor=actor, now=now,
-                    reason_code=Reason.CANCELLED_BY_USER,
-                    message="its task was cancelled; pruned at claim")
-        candidates = [c for c in candidates if not c.task_cancelled]
+        candidates = self._prune_cancelled(conn, candidates, now=now, actor=actor,
+                                           where="at claim")
         if not candidates:
             return []
         policy = self._policy_version(conn, version)
@@ -744,6 +750,19 @@ class SchedulingMixin:
         return [(c, d) for c, d in self._admit_queued_again(
             conn, candidates, version, policy, now, actor=actor, where="at claim")
             if d.decision == "ADMIT"]
+
+    def _prune_cancelled(self, conn: Connection, queued: Sequence[Any], *, now: float,
+                         actor: str, where: str) -> list[Any]:
+        """Queued runs (locked) of tasks whose cancel was requested end CANCELLED
+        (invariant 1: the queue is not the truth); returns the others."""
+        for c in queued:
+            if c.task_cancelled:
+                self._set_status(
+                    conn, run_id=c.run_id, source=S.QUEUED, path=[S.CANCELLED],
+                    run_token=c.fencing_token, actor=actor, now=now,
+                    reason_code=Reason.CANCELLED_BY_USER,
+                    message=f"its task was cancelled; pruned {where}")
+        return [c for c in queued if not c.task_cancelled]
 
     def _admit_queued_again(self, conn: Connection, queued: Sequence[Any], version: int,
                             policy: Policy, now: float, *, actor: str, where: str
@@ -920,12 +939,11 @@ class SchedulingMixin:
         policy change: a raised budget or a lifted rule admits them now).
         ``queued_under_older`` (after a policy change) also admits again every queued
         run admitted under another version than the one in force
-        (``_admit_queued_backlog``).
+        (``_admit_queued_backlog``; ``queued_skipped`` counts those it could not
+        reach, held by claims to the end: the caller passes again).
         """
         counts = {"readmitted": 0, "denied": 0, "deferred": 0, "dependencies_resolved": 0,
-                  "queued_readmitted": 0}
-        if queued_under_older:
-            counts.update(self._admit_queued_backlog(scan=max(page_size, QUEUED_SCAN)))
+                  "queued_readmitted": 0, "queued_terms_changed": 0, "queued_skipped": 0}
         for status in (S.WAITING_CAPACITY, S.ADMITTED):
             cursor: tuple[float, str] = (float("-inf"), "")
             while True:
@@ -938,6 +956,11 @@ class SchedulingMixin:
                     counts[key] += n
                 if seen < page_size:
                     break
+        # Last: a run deferred again here is not decided a second time above, and the
+        # deferred runs admitted above were admitted under the version in force.
+        if queued_under_older:
+            for key, n in self._admit_queued_backlog(scan=max(page_size, QUEUED_SCAN)).items():
+                counts[key] += n
         return counts
 
     def _schedule_page(self, conn: Connection, status: RunStatus, after: tuple[float, str],
@@ -968,8 +991,9 @@ class SchedulingMixin:
             decision = admit(self._request_of(r), policy, version,
                              usage.get(r.tenant, TenantUsage()), now)
             conn.execute(self._q(sql.SET_ADMISSION), {
-                "run_id": r.run_id, "admission": json.dumps(decision.to_json()),
-                "policy_version": version})
+                "run_id": r.run_id, "policy_version": version,
+                "admission": json.dumps({**decision.to_json(),
+                                         "first_policy_version": first_policy_version(r)})})
             if decision.decision == "DEFER":
                 conn.execute(self._q(sql.SET_VISIBLE), {
                     "run_id": r.run_id, "visible_at": decision.retry_after,
@@ -981,11 +1005,13 @@ class SchedulingMixin:
                 target, key = S.POLICY_DENIED, "denied"
             else:
                 target, key = self._dependency_outcome(conn, r.task_id), "readmitted"
+            # Admitted before its retry-after (a policy change): visible now, not then.
             if self._set_status(conn, run_id=r.run_id, source=S.WAITING_CAPACITY, path=[target],
                                 run_token=r.fencing_token, actor="scheduler", now=now,
                                 reason_code=(Reason.DEPENDENCY_FAILED if target is S.CANCELLED
                                              else decision.reason_code),
-                                message=f"{decision.decision} under policy v{version}"):
+                                message=f"{decision.decision} under policy v{version}",
+                                visible_at=now if target in (S.QUEUED, S.ADMITTED) else None):
                 counts[key] += 1
                 if target is S.QUEUED:
                     current = usage.get(r.tenant, TenantUsage())
@@ -996,53 +1022,93 @@ class SchedulingMixin:
     def _admit_queued_backlog(self, *, scan: int) -> dict[str, int]:
         """After a policy change: every queued run admitted under another version is
         admitted again under the version in force, a page of the dispatch index at a
-        time, each page its own short transaction (sql.QUEUED_PAGE). An admitted run
-        records its new decision, which names the version it was first admitted under
-        (``first_policy_version``), and can then be claimed in one statement
-        (CLAIM_ONE_TRIP_PG takes only runs admitted under the version in force); a
-        denied or deferred run leaves the queue now rather than at its claim."""
-        counts = {"queued_readmitted": 0, "denied": 0, "deferred": 0}
-        after: tuple[int, float, str] = (-(2**31), float("-inf"), "")
+        time, each page its own short transaction (sql.QUEUED_PAGE). A denied or
+        deferred run leaves the queue now rather than at its claim; a run of a
+        cancelled task is pruned. An admitted run whose terms are unchanged (queue,
+        priority, maximum attempts, risk class, requirements, limits: the run keeps
+        those it entered the queue with) records the new decision, which names the
+        version it was first admitted under (``first_policy_version``), and can then be
+        claimed in one statement (CLAIM_ONE_TRIP_PG takes only runs admitted under the
+        version in force). One whose terms changed keeps its record, true to the run,
+        and is admitted again at its claim (``queued_terms_changed``).
 
-        def page(conn: Connection) -> tuple[tuple[int, float, str], int]:
+        Runs a claim holds are skipped (SKIP LOCKED) and tried once more at the end;
+        those still held (and still queued under another version) are counted in
+        ``queued_skipped``."""
+        counts = {"queued_readmitted": 0, "queued_terms_changed": 0, "denied": 0,
+                  "deferred": 0, "queued_skipped": 0}
+        skipped: list[str] = []
+
+        def admit_again(conn: Connection, run_ids: list[str]) -> set[str]:
+            """Admit these runs again (those still queued under another version, and
+            not held): returns the ids it locked."""
+            version, policy = self._policy(conn)
+            rows = conn.execute(self._q(
+                sql.QUEUED_UNDER_OTHER_POLICY[self.dialect],
+                *RUN_IDS_EXPANDING[self.dialect]), {
+                "run_ids": run_ids, "version": version}).all()
+            if not rows:
+                return set()
+            now = self._now(conn)
+            queued = self._prune_cancelled(conn, rows, now=now, actor="scheduler",
+                                           where="by the scheduler pass")
+            decided = self._admit_queued_again(conn, queued, version, policy, now,
+                                               actor="scheduler",
+                                               where="by the scheduler pass")
+            admitted = {c.run_id: json.dumps({
+                **decision.to_json(), "first_policy_version": first_policy_version(c)})
+                for c, decision in decided
+                if decision.decision == "ADMIT" and same_terms(c, decision)}
+            if admitted and self.dialect == "postgresql":
+                conn.execute(self._q(sql.SET_ADMISSIONS_PG), {
+                    "run_ids": list(admitted), "admissions": list(admitted.values()),
+                    "policy_version": version})
+            elif admitted:
+                conn.execute(self._q(sql.SET_ADMISSION), [
+                    {"run_id": run_id, "admission": admission, "policy_version": version}
+                    for run_id, admission in admitted.items()])
+            kinds = Counter(decision.decision for _, decision in decided)
+            counts["queued_readmitted"] += len(admitted)
+            counts["queued_terms_changed"] += kinds["ADMIT"] - len(admitted)
+            counts["denied"] += kinds["DENY"]
+            counts["deferred"] += kinds["DEFER"]
+            return {r.run_id for r in rows}
+
+        def still_under_other_policy(conn: Connection, run_ids: list[str]) -> int:
+            return int(conn.execute(self._q(
+                sql.COUNT_QUEUED_UNDER_OTHER_POLICY[self.dialect],
+                *RUN_IDS_EXPANDING[self.dialect]),
+                {"run_ids": run_ids}).scalar() or 0)
+
+        def page(conn: Connection, after: tuple[int, float, str]
+                 ) -> tuple[tuple[int, float, str], int]:
             keys = conn.execute(self._q(sql.QUEUED_PAGE), {
                 "after_lane": after[0], "after_created": after[1], "after_id": after[2],
                 "scan": scan}).all()
             if not keys:
                 return after, 0
-            version, policy = self._policy(conn)
+            version = int(conn.execute(self._q(sql.POLICY_VERSION)).scalar() or 0)
             other = [k.run_id for k in keys if k.policy_version != version]
-            rows = conn.execute(self._q(
-                sql.QUEUED_UNDER_OTHER_POLICY[self.dialect],
-                *(() if self.dialect == "postgresql" else ("run_ids",))), {
-                "run_ids": other, "version": version}).all() if other else []
-            if rows:
-                now = self._now(conn)
-                decided = self._admit_queued_again(conn, rows, version, policy, now,
-                                                   actor="scheduler",
-                                                   where="by the scheduler pass")
-                admitted = {c.run_id: json.dumps({
-                    **decision.to_json(), "first_policy_version": first_policy_version(c)})
-                    for c, decision in decided if decision.decision == "ADMIT"}
-                if admitted and self.dialect == "postgresql":
-                    conn.execute(self._q(sql.SET_ADMISSIONS_PG), {
-                        "run_ids": list(admitted), "admissions": list(admitted.values()),
-                        "policy_version": version})
-                elif admitted:
-                    conn.execute(self._q(sql.SET_ADMISSION), [
-                        {"run_id": run_id, "admission": admission, "policy_version": version}
-                        for run_id, admission in admitted.items()])
-                kinds = Counter(decision.decision for _, decision in decided)
-                counts["queued_readmitted"] += kinds["ADMIT"]
-                counts["denied"] += kinds["DENY"]
-                counts["deferred"] += kinds["DEFER"]
+            if other:
+                locked = admit_again(conn, other)
+                skipped.extend(run_id for run_id in other if run_id not in locked)
             last = keys[-1]
             return (last.lane_id, last.created_at, last.run_id), len(keys)
 
+        cursor: tuple[int, float, str] = (-(2**31), float("-inf"), "")
         while True:
-            after, seen = self._transaction(page)
+            cursor, seen = self._transaction(functools.partial(page, after=cursor))
             if seen < scan:
-                return counts
+                break
+        # The claims that held runs have long ended (or claimed them): once more.
+        for start in range(0, len(skipped), scan):
+            chunk = skipped[start:start + scan]
+            locked = self._transaction(functools.partial(admit_again, run_ids=chunk))
+            left = [run_id for run_id in chunk if run_id not in locked]
+            if left:
+                counts["queued_skipped"] += self._transaction(
+                    functools.partial(still_under_other_policy, run_ids=left))
+        return counts
 
     # --- budgets ------------------------------------------------------------------
 

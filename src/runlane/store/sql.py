@@ -990,7 +990,8 @@ WHERE d.task_id = :task_id
 # The scheduler pass: waiting runs due for another look, paged by (created_at, id).
 DUE_WAITING = """
 SELECT r.run_id, r.task_id, r.status, r.fencing_token, r.tenant, r.repo, r.queue,
-       r.priority, r.user_id, r.route_key, r.max_attempts, r.created_at, r.lane_id
+       r.priority, r.user_id, r.route_key, r.max_attempts, r.created_at, r.lane_id,
+       r.policy_version, r.admission
 FROM runs r
 WHERE r.status = :status
   AND r.visible_at <= {now}
@@ -1025,7 +1026,10 @@ LIMIT :scan
 """
 _QUEUED_UNDER_OTHER_POLICY = """
 SELECT r.run_id, r.task_id, r.fencing_token, r.tenant, r.repo, r.queue, r.priority,
-       r.user_id, r.route_key, r.max_attempts, r.lane_id, r.policy_version, r.admission
+       r.user_id, r.route_key, r.max_attempts, r.risk_class, r.limits, r.lane_id,
+       r.policy_version, r.admission,
+       (SELECT CASE WHEN t.cancel_requested_at IS NULL THEN 0 ELSE 1 END
+        FROM tasks t WHERE t.task_id = r.task_id) AS task_cancelled
 FROM runs r
 WHERE r.run_id {in_run_ids}
   AND r.status = 'QUEUED'
@@ -1033,11 +1037,17 @@ WHERE r.run_id {in_run_ids}
 ORDER BY r.lane_id, r.created_at, r.run_id
 {{lock_r_skip}}
 """
-QUEUED_UNDER_OTHER_POLICY = {  # an array of a page's ids, not a thousand placeholders
-    "postgresql": _QUEUED_UNDER_OTHER_POLICY.format(
-        in_run_ids="= ANY(CAST(:run_ids AS text[]))"),
-    "sqlite": _QUEUED_UNDER_OTHER_POLICY.format(in_run_ids="IN :run_ids"),
-}
+_IN_RUN_IDS = {  # an array of a page's ids, not a thousand placeholders
+    "postgresql": "= ANY(CAST(:run_ids AS text[]))", "sqlite": "IN :run_ids"}
+QUEUED_UNDER_OTHER_POLICY = {
+    dialect: _QUEUED_UNDER_OTHER_POLICY.format(in_run_ids=in_run_ids)
+    for dialect, in_run_ids in _IN_RUN_IDS.items()}
+# Those of them still queued under another version (the pass could not lock them).
+COUNT_QUEUED_UNDER_OTHER_POLICY = {
+    dialect: "SELECT COUNT(*) FROM runs r WHERE r.run_id " + in_run_ids
+             + " AND r.status = 'QUEUED'"
+             " AND r.policy_version <> (SELECT COALESCE(MAX(version), 0) FROM policy_versions)"
+    for dialect, in_run_ids in _IN_RUN_IDS.items()}
 # The new decisions of a page of runs, admitted again: one statement on PostgreSQL;
 # SQLite sends SET_ADMISSION row by row (in process, no round trips).
 SET_ADMISSIONS_PG = """
