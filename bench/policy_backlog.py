@@ -138,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         align="lrrl"))
     print(f"\nThe pass: {counts['queued_readmitted']:,} runs admitted again in "
           f"{pass_seconds:.1f} s ({counts['queued_readmitted'] / pass_seconds:,.0f} runs/s); "
-          f"{updated:,} run updates, {hot:,} of them HOT ({hot / max(updated, 1):.0%}); "
+          f"{updated:,} run updates, {hot:,} of them HOT ({hot / max(updated, 1):.0%}; "
+          f"statistics counters, flushed lazily: approximate); "
           f"then VACUUM ANALYZE runs, {vacuum_seconds:.1f} s. A pass with nothing left "
           f"to admit again ({again} admitted): {scan_seconds:.1f} s.")
     # The population holds its full scopes' slots without attempts (bench/scheduler.py):

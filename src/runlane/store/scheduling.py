@@ -1035,20 +1035,23 @@ class SchedulingMixin:
         Runs a claim holds are skipped (SKIP LOCKED) and tried once more at the end;
         those still held (and still queued under another version) are counted in
         ``queued_skipped``."""
-        counts = {"queued_readmitted": 0, "queued_terms_changed": 0, "denied": 0,
-                  "deferred": 0, "queued_skipped": 0}
-        skipped: list[str] = []
+        counts: Counter[str] = Counter({
+            "queued_readmitted": 0, "queued_terms_changed": 0, "denied": 0, "deferred": 0,
+            "queued_skipped": 0})
 
-        def admit_again(conn: Connection, run_ids: list[str]) -> set[str]:
+        # Each function below is one transaction's work and returns what it did; the
+        # counts are added once it committed (a transaction may be run again).
+        def admit_again(conn: Connection, run_ids: list[str]
+                        ) -> tuple[set[str], Counter[str]]:
             """Admit these runs again (those still queued under another version, and
-            not held): returns the ids it locked."""
+            not held): the ids it locked, and what became of them."""
             version, policy = self._policy(conn)
             rows = conn.execute(self._q(
                 sql.QUEUED_UNDER_OTHER_POLICY[self.dialect],
                 *RUN_IDS_EXPANDING[self.dialect]), {
                 "run_ids": run_ids, "version": version}).all()
             if not rows:
-                return set()
+                return set(), Counter()
             now = self._now(conn)
             queued = self._prune_cancelled(conn, rows, now=now, actor="scheduler",
                                            where="by the scheduler pass")
@@ -1068,11 +1071,25 @@ class SchedulingMixin:
                     {"run_id": run_id, "admission": admission, "policy_version": version}
                     for run_id, admission in admitted.items()])
             kinds = Counter(decision.decision for _, decision in decided)
-            counts["queued_readmitted"] += len(admitted)
-            counts["queued_terms_changed"] += kinds["ADMIT"] - len(admitted)
-            counts["denied"] += kinds["DENY"]
-            counts["deferred"] += kinds["DEFER"]
-            return {r.run_id for r in rows}
+            return {r.run_id for r in rows}, Counter({
+                "queued_readmitted": len(admitted),
+                "queued_terms_changed": kinds["ADMIT"] - len(admitted),
+                "denied": kinds["DENY"], "deferred": kinds["DEFER"]})
+
+        def page(conn: Connection, after: tuple[int, float, str]
+                 ) -> tuple[tuple[int, float, str], int, list[str], Counter[str]]:
+            """One page of the queue: its last key, its size, the runs it had to skip."""
+            keys = conn.execute(self._q(sql.QUEUED_PAGE), {
+                "after_lane": after[0], "after_created": after[1], "after_id": after[2],
+                "scan": scan}).all()
+            if not keys:
+                return after, 0, [], Counter()
+            version = int(conn.execute(self._q(sql.POLICY_VERSION)).scalar() or 0)
+            other = [k.run_id for k in keys if k.policy_version != version]
+            locked, done = admit_again(conn, other) if other else (set(), Counter())
+            last = keys[-1]
+            return ((last.lane_id, last.created_at, last.run_id), len(keys),
+                    [run_id for run_id in other if run_id not in locked], done)
 
         def still_under_other_policy(conn: Connection, run_ids: list[str]) -> int:
             return int(conn.execute(self._q(
@@ -1080,35 +1097,24 @@ class SchedulingMixin:
                 *RUN_IDS_EXPANDING[self.dialect]),
                 {"run_ids": run_ids}).scalar() or 0)
 
-        def page(conn: Connection, after: tuple[int, float, str]
-                 ) -> tuple[tuple[int, float, str], int]:
-            keys = conn.execute(self._q(sql.QUEUED_PAGE), {
-                "after_lane": after[0], "after_created": after[1], "after_id": after[2],
-                "scan": scan}).all()
-            if not keys:
-                return after, 0
-            version = int(conn.execute(self._q(sql.POLICY_VERSION)).scalar() or 0)
-            other = [k.run_id for k in keys if k.policy_version != version]
-            if other:
-                locked = admit_again(conn, other)
-                skipped.extend(run_id for run_id in other if run_id not in locked)
-            last = keys[-1]
-            return (last.lane_id, last.created_at, last.run_id), len(keys)
-
         cursor: tuple[int, float, str] = (-(2**31), float("-inf"), "")
+        skipped: list[str] = []
         while True:
-            cursor, seen = self._transaction(functools.partial(page, after=cursor))
+            cursor, seen, held, done = self._transaction(functools.partial(page, after=cursor))
+            skipped.extend(held)
+            counts.update(done)
             if seen < scan:
                 break
         # The claims that held runs have long ended (or claimed them): once more.
         for start in range(0, len(skipped), scan):
             chunk = skipped[start:start + scan]
-            locked = self._transaction(functools.partial(admit_again, run_ids=chunk))
+            locked, done = self._transaction(functools.partial(admit_again, run_ids=chunk))
+            counts.update(done)
             left = [run_id for run_id in chunk if run_id not in locked]
             if left:
                 counts["queued_skipped"] += self._transaction(
                     functools.partial(still_under_other_policy, run_ids=left))
-        return counts
+        return dict(counts)
 
     # --- budgets ------------------------------------------------------------------
 
