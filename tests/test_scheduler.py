@@ -356,6 +356,27 @@ def test_a_full_tenant_does_not_block_another(store: Store) -> None:
 
 
 
+def take_the_higher_lane_while_holding_the_lower(store: Store, low_lane: int,
+                                                 high_lane: int, writer: Any,
+                                                 what: str) -> None:
+    """A submit in progress holds a tenant's lower lane while ``writer`` (run in a
+    thread) waits for it, then takes the higher lane: a deadlock (or the lock timeout)
+    if ``writer`` locked the higher lane first."""
+    with store.engine.connect() as holder:
+        holder.execute(text("SELECT lane_id FROM lanes WHERE lane_id = :l FOR UPDATE"),
+                       {"l": low_lane})
+        thread = threading.Thread(target=writer)
+        thread.start()
+        # Any statement of the writer: the holder's is the only lock it can wait for.
+        wait_for_a_lock_wait(store.url, "", f"{what}'s lock of the low lane")
+        # The writer holds no lane yet: the high lane is free to take, now.
+        holder.execute(text("SET LOCAL lock_timeout = '5s'"))
+        holder.execute(text("UPDATE lanes SET queued_count = queued_count WHERE lane_id = :l"),
+                       {"l": high_lane})
+        holder.commit()
+    thread.join(timeout=30)
+
+
 def test_a_claim_filling_its_tenant_locks_the_tenants_lanes_in_lane_id_order(
         store: Store, db_url: str) -> None:
     """The claim that takes a tenant's last slot hides all its lanes. It locks them with
@@ -375,20 +396,9 @@ def test_a_claim_filling_its_tenant_locks_the_tenants_lanes_in_lane_id_order(
             "SELECT lane_id FROM lanes WHERE tenant = 't' ORDER BY priority DESC")).scalars()
     assert low_lane < high_lane
     claimed: list[Any] = []
-    with store.engine.connect() as holder:  # a submit to the low lane, in progress
-        holder.execute(text("SELECT lane_id FROM lanes WHERE lane_id = :l FOR UPDATE"),
-                       {"l": low_lane})
-        claim = threading.Thread(target=lambda: claimed.extend(
-            store.claim("w1", limit=1, lease_ttl=TTL)))
-        claim.start()
-        # Any statement of the claim: the holder's is the only lock it can wait for.
-        wait_for_a_lock_wait(store.url, "", "the claim's lock of the low lane")
-        # The claim holds no lane yet: the high lane is free to take, now.
-        holder.execute(text("SET LOCAL lock_timeout = '2s'"))
-        holder.execute(text("UPDATE lanes SET queued_count = queued_count WHERE lane_id = :l"),
-                       {"l": high_lane})
-        holder.commit()
-    claim.join(timeout=30)
+    take_the_higher_lane_while_holding_the_lower(
+        store, low_lane, high_lane,
+        lambda: claimed.extend(store.claim("w1", limit=1, lease_ttl=TTL)), "the claim")
     assert [lease.run_id for lease in claimed] == [high.run_id]
     with store.engine.connect() as conn:
         assert set(conn.execute(text(
@@ -427,18 +437,8 @@ def test_a_release_below_its_tenants_limit_locks_the_tenants_lanes_in_lane_id_or
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    with store.engine.connect() as holder:  # a submit to the low lane, in progress
-        holder.execute(text("SELECT lane_id FROM lanes WHERE lane_id = :l FOR UPDATE"),
-                       {"l": low_lane})
-        release = threading.Thread(target=complete)
-        release.start()
-        wait_for_a_lock_wait(store.url, "", "the release's lock of the low lane")
-        # The release holds no lane yet: the high lane is free to take, now.
-        holder.execute(text("SET LOCAL lock_timeout = '5s'"))
-        holder.execute(text("UPDATE lanes SET queued_count = queued_count WHERE lane_id = :l"),
-                       {"l": high_lane})
-        holder.commit()
-    release.join(timeout=30)
+    take_the_higher_lane_while_holding_the_lower(store, low_lane, high_lane, complete,
+                                                 "the release")
     assert errors == []
     with store.engine.connect() as conn:
         assert set(conn.execute(text(
