@@ -299,7 +299,27 @@ def test_0009_lets_a_policy_document_come_back_and_downgrades_while_none_did(
     assert store.current_policy()[1] == first
     with pytest.raises(Exception, match="applied more than once"):
         migrate.downgrade(engine, "0008")
-    assert migrate.current_revision(engine) == HEAD
+    assert migrate.current_revision(engine) == "0009"  # each revision its own transaction
+
+def test_0010_stamps_policy_versions_and_downgrades_with_their_rows(
+        fresh_url: str, make_engine: Callable[[str], Engine]) -> None:
+    """0010 adds ``policy_versions.backlog_admitted_at`` (a scheduler's first pass skips
+    a version whose backlog was admitted again); its downgrade keeps every version."""
+    from runlane.domain.policy import parse_policy
+
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine)
+    store = Store(fresh_url, engine=engine)
+    store.apply_policy(parse_policy("[concurrency]\nglobal_max_active = 5\n"), source="t")
+    store.schedule_pass(queued_under_older=True)  # an empty queue: admitted at once
+    assert store.backlog_admitted(1)
+    assert migrate.downgrade(engine, "0009") == (HEAD, "0009")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT version FROM policy_versions")).scalars().all() == [1]
+    assert migrate.upgrade(engine) == ("0009", HEAD)
+    assert not store.backlog_admitted(1)  # not known: the next first pass reads the queue
+    assert store.current_policy()[0] == 1
+
 
 def test_metadata_matches_migrations(fresh_url: str,
                                      make_engine: Callable[[str], Engine]) -> None:

@@ -268,10 +268,37 @@ def test_runs_a_claim_holds_during_the_backlog_pass_are_admitted_by_the_next(
         claim.rollback()
     assert (counts["queued_readmitted"], counts["queued_skipped"]) == (1, 1)
     assert run_row(store, held.run_id).policy_version == v2 - 1
+    assert not store.backlog_admitted(v2)  # a new scheduler's first pass reads it all
     counts = scheduler.run_once()  # no change since: the skipped run's turn
     assert (counts["queued_readmitted"], counts["queued_skipped"]) == (1, 0)
     assert run_row(store, held.run_id).policy_version == v2
     assert run_row(store, free.run_id).policy_version == v2
+    assert store.backlog_admitted(v2)
+
+
+def test_a_schedulers_first_pass_skips_a_backlog_already_admitted_again(
+        store: Store) -> None:
+    """A scheduler's first pass admits the backlog again (a policy may have changed
+    while no scheduler ran), unless a pass did so under the version in force: it read
+    the whole queue at every start and every `runlane maintain --once`."""
+    from runlane.services.scheduler import Scheduler
+
+    assert store.backlog_admitted(0)
+    v1 = apply(store, "[defaults]\nqueue = 'default'\n")
+    runs = submit(store, 2)
+    v2 = apply(store, "[concurrency]\nglobal_max_active = 5\n")  # while none ran
+    assert not store.backlog_admitted(v2)
+    assert Scheduler(store).run_once()["queued_readmitted"] == 2
+    assert store.backlog_admitted(v2)
+    # A run back under v1 (a retry of a run claimed under its old record): a new
+    # scheduler does not read the queue for it; its claim admits it again.
+    execute(store, "UPDATE runs SET policy_version = :v WHERE run_id = :r", v=v1,
+            r=runs[0].run_id)
+    assert Scheduler(store).run_once()["queued_readmitted"] == 0
+    assert run_row(store, runs[0].run_id).policy_version == v1
+    v3 = apply(store, "[concurrency]\nglobal_max_active = 6\n")
+    assert Scheduler(store).run_once()["queued_readmitted"] == 2
+    assert store.backlog_admitted(v3)
 
 
 def test_once_the_backlog_is_admitted_again_its_claims_are_one_statement(

@@ -85,11 +85,13 @@ class Scheduler(MaintenanceService):
         version = self.store.current_policy()[0]
         changed = self._policy_seen is not None and version != self._policy_seen
         # The queued backlog admitted under an older version is admitted again after a
-        # change, on this scheduler's first pass (a change may have come while no
-        # scheduler ran) and after a pass that could not reach all of it; under
-        # version 0 every run was admitted under it.
-        backlog = version > 0 and (changed or self._policy_seen is None
-                                   or self._backlog_left)
+        # change, after a pass that could not reach all of it, and on this scheduler's
+        # first pass unless a pass already did so under this version (a change may
+        # have come while no scheduler ran); under version 0 every run was admitted
+        # under it.
+        backlog = version > 0 and (
+            changed or self._backlog_left
+            or (self._policy_seen is None and not self.store.backlog_admitted(version)))
         self._last = self.store.schedule_pass(page_size=self.config.page_size,
                                               not_yet_due=changed,
                                               queued_under_older=backlog)

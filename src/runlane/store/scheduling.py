@@ -1042,16 +1042,16 @@ class SchedulingMixin:
         # Each function below is one transaction's work and returns what it did; the
         # counts are added once it committed (a transaction may be run again).
         def admit_again(conn: Connection, run_ids: list[str]
-                        ) -> tuple[set[str], Counter[str]]:
+                        ) -> tuple[set[str], Counter[str], int]:
             """Admit these runs again (those still queued under another version, and
-            not held): the ids it locked, and what became of them."""
+            not held): the ids it locked, what became of them, the version."""
             version, policy = self._policy(conn)
             rows = conn.execute(self._q(
                 sql.QUEUED_UNDER_OTHER_POLICY[self.dialect],
                 *RUN_IDS_EXPANDING[self.dialect]), {
                 "run_ids": run_ids, "version": version}).all()
             if not rows:
-                return set(), Counter()
+                return set(), Counter(), version
             now = self._now(conn)
             queued = self._prune_cancelled(conn, rows, now=now, actor="scheduler",
                                            where="by the scheduler pass")
@@ -1074,22 +1074,25 @@ class SchedulingMixin:
             return {r.run_id for r in rows}, Counter({
                 "queued_readmitted": len(admitted),
                 "queued_terms_changed": kinds["ADMIT"] - len(admitted),
-                "denied": kinds["DENY"], "deferred": kinds["DEFER"]})
+                "denied": kinds["DENY"], "deferred": kinds["DEFER"]}), version
 
         def page(conn: Connection, after: tuple[int, float, str]
-                 ) -> tuple[tuple[int, float, str], int, list[str], Counter[str]]:
-            """One page of the queue: its last key, its size, the runs it had to skip."""
+                 ) -> tuple[tuple[int, float, str], int, list[str], Counter[str], set[int]]:
+            """One page of the queue: its last key, its size, the runs it had to skip,
+            what became of the others, the versions it decided under."""
+            version = int(conn.execute(self._q(sql.POLICY_VERSION)).scalar() or 0)
             keys = conn.execute(self._q(sql.QUEUED_PAGE), {
                 "after_lane": after[0], "after_created": after[1], "after_id": after[2],
                 "scan": scan}).all()
             if not keys:
-                return after, 0, [], Counter()
-            version = int(conn.execute(self._q(sql.POLICY_VERSION)).scalar() or 0)
+                return after, 0, [], Counter(), {version}
             other = [k.run_id for k in keys if k.policy_version != version]
-            locked, done = admit_again(conn, other) if other else (set(), Counter())
+            locked, done, decided_under = admit_again(conn, other) if other else (
+                set(), Counter(), version)
             last = keys[-1]
             return ((last.lane_id, last.created_at, last.run_id), len(keys),
-                    [run_id for run_id in other if run_id not in locked], done)
+                    [run_id for run_id in other if run_id not in locked], done,
+                    {version, decided_under})
 
         def still_under_other_policy(conn: Connection, run_ids: list[str]) -> int:
             return int(conn.execute(self._q(
@@ -1099,22 +1102,45 @@ class SchedulingMixin:
 
         cursor: tuple[int, float, str] = (-(2**31), float("-inf"), "")
         skipped: list[str] = []
+        versions: set[int] = set()
         while True:
-            cursor, seen, held, done = self._transaction(functools.partial(page, after=cursor))
+            cursor, seen, held, done, under = self._transaction(
+                functools.partial(page, after=cursor))
             skipped.extend(held)
             counts.update(done)
+            versions |= under
             if seen < scan:
                 break
         # The claims that held runs have long ended (or claimed them): once more.
         for start in range(0, len(skipped), scan):
             chunk = skipped[start:start + scan]
-            locked, done = self._transaction(functools.partial(admit_again, run_ids=chunk))
+            locked, done, decided_under = self._transaction(
+                functools.partial(admit_again, run_ids=chunk))
             counts.update(done)
+            versions.add(decided_under)
             left = [run_id for run_id in chunk if run_id not in locked]
             if left:
                 counts["queued_skipped"] += self._transaction(
                     functools.partial(still_under_other_policy, run_ids=left))
+        if counts["queued_skipped"] == 0 and len(versions) == 1:
+            # Every queued run was decided under this one version: a scheduler's first
+            # pass need not read the queue again for it (``backlog_admitted``). A run
+            # that a claim took under an older record and a retry queues again keeps
+            # that record; its claims admit it again, as before any pass.
+            self._transaction(lambda conn: conn.execute(
+                self._q(sql.MARK_BACKLOG_ADMITTED), {"version": versions.pop(),
+                                                     "now": self.clock.now()}))
         return dict(counts)
+
+    def backlog_admitted(self, version: int) -> bool:
+        """Whether a scheduler pass has admitted every queued run again under policy
+        ``version`` (migration 0010): a scheduler's first pass then skips the backlog.
+        Version 0 (no policy applied) has nothing to admit again."""
+        if version == 0:
+            return True
+        with self.engine.connect() as conn:
+            return conn.execute(self._q(sql.BACKLOG_ADMITTED),
+                                {"version": version}).scalar() is not None
 
     # --- budgets ------------------------------------------------------------------
 

@@ -221,6 +221,9 @@ policy_versions = Table(
     Column("document", JSON, nullable=False),
     Column("source", Text, nullable=False),
     Column("created_at", Timestamp, nullable=False),
+    # When a scheduler pass had admitted every queued run again under this version
+    # (migration 0010): a scheduler's first pass then skips the backlog.
+    Column("backlog_admitted_at", Timestamp),
 )
 
 # Model spend per tenant per UTC day, for the daily budget.

@@ -1042,6 +1042,13 @@ _IN_RUN_IDS = {  # an array of a page's ids, not a thousand placeholders
 QUEUED_UNDER_OTHER_POLICY = {
     dialect: _QUEUED_UNDER_OTHER_POLICY.format(in_run_ids=in_run_ids)
     for dialect, in_run_ids in _IN_RUN_IDS.items()}
+# A pass that admitted every queued run again under a version stamps it, once; a
+# scheduler's first pass skips the backlog of a version so stamped.
+BACKLOG_ADMITTED = "SELECT backlog_admitted_at FROM policy_versions WHERE version = :version"
+MARK_BACKLOG_ADMITTED = """
+UPDATE policy_versions SET backlog_admitted_at = {now}
+WHERE version = :version AND backlog_admitted_at IS NULL
+"""
 # Those of them still queued under another version (the pass could not lock them).
 COUNT_QUEUED_UNDER_OTHER_POLICY = {
     dialect: "SELECT COUNT(*) FROM runs r WHERE r.run_id " + in_run_ids
