@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy import event, text
+from sqlalchemy.exc import DBAPIError
 
 from runlane.clock import ManualClock
 from runlane.domain.policy import parse_policy
@@ -208,28 +210,70 @@ def test_complete_of_one_lease_raises_why_it_was_refused(store: Store,
     assert lease.stage is S.CLAIMED
 
 
+def terminate_the_pooled_session(store: Store) -> None:
+    """Terminate, from another store, the session the store's pool holds idle."""
+    with store.engine.connect() as conn:
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+    other = Store(store.url)
+    try:
+        with other.engine.connect() as conn:
+            assert conn.execute(text("SELECT pg_terminate_backend(:pid)"),
+                                {"pid": pid}).scalar_one()
+    finally:
+        other.close()
+
+
 def test_a_pooled_session_that_died_is_replaced_without_an_error(db_url: str,
                                                                 clock: ManualClock) -> None:
     """No pre-ping: a pooled PostgreSQL session terminated while idle fails on the
-    transaction's first statement, and the transaction runs again on a new one."""
+    transaction's first statement, and the transaction runs again on a new one. Also
+    when that statement is one run on psycopg's own cursor (the submit, the
+    one-statement claim and the completion, once the store knows the policy)."""
     if not db_url.startswith("postgresql"):
         pytest.skip("PostgreSQL sessions only")
     store = Store(db_url, clock=clock)
     try:
         submit(store, 2)
-        with store.engine.connect() as conn:
-            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
-        other = Store(db_url)
-        try:
-            with other.engine.connect() as conn:
-                assert conn.execute(text("SELECT pg_terminate_backend(:pid)"),
-                                    {"pid": pid}).scalar_one()
-        finally:
-            other.close()
+        terminate_the_pooled_session(store)
         # A pool of one idle connection per checkout: the next transaction meets it.
         leases = store.claim("w1", limit=2, lease_ttl=TTL)
         assert len(leases) == 2
+        terminate_the_pooled_session(store)
         assert len(store.complete_many(leases).completed) == 2
+        terminate_the_pooled_session(store)
+        submit(store, 2)  # first statement: SUBMIT_WRITE_PG (the policy is known)
+        terminate_the_pooled_session(store)
+        leases = store.claim("w1", limit=2, lease_ttl=TTL)  # CLAIM_ONE_TRIP_PG
+        assert len(leases) == 2
+        terminate_the_pooled_session(store)
+        assert len(store.complete_many(leases).completed) == 2  # COMPLETE_WRITE_PG
+    finally:
+        store.close()
+
+
+def test_a_failed_statement_on_psycopgs_cursor_is_sqlalchemys_error(db_url: str) -> None:
+    """The claim, submit and completion statements run on psycopg's own cursor; their
+    failures still reach callers as SQLAlchemy's DBAPIError, which the CLI, the API
+    and the worker catch (a psycopg error would escape them as a traceback)."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("PostgreSQL only")
+    store = Store(db_url)
+
+    @event.listens_for(store.engine, "connect")
+    def lock_timeout(dbapi_connection: Any, _: Any) -> None:
+        dbapi_connection.execute("SET lock_timeout = 200")
+        dbapi_connection.commit()
+
+    try:
+        submit(store, 1)
+        assert store.claim("w1", lease_ttl=TTL) and submit(store, 1)  # the policy is known
+        with store.engine.connect() as holder:
+            holder.execute(text("SELECT lane_id FROM lanes FOR UPDATE"))
+            with pytest.raises(DBAPIError) as failed:
+                store.claim("w1", lease_ttl=TTL)  # CLAIM_ONE_TRIP_PG waits for the lanes
+            assert isinstance(failed.value.orig, psycopg.errors.LockNotAvailable)
+            assert "claimed AS (" in str(failed.value.statement)
+        assert len(store.claim("w1", lease_ttl=TTL)) == 1  # the lock is gone: claimed
     finally:
         store.close()
 

@@ -153,6 +153,8 @@ class SchedulingMixin:
         _one_trip_skips: tuple[int, int]
 
         def _q(self, statement: str, *expanding: str) -> Any: ...
+        def _driver_rows(self, conn: Connection, statement: str,
+                         params: dict[str, Any]) -> list[Any]: ...
         def _notify(self, conn: Connection, channel: str, payload: str) -> None: ...
         def _now(self, conn: Connection) -> float: ...
         def _transaction(self, work: Callable[[Connection], T], *,
@@ -615,11 +617,11 @@ class SchedulingMixin:
             if not one_trip:
                 return None
             routes = sorted(self._servable_routes(conn, capabilities))
-            rows = list(conn.execute(self._q(sql.CLAIM_ONE_TRIP_PG), {
+            rows = self._driver_rows(conn, sql.CLAIM_ONE_TRIP_PG, {
                 "queue": queue, "routes": routes, "limit": max(limit, LANE_PAGE),
                 "wanted": limit, "after_priority": -(2**31), "after_pass": float("-inf"),
                 "after_lane": -1, "version": version, "worker_id": worker_id,
-                "ttl": lease_ttl, "now": self.clock.now()}))
+                "ttl": lease_ttl, "now": self.clock.now()})
             if rows[0].run_id is None and rows[0].policy_version != version:
                 self._one_trip_policy = None  # a new policy: read it before the next claim
             return rows
@@ -844,13 +846,13 @@ class SchedulingMixin:
         lanes = sorted(per_lane)
         now = self.clock.now()
         if self.dialect == "postgresql":
-            rows: list[Any] = list(conn.execute(self._q(sql.CLAIM_WRITE_PG), {
+            rows: list[Any] = self._driver_rows(conn, sql.CLAIM_WRITE_PG, {
                 "slot_scopes": sorted(slots), "slot_counts": [slots[s] for s in sorted(slots)],
                 "slot_max": [maxima[s] for s in sorted(slots)],
                 "run_ids": run_ids, "estimated": [c.estimated_cost_usd for c, _ in passed],
                 "scopes": scopes, "worker_id": worker_id, "ttl": lease_ttl,
                 "lane_ids": lanes, "lane_counts": [per_lane[lane] for lane in lanes],
-                "ahead": JOIN_AHEAD, "now": now}))
+                "ahead": JOIN_AHEAD, "now": now})
             if not rows:
                 return None  # a counter was missing, stale or short of room
             slots_taken = int(rows[0].slots_taken)
