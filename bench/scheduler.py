@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import psycopg
+from psycopg.rows import namedtuple_row
 from psycopg.sql import Literal
 from sqlalchemy import Connection, Engine, TextClause, event, text
 
@@ -66,7 +67,7 @@ from runlane.store import sql
 from runlane.store.engine import PLANNER_OPTIONS, build_engine
 from runlane.store.migrate import upgrade
 from runlane.store.scheduling import same_terms
-from runlane.store.store import Lease, Store
+from runlane.store.store import _NUMBERED_PG, Lease, Store
 
 DEFAULT_POSTGRES_URL = BENCH_POSTGRES_URL
 START, END = "<!-- scheduler-claim:start -->", "<!-- scheduler-claim:end -->"
@@ -283,23 +284,44 @@ VALUES (:job_id, :attempt_no, :worker, :now, :expires)
 """
 
 
+def numbered(statement: str) -> tuple[str, tuple[str, ...]]:
+    """The text with $n placeholders, as runlane's hot statements are sent, and the
+    parameter names in their order."""
+    compiled = text(statement).compile(dialect=_NUMBERED_PG)
+    return compiled.string, tuple(compiled.positiontup or ())
+
+
 class Fifo:
     """The baseline: one UPDATE ... FROM (SELECT ... FOR UPDATE SKIP LOCKED) RETURNING,
-    then the attempt rows, in one transaction; on an engine built like runlane's."""
+    then the attempt rows (executemany: one pipelined round trip), in one transaction;
+    on an engine built like runlane's, and, like runlane's hot statements
+    (``Store._driver_rows``), on psycopg's own cursor with ``$n`` placeholders."""
 
     def __init__(self, url: str) -> None:
         self.engine = build_engine(url)
-        self.claim_sql = text(FIFO_CLAIM)
-        self.attempt_sql = text(FIFO_ATTEMPT)
+        self.claim_sql, claim_names = numbered(FIFO_CLAIM)
+        self.attempt_sql, attempt_names = numbered(FIFO_ATTEMPT)
+        assert claim_names == ("queue", "limit", "worker")  # the order claim() passes
+        assert attempt_names == ("job_id", "attempt_no", "worker", "now", "expires")
 
     def claim(self, limit: int) -> int:
+        claim_sql, attempt_sql = self.claim_sql, self.attempt_sql
         with self.engine.begin() as conn:
-            rows = conn.execute(self.claim_sql,
-                                {"queue": QUEUE, "limit": limit, "worker": WORKER}).all()
-            if rows:
-                conn.execute(self.attempt_sql, [
-                    {"job_id": r.id, "attempt_no": r.attempts, "worker": WORKER,
-                     "now": r.claimed_at, "expires": r.claimed_at + 600.0} for r in rows])
+            driver = conn.connection.driver_connection
+            with psycopg.RawCursor(driver, row_factory=namedtuple_row) as cursor:
+                for before in conn.dispatch.before_cursor_execute:  # the statement timer
+                    before(conn, cursor, claim_sql, None, None, False)
+                rows = cursor.execute(claim_sql, (QUEUE, limit, WORKER)).fetchall()
+                for after in conn.dispatch.after_cursor_execute:
+                    after(conn, cursor, claim_sql, None, None, False)
+                if rows:
+                    for before in conn.dispatch.before_cursor_execute:
+                        before(conn, cursor, attempt_sql, None, None, True)
+                    cursor.executemany(attempt_sql, [
+                        (r.id, r.attempts, WORKER, r.claimed_at, r.claimed_at + 600.0)
+                        for r in rows])
+                    for after in conn.dispatch.after_cursor_execute:
+                        after(conn, cursor, attempt_sql, None, None, True)
         return len(rows)
 
 
@@ -384,6 +406,7 @@ def measure(fifo: Fifo, runlane: Runlane, shape: Shape) -> dict[tuple[str, int],
 def _normal(statement: str) -> str:
     out = re.sub(r"%\(\w+\)s(?:::\w+)?", "?", statement)
     out = re.sub(r"(?<![:\w]):\w+", "?", out)
+    out = re.sub(r"\$\d+", "?", out)  # psycopg's RawCursor (Store._driver_rows)
     out = re.sub(r"\s+", " ", out).strip()
     out = re.sub(r"IN \((?:\?, )*\?\)", "IN ?", out)
     return re.sub(r"IN \(SELECT CAST\(NULL AS [^)]*\) WHERE 1 ?!= ?1\)", "IN ?", out)
