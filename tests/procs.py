@@ -64,13 +64,16 @@ if __name__ == "__main__":
 
 def claim_hold_complete(url: str, worker_id: str, batch: int, start: Any, results: Any) -> None:
     """Claim in batches, hold each lease a few milliseconds, complete it; until the
-    queue stays empty. For the concurrency-limit test (invariant 9)."""
+    queue stays empty. Reports the runs claimed, each with the wall time its claim
+    call began. For the concurrency-limit tests (invariant 9)."""
     configure_logging("WARNING")
     store = Store(url, rng=random.Random(worker_id))
     rng = random.Random(worker_id)
     start.wait()
     empty = claimed = 0
+    calls: list[tuple[str, float]] = []  # (run, wall time its claim call began)
     while empty < 20:
+        began = time.time()
         leases = store.claim(worker_id, limit=batch, lease_ttl=60)
         if not leases:
             empty += 1
@@ -78,8 +81,24 @@ def claim_hold_complete(url: str, worker_id: str, batch: int, start: Any, result
             continue
         empty = 0
         for lease in leases:
+            calls.append((lease.run_id, began))
             time.sleep(rng.uniform(0.0, 0.004))
             store.complete(lease)
             claimed += 1
     store.close()
-    results.put((worker_id, claimed))
+    results.put((worker_id, claimed, calls))
+
+
+def backlog_passes(url: str, go: Any, stop: Any, results: Any) -> None:
+    """Scheduler passes that admit the queued backlog again, back to back from ``go``
+    until ``stop``; reports their summed counts. For the backlog race test."""
+    configure_logging("WARNING")
+    store = Store(url)
+    totals: dict[str, int] = {}
+    go.wait()
+    while not stop.is_set():
+        for key, n in store.schedule_pass(queued_under_older=True).items():
+            totals[key] = totals.get(key, 0) + n
+        time.sleep(0.002)
+    store.close()
+    results.put(("passes", totals))

@@ -137,7 +137,19 @@ def test_8_claimer_processes_never_exceed_any_concurrency_limit(db_url: str) -> 
         rows = conn.execute(text(
             "SELECT r.tenant, r.repo, r.user_id, a.started_at, a.lease_ended_at "
             "FROM attempts a JOIN runs r ON r.run_id = a.run_id")).all()
-    assert len(rows) == 400 and all(r.lease_ended_at is not None for r in rows)
+    assert len(rows) == 400
+    assert_limits_held(store)
+    store.close()
+
+
+def assert_limits_held(store: Store) -> None:
+    """LIMITS_POLICY's limits held at every instant, by the lease intervals of every
+    attempt (all ended), and reached at least once; the counters are back to 0."""
+    with store.engine.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT r.tenant, r.repo, r.user_id, a.started_at, a.lease_ended_at "
+            "FROM attempts a JOIN runs r ON r.run_id = a.run_id")).all()
+    assert all(r.lease_ended_at is not None for r in rows)
     scopes: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
         for scope in ("global", f"tenant:{r.tenant}", f"repo:{r.repo}", f"user:{r.user_id}"):
@@ -151,4 +163,92 @@ def test_8_claimer_processes_never_exceed_any_concurrency_limit(db_url: str) -> 
     with store.engine.connect() as conn:
         assert conn.execute(text("SELECT SUM(active) FROM limit_counters")).scalar() == 0
     assert store.audit() == []
+
+
+@pytest.mark.slow
+def test_the_backlog_pass_races_4_claimer_processes_and_every_invariant_holds(
+        db_url: str) -> None:
+    """A policy change while 4 processes claim under concurrency limits, then 2 more
+    processes admitting the queued backlog again while they claim (each run locked by
+    one of them at a time, the others skipping it): every run of the repository the new
+    version denies that was still queued ends POLICY_DENIED without an attempt, its
+    record naming both versions; every other run succeeds exactly once; a run admitted
+    again keeps the version it was first admitted under; no limit is exceeded at any
+    instant; the audit is clean."""
+    from runlane.domain.policy import parse_policy
+
+    from .procs import backlog_passes, claim_hold_complete
+
+    store = Store(db_url)
+    v1 = store.apply_policy(parse_policy(LIMITS_POLICY), source="test").version
+    store.submit([parse_task({"tenant": f"t{i % 4}", "repo": f"/srv/git/r{i % 5}.git",
+                              "user": f"u{i % 3}", "prompt": f"run {i}"}) for i in range(400)])
+    ctx = multiprocessing.get_context("spawn")
+    start, go, stop = ctx.Event(), ctx.Event(), ctx.Event()
+    results = ctx.Queue()
+    claimers = [ctx.Process(target=claim_hold_complete,
+                            args=(db_url, f"w{i}", 1 + i % 3, start, results))
+                for i in range(4)]
+    passes = [ctx.Process(target=backlog_passes, args=(db_url, go, stop, results))
+              for _ in range(2)]
+    for p in [*claimers, *passes]:
+        p.start()
+    start.set()
+    deadline = time.monotonic() + 60
+    while len(store.list_runs(status="SUCCEEDED")) < 40:
+        assert time.monotonic() < deadline, "the claimers made no progress"
+        time.sleep(0.01)
+    v2 = store.apply_policy(parse_policy(LIMITS_POLICY + """
+[[rules]]
+when = { repo = '*r4*' }
+action = 'deny'
+reason_code = 'REPOSITORY_FROZEN'
+message = 'frozen'
+"""), source="test").version
+    committed_at = time.time()  # v2 is in force for every statement that begins later
+    # The claimers go on under v2 with a backlog admitted under v1 (as when the periodic
+    # pass lags), then the passes race them for the rest.
+    while len(store.list_runs(status="SUCCEEDED")) < 80:
+        assert time.monotonic() < deadline, "the claimers made no progress under v2"
+        time.sleep(0.01)
+    go.set()
+    claimed = 0
+    calls: list[tuple[str, float]] = []
+    totals: dict[str, int] = {}
+    for _ in claimers:
+        report = results.get(timeout=240)
+        assert report[0] != "passes", f"a pass process ended early: {report}"
+        claimed += report[1]
+        calls.extend(report[2])
+    stop.set()
+    for _ in passes:
+        kind, counts = results.get(timeout=60)
+        assert kind == "passes"
+        for key, n in counts.items():
+            totals[key] = totals.get(key, 0) + n
+    for p in [*claimers, *passes]:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert totals["queued_readmitted"] > 0, f"no pass met the backlog: {totals}"
+
+    runs = {r["run_id"]: r for r in store.list_runs(limit=1000)}
+    assert len(runs) == 400
+    denied = [r for r in runs.values() if r["status"] == "POLICY_DENIED"]
+    assert denied, "the new version denied nothing still queued: the test proves nothing"
+    for run in denied:
+        assert "/r4.git" in run["repo"] and run["attempt_count"] == 0
+        assert run["reason_code"] == "REPOSITORY_FROZEN"
+        assert f"by policy v{v2} (admitted under v{v1})" in run["message"]
+    succeeded = [r for r in runs.values() if r["status"] == "SUCCEEDED"]
+    assert len(succeeded) + len(denied) == 400 == claimed + len(denied)
+    # Drill 6 under the race: a claim that began after v2 was committed decided under
+    # it, by whichever path, and never took a run of the frozen repository.
+    late = [run_id for run_id, began in calls
+            if began > committed_at and "/r4.git" in runs[run_id]["repo"]]
+    assert late == [], f"{len(late)} runs of the frozen repository claimed under v{v2}"
+    assert all(r["attempt_count"] == 1 for r in succeeded)
+    readmitted = [store.get_run(r["run_id"])["admission"] for r in succeeded
+                  if r["policy_version"] == v2]
+    assert readmitted and all(a["first_policy_version"] == v1 for a in readmitted)
+    assert_limits_held(store)
     store.close()
