@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import text
@@ -165,6 +167,27 @@ def assert_limits_held(store: Store) -> None:
     assert store.audit() == []
 
 
+FREEZE_R4 = """
+[[rules]]
+when = { repo = '*r4*' }
+action = 'deny'
+reason_code = 'REPOSITORY_FROZEN'
+message = 'frozen'
+"""
+
+
+def next_report(results: Any, procs: list[Any], *, timeout: float) -> Any:
+    """The next report a child process put, failing at once if one of them died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"a child process died (exit codes {dead})"
+            assert time.monotonic() < deadline, "no report in time"
+
+
 @pytest.mark.slow
 def test_the_backlog_pass_races_4_claimer_processes_and_every_invariant_holds(
         db_url: str) -> None:
@@ -193,42 +216,45 @@ def test_the_backlog_pass_races_4_claimer_processes_and_every_invariant_holds(
               for _ in range(2)]
     for p in [*claimers, *passes]:
         p.start()
-    start.set()
-    deadline = time.monotonic() + 60
-    while len(store.list_runs(status="SUCCEEDED")) < 40:
-        assert time.monotonic() < deadline, "the claimers made no progress"
-        time.sleep(0.01)
-    v2 = store.apply_policy(parse_policy(LIMITS_POLICY + """
-[[rules]]
-when = { repo = '*r4*' }
-action = 'deny'
-reason_code = 'REPOSITORY_FROZEN'
-message = 'frozen'
-"""), source="test").version
-    committed_at = time.time()  # v2 is in force for every statement that begins later
-    # The claimers go on under v2 with a backlog admitted under v1 (as when the periodic
-    # pass lags), then the passes race them for the rest.
-    while len(store.list_runs(status="SUCCEEDED")) < 80:
-        assert time.monotonic() < deadline, "the claimers made no progress under v2"
-        time.sleep(0.01)
-    go.set()
-    claimed = 0
-    calls: list[tuple[str, float]] = []
-    totals: dict[str, int] = {}
-    for _ in claimers:
-        report = results.get(timeout=240)
-        assert report[0] != "passes", f"a pass process ended early: {report}"
-        claimed += report[1]
-        calls.extend(report[2])
-    stop.set()
-    for _ in passes:
-        kind, counts = results.get(timeout=60)
-        assert kind == "passes"
-        for key, n in counts.items():
-            totals[key] = totals.get(key, 0) + n
-    for p in [*claimers, *passes]:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    try:
+        start.set()
+        deadline = time.monotonic() + 60
+        while len(store.list_runs(status="SUCCEEDED")) < 40:
+            assert time.monotonic() < deadline, "the claimers made no progress"
+            time.sleep(0.01)
+        v2 = store.apply_policy(parse_policy(LIMITS_POLICY + FREEZE_R4), source="test").version
+        committed_at = time.time()  # v2 is in force for every statement that begins later
+        # The claimers go on under v2 with a backlog admitted under v1 (as when the periodic
+        # pass lags), then the passes race them for the rest.
+        while len(store.list_runs(status="SUCCEEDED")) < 80:
+            assert time.monotonic() < deadline, "the claimers made no progress under v2"
+            time.sleep(0.01)
+        go.set()
+        claimed = 0
+        calls: list[tuple[str, float]] = []
+        totals: dict[str, int] = {}
+        for _ in claimers:
+            report = next_report(results, [*claimers, *passes], timeout=240)
+            assert report[0] != "passes", f"a pass process ended early: {report}"
+            claimed += report[1]
+            calls.extend(report[2])
+        stop.set()
+        for _ in passes:
+            kind, counts = results.get(timeout=60)
+            assert kind == "passes"
+            for key, n in counts.items():
+                totals[key] = totals.get(key, 0) + n
+        for p in [*claimers, *passes]:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+    finally:  # a failed assertion must not leave processes on the test database
+        stop.set()
+        for p in [*claimers, *passes]:
+            if p.is_alive():
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
     assert totals["queued_readmitted"] > 0, f"no pass met the backlog: {totals}"
 
     runs = {r["run_id"]: r for r in store.list_runs(limit=1000)}

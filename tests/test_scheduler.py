@@ -16,7 +16,7 @@ from runlane.clock import ManualClock
 from runlane.domain.policy import parse_policy
 from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
-from runlane.errors import CostLimitExceeded, PolicyDenied
+from runlane.errors import CostLimitExceeded, LeaseLost, PolicyDenied
 from runlane.services.scheduler import PassTrigger
 from runlane.store import scheduling, sql
 from runlane.store.scheduling import BLOCKED_LANE_RECHECK_SECONDS
@@ -130,6 +130,43 @@ def test_drill_6_policy_denies_while_queued_the_run_never_executes(store: Store)
     assert (row.status, row.reason_code) == (S.POLICY_DENIED.value, "TENANT_SUSPENDED")
     assert f"policy v{v2}" in row.message and f"v{v1}" in row.message
     assert row.attempt_count == 0  # never executed
+
+
+def test_a_claims_denials_move_their_lanes_with_its_own_in_lane_id_order(
+        store: Store) -> None:
+    """PostgreSQL: runs a claim denies, defers or prunes leave their lanes in the
+    claim's one lane write (after its counters, in lane_id order), not one by one as
+    admission meets them. A denial's lane write came first: two claims, each denying
+    a run in the lane the other claimed from, deadlocked (found by
+    test_the_backlog_pass_races_4_claimer_processes_and_every_invariant_holds)."""
+    if not store.is_postgres:
+        pytest.skip("row locks (SQLite serializes writers on the file)")
+    apply(store, "[concurrency]\nper_tenant_max_active = 5\n")
+    frozen = submit(store, 2, tenant="alpha", repo="/srv/git/payments.git")
+    kept = submit(store, 2, tenant="beta")
+    gone = submit(store, 1, tenant="gamma", repo="/srv/git/payments.git")
+    apply(store, "[concurrency]\nper_tenant_max_active = 5\n[[rules]]\n"
+                 "when = { repo = '*payments*' }\naction = 'deny'\n")
+    statements: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(" ".join(statement.split()))
+
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        claimed = store.claim("w1", limit=5, lease_ttl=TTL)  # a transaction: v2 is new
+        assert {lease.run_id for lease in claimed} == {r.run_id for r in kept}
+        assert store.claim("w1", limit=5, lease_ttl=TTL) == []  # nothing left
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
+    lane_leave = " ".join(sql.LANE_LEAVE.split()).split(":n")[0]
+    assert not [s for s in statements if s.startswith(lane_leave)], \
+        "a denied run's lane was written before the claim's counters"
+    for run in [*frozen, *gone]:
+        assert run_row(store, run.run_id).status == S.POLICY_DENIED.value
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT SUM(queued_count) FROM lanes")).scalar() == 0
+    assert store.audit() == []
 
 
 def test_a_policy_change_admits_the_queued_backlog_again(
@@ -364,6 +401,35 @@ def test_each_limit_holds_and_frees_its_slot(store: Store, policy: str,
     assert store.claim("w2", limit=5, lease_ttl=TTL) == []
     store.fail(leases[0], Reason.AGENT_FAILED)  # its slot comes back
     assert len(store.claim("w2", limit=5, lease_ttl=TTL)) == 1
+    assert store.audit() == []
+
+
+def test_an_ended_attempt_gives_its_slots_back_once_and_forgets_them(
+        store: Store, clock: ManualClock) -> None:
+    """A failed attempt and a reaped one each give their slots back and clear the
+    scopes they held (PostgreSQL: in the statement that ends the attempt, which returns
+    the old value; SQLite: after it): nothing can give them back a second time."""
+    apply(store, "[concurrency]\nper_tenant_max_active = 1\nglobal_max_active = 5\n")
+    submit(store, 2)
+
+    def held() -> tuple[dict[str, int], list[Any]]:
+        with store.engine.connect() as conn:
+            active = dict(conn.execute(text("SELECT scope, active FROM limit_counters")).all())
+            scopes = conn.execute(text(
+                "SELECT limit_scopes FROM attempts ORDER BY started_at, run_id")).scalars()
+            return active, list(scopes)
+
+    [first] = store.claim("w1", limit=2, lease_ttl=TTL)
+    assert held()[0] == {"global": 1, "tenant:acme": 1}
+    store.fail(first, Reason.AGENT_FAILED)  # retryable: back to the queue
+    assert held() == ({"global": 0, "tenant:acme": 0}, [None])
+    [second] = store.claim("w1", limit=2, lease_ttl=TTL)
+    clock.advance(TTL + 1)
+    assert store.reap_expired_leases() == 1
+    assert held() == ({"global": 0, "tenant:acme": 0}, [None, None])
+    with pytest.raises(LeaseLost):  # the reaped lease is gone: nothing more comes back
+        store.fail(second, Reason.AGENT_FAILED)
+    assert held()[0] == {"global": 0, "tenant:acme": 0}
     assert store.audit() == []
 
 

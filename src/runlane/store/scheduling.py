@@ -71,6 +71,10 @@ QUEUED_SCAN = 1000
 # conn.info key: the scopes a transaction's releases took below their limit; the
 # lanes blocked on them are woken just before it commits (Store._transaction).
 FREED_SCOPES = "runlane_freed_scopes"
+# conn.info key (PostgreSQL claims): the lanes that runs left at admission, per lane,
+# written with the claim's own lanes (lane_id order) instead of one by one before its
+# counters (a denial's lane write came first, and two claims deadlocked on two lanes).
+LANE_LEAVES = "runlane_lane_leaves"
 
 
 @dataclass(frozen=True)
@@ -292,6 +296,10 @@ class SchedulingMixin:
         """Keep a lane's queued count in step with a run's status change."""
         if lane_id is None or (source is S.QUEUED) == (target is S.QUEUED):
             return
+        leaves: Counter[int] | None = conn.info.get(LANE_LEAVES)
+        if leaves is not None and source is S.QUEUED:
+            leaves[lane_id] += 1  # the claim writes it with its lanes (LANE_LEAVES)
+            return
         if target is S.QUEUED:
             conn.execute(self._q(sql.LANE_ENTER),
                          {"lane_id": lane_id, "n": 1, "ahead": JOIN_AHEAD})
@@ -395,10 +403,12 @@ class SchedulingMixin:
         return list(conn.execute(self._q(sql.LOCK_SCOPES["sqlite"], "scopes"),
                                  {"scopes": scopes}))
 
-    def _give_back_slots(self, conn: Connection, run_id: str, token: int, raw: Any) -> None:
+    def _give_back_slots(self, conn: Connection, run_id: str, token: int, raw: Any, *,
+                         cleared: bool = False) -> None:
         """An attempt ended (``raw``: the scopes its row held, as the ending statement
-        returned them): free its slots, once."""
-        self._give_back_slots_many(conn, [(run_id, token, raw)])
+        returned them; ``cleared``: that statement also cleared them): free its slots,
+        once."""
+        self._give_back_slots_many(conn, [(run_id, token, raw)], cleared=cleared)
 
     def _give_back_slots_many(self, conn: Connection,
                               ended: Sequence[tuple[str, int, Any]], *,
@@ -637,6 +647,13 @@ class SchedulingMixin:
         self._one_trip_skips = (min(2 ** (streak + 1) - 1, ONE_TRIP_MAX_SKIPS), streak + 1)
         return None
 
+    def _lanes_left(self, conn: Connection, gone: Counter[int]) -> None:
+        """PostgreSQL: the lanes that runs left at admission, when the claim took none
+        (LANES_LEAVE_PG, in lane_id order)."""
+        lanes = sorted(gone)
+        conn.execute(self._q(sql.LANES_LEAVE_PG),
+                     {"lane_ids": lanes, "counts": [gone[lane] for lane in lanes]})
+
     def _sleep_blocked_lanes(self, conn: Connection, empty: set[int]) -> None:
         """Lanes that gave nothing although runs of them are visible, every one blocked
         by full scopes, sleep on those scopes (sql.LANE_BLOCKING_SCOPES)."""
@@ -826,7 +843,7 @@ class SchedulingMixin:
 
     def _write_claim(self, conn: Connection, passed: list[tuple[Any, Decision]],
                      full_tenants: set[str] | None, *, worker_id: str,
-                     lease_ttl: float) -> list[Any] | None:
+                     lease_ttl: float, gone: Counter[int] | None = None) -> list[Any] | None:
         """Take the slots (one in every scope of each run), compare-and-set the runs
         QUEUED -> CLAIMED with their next fencing token, open their attempts (the
         leases), record the events and move the lanes: one statement on PostgreSQL.
@@ -836,14 +853,17 @@ class SchedulingMixin:
         the policy's maximum and room for all the slots), so a claim may write before
         it ever read them (``full_tenants`` None: the statement says which tenants it
         filled). When a check fails nothing is written and this returns None: the
-        claim then allots the slots run by run (``_allot_slots``) and writes again."""
+        claim then allots the slots run by run (``_allot_slots``) and writes again.
+        ``gone`` (PostgreSQL): runs that left each lane at admission, moved with the
+        claimed ones in the same lane_id-ordered write."""
         slots = Counter(s for _, d in passed for s in d.concurrency)
         maxima = {s: limit for _, d in passed for s, limit in d.concurrency.items()}
         run_ids = [c.run_id for c, _ in passed]
         scopes = [json.dumps(sorted(d.concurrency)) if d.concurrency else None
                   for _, d in passed]
         per_lane = Counter(c.lane_id for c, _ in passed)
-        lanes = sorted(per_lane)
+        gone = gone or Counter()
+        lanes = sorted(set(per_lane) | set(gone))
         now = self.clock.now()
         if self.dialect == "postgresql":
             rows: list[Any] = self._driver_rows(conn, sql.CLAIM_WRITE_PG, {
@@ -852,7 +872,7 @@ class SchedulingMixin:
                 "run_ids": run_ids, "estimated": [c.estimated_cost_usd for c, _ in passed],
                 "scopes": scopes, "worker_id": worker_id, "ttl": lease_ttl,
                 "lane_ids": lanes, "lane_counts": [per_lane[lane] for lane in lanes],
-                "ahead": JOIN_AHEAD, "now": now})
+                "lane_gone": [gone[lane] for lane in lanes], "ahead": JOIN_AHEAD, "now": now})
             if not rows:
                 return None  # a counter was missing, stale or short of room
             slots_taken = int(rows[0].slots_taken)

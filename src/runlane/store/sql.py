@@ -421,7 +421,9 @@ WHERE lanes.lane_id = :lane_id AND lanes.wake_at IS NOT NULL
 # The writes of a claim, on PostgreSQL one statement of data-modifying CTEs over three
 # inputs, defined before it: ``slot_deltas(scope, n, max_active)`` (the slots to take
 # per scope and the policy's maximum), ``picked(run_id, estimated_cost_usd, scopes)``
-# (the runs, each with its scopes as a JSON list) and ``lane_deltas(lane_id, n)``; and
+# (the runs, each with its scopes as a JSON list) and ``lane_deltas(lane_id, n, gone)``
+# (the runs claimed from each lane, and those that left it at claim without being
+# claimed: denied, deferred or pruned, SchedulingMixin._admit_candidates); and
 # ``t(now)``. CLAIM_WRITE_PG gives them as parallel arrays (the claim decided in
 # Python), CLAIM_ONE_TRIP_PG computes them from its own pick.
 #
@@ -504,7 +506,7 @@ lane_locks AS (
 lane_counts AS (
     UPDATE lanes
     SET queued_count = lanes.queued_count - COALESCE(
-            (SELECT x.n FROM lane_deltas x WHERE x.lane_id = lanes.lane_id), 0),
+            (SELECT x.n + x.gone FROM lane_deltas x WHERE x.lane_id = lanes.lane_id), 0),
         pass = lanes.pass + CAST(COALESCE((SELECT x.n FROM lane_deltas x
                                            WHERE x.lane_id = lanes.lane_id), 0)
                                  AS double precision) / lanes.weight,
@@ -522,8 +524,9 @@ picked AS (
     SELECT * FROM unnest(CAST(:run_ids AS text[]), CAST(:estimated AS double precision[]),
                          CAST(:scopes AS text[])) AS p(run_id, estimated_cost_usd, scopes)),
 lane_deltas AS (
-    SELECT * FROM unnest(CAST(:lane_ids AS bigint[]), CAST(:lane_counts AS integer[]))
-      AS x(lane_id, n)),
+    SELECT * FROM unnest(CAST(:lane_ids AS bigint[]), CAST(:lane_counts AS integer[]),
+                         CAST(:lane_gone AS integer[]))
+      AS x(lane_id, n, gone)),
 """ + _CLAIM_WRITES_PG.replace("{slot_scopes}", "CAST(:slot_scopes AS text[])").replace(
     "{run_ids}", "CAST(:run_ids AS text[])").replace("{gate}", "true") + """
 SELECT claimed.run_id, claimed.fencing_token, claimed.attempt_count,
@@ -602,7 +605,7 @@ picked AS (
             FROM json_object_keys(c.admission -> 'concurrency') AS s(key)) AS scopes
     FROM chosen c),
 lane_deltas AS (
-    SELECT lane_id, CAST(COUNT(*) AS integer) AS n FROM chosen GROUP BY lane_id),
+    SELECT lane_id, CAST(COUNT(*) AS integer) AS n, 0 AS gone FROM chosen GROUP BY lane_id),
 """ + _CLAIM_WRITES_PG.replace(
     "{slot_scopes}", "ARRAY(SELECT scope FROM slot_deltas)").replace(
     "{run_ids}", "ARRAY(SELECT run_id FROM chosen)").replace(
@@ -750,6 +753,17 @@ WHERE lane_id = :lane_id
 """
 LANE_LEAVE = """
 UPDATE lanes SET queued_count = queued_count - :n WHERE lane_id = :lane_id
+"""
+# PostgreSQL: the lanes that lost queued runs to a claim's admission (denied, deferred,
+# pruned) when the claim took none, locked in lane_id order first as every writer of
+# several lanes locks them; when it took some, CLAIM_WRITE_PG moves them with its own.
+LANES_LEAVE_PG = """
+UPDATE lanes l SET queued_count = l.queued_count - d.n
+FROM unnest(CAST(:lane_ids AS bigint[]), CAST(:counts AS integer[])) AS d(lane_id, n)
+WHERE l.lane_id = d.lane_id
+  AND l.lane_id IN (SELECT k.lane_id FROM lanes k
+                    WHERE k.lane_id = ANY(CAST(:lane_ids AS bigint[]))
+                    ORDER BY k.lane_id FOR UPDATE)
 """
 LANE_CLAIMED = """
 UPDATE lanes SET queued_count = queued_count - :n, pass = pass + :n / weight
@@ -1149,7 +1163,31 @@ WHERE run_id = :run_id
   AND fencing_token = :token
   AND ended_at IS NULL
 """
-END_ATTEMPT = _END_ATTEMPT + "RETURNING limit_scopes\n"
+# Returns the scopes whose slots the attempt held, once: PostgreSQL clears them in
+# the same statement and returns the old value (the row locked first, so the value is
+# the one this update replaces); SQLite's RETURNING sees only the new row, so the
+# release clears them after (CLEAR_ATTEMPT_SLOTS, in process; on PostgreSQL it was
+# one more round trip per failed or reaped run).
+END_ATTEMPT = {
+    "postgresql": """
+UPDATE attempts a
+SET status = :status,
+    reason_code = :reason_code,
+    message = :message,
+    retry_after_seconds = :retry_after_seconds,
+    lease_status = CASE WHEN a.lease_status = 'ACTIVE' THEN :lease_status
+                        ELSE a.lease_status END,
+    lease_ended_at = COALESCE(a.lease_ended_at, :now),
+    ended_at = :now,
+    limit_scopes = NULL
+FROM (SELECT o.run_id, o.fencing_token, o.limit_scopes FROM attempts o
+      WHERE o.run_id = :run_id AND o.fencing_token = :token AND o.ended_at IS NULL
+      FOR UPDATE) old
+WHERE a.run_id = old.run_id AND a.fencing_token = old.fencing_token
+RETURNING old.limit_scopes
+""",
+    "sqlite": _END_ATTEMPT + "RETURNING limit_scopes\n",
+}
 
 # --- batched completion ---------------------------------------------------------------
 #

@@ -14,6 +14,7 @@ import json
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
@@ -67,6 +68,7 @@ from runlane.store.engine import build_engine, dialect_of
 from runlane.store.scheduling import (
     FREED_SCOPES,
     JOIN_AHEAD,
+    LANE_LEAVES,
     LanesDue,
     PolicyChanged,
     SchedulingMixin,
@@ -758,18 +760,28 @@ class Store(SchedulingMixin):
         def work(conn: Connection, check_due: bool) -> list[Lease] | None:
             candidates, empty = self._claim_candidates(conn, queue, limit, capabilities,
                                                        run_id, check_due=check_due)
-            admitted = self._admit_candidates(conn, candidates, actor=worker_id) \
-                if candidates else []
+            # PostgreSQL: the lanes of runs that admission denies, defers or prunes are
+            # written with the claim's own, in lane_id order, after its counters.
+            gone: Counter[int] = Counter()
+            if self.is_postgres:
+                conn.info[LANE_LEAVES] = gone
+            try:
+                admitted = self._admit_candidates(conn, candidates, actor=worker_id) \
+                    if candidates else []
+            finally:
+                conn.info.pop(LANE_LEAVES, None)
             passed, rows = admitted, None
             if admitted and self.is_postgres:  # the write checks the slots itself
                 rows = self._write_claim(conn, admitted, None, worker_id=worker_id,
-                                         lease_ttl=lease_ttl)
+                                         lease_ttl=lease_ttl, gone=gone)
             if admitted and rows is None:  # lock the counters, allot slots run by run
                 passed, full_tenants = self._allot_slots(conn, admitted)
                 rows = self._write_claim(conn, passed, full_tenants, worker_id=worker_id,
-                                         lease_ttl=lease_ttl) if passed else []
+                                         lease_ttl=lease_ttl, gone=gone) if passed else []
                 if rows is None:  # cannot happen: the counters are locked and checked
                     raise TransitionRefused("slots changed while their counters were locked")
+            if gone and not rows:  # nothing claimed: only those lanes move
+                self._lanes_left(conn, gone)
             rows = rows or []
             woken = self._lane_upkeep(conn, empty, wake=not rows)
             if not rows:
@@ -1104,12 +1116,13 @@ class Store(SchedulingMixin):
                 path = [*prefix, S.FAILED]
                 run_reason = decision.final_reason or reason
         held = conn.execute(
-            self._q(sql.END_ATTEMPT),
+            self._q(sql.END_ATTEMPT[self.dialect]),
             {"status": attempt_status, "reason_code": reason, "message": message,
              "retry_after_seconds": retry_after, "lease_status": lease_status, "now": now,
              "run_id": snap.run_id, "token": snap.fencing_token},
         ).scalar()
-        self._give_back_slots(conn, snap.run_id, snap.fencing_token, held)
+        self._give_back_slots(conn, snap.run_id, snap.fencing_token, held,
+                              cleared=self.is_postgres)
         if path:
             won = self._set_status(
                 conn, run_id=snap.run_id, source=status, path=path, run_token=snap.run_token,
