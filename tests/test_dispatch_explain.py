@@ -685,7 +685,7 @@ def test_claim_write_touches_only_its_rows(explain_db: ExplainDb) -> None:
             "now": None, "slot_scopes": scopes, "slot_counts": [0] * len(scopes),
             "slot_max": maxima, "run_ids": run_ids, "estimated": [None] * 50, "scopes": [None] * 50,
             "worker_id": "explain-worker", "ttl": 60.0, "lane_ids": [lane],
-            "lane_counts": [50], "ahead": 1e-6})
+            "lane_counts": [50], "lane_gone": [0], "ahead": 1e-6})
         conn.rollback()
     assert plan["Plan"]["Actual Rows"] == 50, describe(plan)
     assert_bounded(plan, index="runs_pkey", table="runs", bound=50, ordered=False)
@@ -802,7 +802,8 @@ def claim_write_params(conn: Connection, n_lanes: int) -> dict[str, Any]:
     return {"now": None, "slot_scopes": scopes, "slot_counts": [0] * len(scopes),
             "slot_max": maxima, "run_ids": run_ids, "estimated": [None] * 50,
             "scopes": [None] * 50, "worker_id": "explain-worker", "ttl": 60.0,
-            "lane_ids": [_lane(conn, "tenant-0010")], "lane_counts": [50], "ahead": 1e-6}
+            "lane_ids": [_lane(conn, "tenant-0010")], "lane_counts": [50], "lane_gone": [0],
+            "ahead": 1e-6}
 
 
 @pytest.mark.parametrize("plan_kind", ["custom", "generic"])

@@ -169,6 +169,35 @@ def test_a_claims_denials_move_their_lanes_with_its_own_in_lane_id_order(
     assert store.audit() == []
 
 
+def test_a_scheduler_page_moves_its_lanes_in_lane_id_order(
+        store: Store, clock: ManualClock) -> None:
+    """A pass that queues deferred runs of several lanes writes each lane once, in
+    lane_id order, at the end of its page (as a claim locks them), not in the runs'
+    order: lanes taken out of order by one transaction deadlock with a claim taking
+    them in order."""
+    apply(store, "[[rules]]\nwhen = { repo = '*app*' }\naction = 'defer'\n"
+                 "retry_after_seconds = 60\n")
+    for tenant in ("a", "b", "c", "a"):  # created in this order: lanes 1, 2, 3, 1
+        submit(store, tenant=tenant)
+        clock.advance(1)
+    apply(store, "[defaults]\nqueue = 'default'\n")  # the rule is gone
+    entered: list[int] = []
+
+    def record(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
+        if " ".join(statement.split()).startswith("UPDATE lanes SET pass = CASE"):
+            entered.append(params["lane_id"] if isinstance(params, dict) else params[-1])
+
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        assert store.schedule_pass(not_yet_due=True)["readmitted"] == 4
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
+    assert len(entered) == 3 and entered == sorted(entered), entered
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT SUM(queued_count) FROM lanes")).scalar() == 4
+    assert store.audit() == []
+
+
 def test_a_policy_change_admits_the_queued_backlog_again(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     """After a policy change the scheduler's pass admits every run queued under an older

@@ -12,7 +12,8 @@ import functools
 import json
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -71,10 +72,12 @@ QUEUED_SCAN = 1000
 # conn.info key: the scopes a transaction's releases took below their limit; the
 # lanes blocked on them are woken just before it commits (Store._transaction).
 FREED_SCOPES = "runlane_freed_scopes"
-# conn.info key (PostgreSQL claims): the lanes that runs left at admission, per lane,
-# written with the claim's own lanes (lane_id order) instead of one by one before its
-# counters (a denial's lane write came first, and two claims deadlocked on two lanes).
-LANE_LEAVES = "runlane_lane_leaves"
+# conn.info key: the lane moves of a transaction that changes several runs (a claim,
+# a scheduler page), net per lane, written at its end in lane_id order
+# (SchedulingMixin._lane_moves_in_order) instead of as each run meets them: a claim's
+# denial wrote its lane before the claim's counters and lanes, and two claims
+# deadlocked on two lanes.
+LANE_MOVES = "runlane_lane_moves"
 
 
 @dataclass(frozen=True)
@@ -296,9 +299,9 @@ class SchedulingMixin:
         """Keep a lane's queued count in step with a run's status change."""
         if lane_id is None or (source is S.QUEUED) == (target is S.QUEUED):
             return
-        leaves: Counter[int] | None = conn.info.get(LANE_LEAVES)
-        if leaves is not None and source is S.QUEUED:
-            leaves[lane_id] += 1  # the claim writes it with its lanes (LANE_LEAVES)
+        moves: Counter[int] | None = conn.info.get(LANE_MOVES)
+        if moves is not None:  # written at the transaction's end (LANE_MOVES)
+            moves[lane_id] += 1 if target is S.QUEUED else -1
             return
         if target is S.QUEUED:
             conn.execute(self._q(sql.LANE_ENTER),
@@ -647,12 +650,25 @@ class SchedulingMixin:
         self._one_trip_skips = (min(2 ** (streak + 1) - 1, ONE_TRIP_MAX_SKIPS), streak + 1)
         return None
 
-    def _lanes_left(self, conn: Connection, gone: Counter[int]) -> None:
-        """PostgreSQL: the lanes that runs left at admission, when the claim took none
-        (LANES_LEAVE_PG, in lane_id order)."""
-        lanes = sorted(gone)
-        conn.execute(self._q(sql.LANES_LEAVE_PG),
-                     {"lane_ids": lanes, "counts": [gone[lane] for lane in lanes]})
+    @contextmanager
+    def _lane_moves_in_order(self, conn: Connection) -> Iterator[Counter[int]]:
+        """Collect the lane moves of the runs this block changes (net per lane) and
+        write them when it ends, in lane_id order, as every writer of several lanes
+        locks them. A claim folds its admission's into its own lane write
+        (``_write_claim``'s ``gone``) and leaves the rest here."""
+        moves: Counter[int] = Counter()
+        info = conn.info  # not read again on the way out: after a dead session, reading
+        info[LANE_MOVES] = moves  # it raises PendingRollbackError over the real error
+        try:
+            yield moves
+        finally:
+            info.pop(LANE_MOVES, None)
+        for lane_id in sorted(moves):
+            if moves[lane_id] > 0:
+                conn.execute(self._q(sql.LANE_ENTER),
+                             {"lane_id": lane_id, "n": moves[lane_id], "ahead": JOIN_AHEAD})
+            elif moves[lane_id] < 0:
+                conn.execute(self._q(sql.LANE_LEAVE), {"lane_id": lane_id, "n": -moves[lane_id]})
 
     def _sleep_blocked_lanes(self, conn: Connection, empty: set[int]) -> None:
         """Lanes that gave nothing although runs of them are visible, every one blocked
@@ -854,16 +870,18 @@ class SchedulingMixin:
         it ever read them (``full_tenants`` None: the statement says which tenants it
         filled). When a check fails nothing is written and this returns None: the
         claim then allots the slots run by run (``_allot_slots``) and writes again.
-        ``gone`` (PostgreSQL): runs that left each lane at admission, moved with the
-        claimed ones in the same lane_id-ordered write."""
+        ``gone`` (PostgreSQL): the lane moves of the claim's admission (runs denied,
+        deferred or pruned: each lane's count falls), written with the claimed runs'
+        lanes in the same lane_id-ordered write and taken out of ``gone`` when it is."""
         slots = Counter(s for _, d in passed for s in d.concurrency)
         maxima = {s: limit for _, d in passed for s, limit in d.concurrency.items()}
         run_ids = [c.run_id for c, _ in passed]
         scopes = [json.dumps(sorted(d.concurrency)) if d.concurrency else None
                   for _, d in passed]
         per_lane = Counter(c.lane_id for c, _ in passed)
-        gone = gone or Counter()
-        lanes = sorted(set(per_lane) | set(gone))
+        left = Counter({lane: -n for lane, n in (gone or {}).items()
+                        if n < 0 and self.dialect == "postgresql"})
+        lanes = sorted(set(per_lane) | set(left))
         now = self.clock.now()
         if self.dialect == "postgresql":
             rows: list[Any] = self._driver_rows(conn, sql.CLAIM_WRITE_PG, {
@@ -872,9 +890,12 @@ class SchedulingMixin:
                 "run_ids": run_ids, "estimated": [c.estimated_cost_usd for c, _ in passed],
                 "scopes": scopes, "worker_id": worker_id, "ttl": lease_ttl,
                 "lane_ids": lanes, "lane_counts": [per_lane[lane] for lane in lanes],
-                "lane_gone": [gone[lane] for lane in lanes], "ahead": JOIN_AHEAD, "now": now})
+                "lane_gone": [left[lane] for lane in lanes], "ahead": JOIN_AHEAD, "now": now})
             if not rows:
                 return None  # a counter was missing, stale or short of room
+            if gone is not None:
+                for lane in left:  # written: nothing left to move for them
+                    del gone[lane]
             slots_taken = int(rows[0].slots_taken)
             full_tenants = set(rows[0].full_tenants)
         else:
@@ -996,49 +1017,50 @@ class SchedulingMixin:
         counts = {"readmitted": 0, "denied": 0, "deferred": 0, "dependencies_resolved": 0}
         if not rows:
             return after, counts, 0
-        if status is S.ADMITTED:
+        with self._lane_moves_in_order(conn):  # runs of many lanes: lane_id order
+            if status is S.ADMITTED:
+                for r in rows:
+                    outcome = self._dependency_outcome(conn, r.task_id)
+                    if outcome is not S.ADMITTED and self._set_status(
+                            conn, run_id=r.run_id, source=S.ADMITTED, path=[outcome],
+                            run_token=r.fencing_token, actor="scheduler", now=now,
+                            reason_code=(Reason.DEPENDENCY_FAILED
+                                         if outcome is S.CANCELLED else None),
+                            message="dependencies ended (scheduler pass)"):
+                        counts["dependencies_resolved"] += 1
+                return (rows[-1].created_at, rows[-1].run_id), counts, len(rows)
+            version, policy = self._policy(conn)
+            usage = self._tenant_usage(conn, {r.tenant for r in rows}, now)
             for r in rows:
-                outcome = self._dependency_outcome(conn, r.task_id)
-                if outcome is not S.ADMITTED and self._set_status(
-                        conn, run_id=r.run_id, source=S.ADMITTED, path=[outcome],
-                        run_token=r.fencing_token, actor="scheduler", now=now,
-                        reason_code=(Reason.DEPENDENCY_FAILED
-                                     if outcome is S.CANCELLED else None),
-                        message="dependencies ended (scheduler pass)"):
-                    counts["dependencies_resolved"] += 1
-            return (rows[-1].created_at, rows[-1].run_id), counts, len(rows)
-        version, policy = self._policy(conn)
-        usage = self._tenant_usage(conn, {r.tenant for r in rows}, now)
-        for r in rows:
-            decision = admit(self._request_of(r), policy, version,
-                             usage.get(r.tenant, TenantUsage()), now)
-            conn.execute(self._q(sql.SET_ADMISSION), {
-                "run_id": r.run_id, "policy_version": version,
-                "admission": json.dumps({**decision.to_json(),
-                                         "first_policy_version": first_policy_version(r)})})
-            if decision.decision == "DEFER":
-                conn.execute(self._q(sql.SET_VISIBLE), {
-                    "run_id": r.run_id, "visible_at": decision.retry_after,
-                    "reason_code": decision.reason_code, "message": decision.message,
-                    "now": now})
-                counts["deferred"] += 1
-                continue
-            if decision.decision == "DENY":
-                target, key = S.POLICY_DENIED, "denied"
-            else:
-                target, key = self._dependency_outcome(conn, r.task_id), "readmitted"
-            # Admitted before its retry-after (a policy change): visible now, not then.
-            if self._set_status(conn, run_id=r.run_id, source=S.WAITING_CAPACITY, path=[target],
-                                run_token=r.fencing_token, actor="scheduler", now=now,
-                                reason_code=(Reason.DEPENDENCY_FAILED if target is S.CANCELLED
-                                             else decision.reason_code),
-                                message=f"{decision.decision} under policy v{version}",
-                                visible_at=now if target in (S.QUEUED, S.ADMITTED) else None):
-                counts[key] += 1
-                if target is S.QUEUED:
-                    current = usage.get(r.tenant, TenantUsage())
-                    usage[r.tenant] = TenantUsage(current.queued_runs + 1,
-                                                  current.spent_today_usd)
+                decision = admit(self._request_of(r), policy, version,
+                                 usage.get(r.tenant, TenantUsage()), now)
+                conn.execute(self._q(sql.SET_ADMISSION), {
+                    "run_id": r.run_id, "policy_version": version,
+                    "admission": json.dumps({**decision.to_json(),
+                                             "first_policy_version": first_policy_version(r)})})
+                if decision.decision == "DEFER":
+                    conn.execute(self._q(sql.SET_VISIBLE), {
+                        "run_id": r.run_id, "visible_at": decision.retry_after,
+                        "reason_code": decision.reason_code, "message": decision.message,
+                        "now": now})
+                    counts["deferred"] += 1
+                    continue
+                if decision.decision == "DENY":
+                    target, key = S.POLICY_DENIED, "denied"
+                else:
+                    target, key = self._dependency_outcome(conn, r.task_id), "readmitted"
+                # Admitted before its retry-after (a policy change): visible now, not then.
+                if self._set_status(conn, run_id=r.run_id, source=S.WAITING_CAPACITY, path=[target],
+                                    run_token=r.fencing_token, actor="scheduler", now=now,
+                                    reason_code=(Reason.DEPENDENCY_FAILED if target is S.CANCELLED
+                                                 else decision.reason_code),
+                                    message=f"{decision.decision} under policy v{version}",
+                                    visible_at=now if target in (S.QUEUED, S.ADMITTED) else None):
+                    counts[key] += 1
+                    if target is S.QUEUED:
+                        current = usage.get(r.tenant, TenantUsage())
+                        usage[r.tenant] = TenantUsage(current.queued_runs + 1,
+                                                      current.spent_today_usd)
         return (rows[-1].created_at, rows[-1].run_id), counts, len(rows)
 
     def _admit_queued_backlog(self, *, scan: int) -> dict[str, int]:
@@ -1075,11 +1097,12 @@ class SchedulingMixin:
             if not rows:
                 return set(), Counter(), version
             now = self._now(conn)
-            queued = self._prune_cancelled(conn, rows, now=now, actor="scheduler",
-                                           where="by the scheduler pass")
-            decided = self._admit_queued_again(conn, queued, version, policy, now,
-                                               actor="scheduler",
+            with self._lane_moves_in_order(conn):
+                queued = self._prune_cancelled(conn, rows, now=now, actor="scheduler",
                                                where="by the scheduler pass")
+                decided = self._admit_queued_again(conn, queued, version, policy, now,
+                                                   actor="scheduler",
+                                                   where="by the scheduler pass")
             admitted = {c.run_id: json.dumps({
                 **decision.to_json(), "first_policy_version": first_policy_version(c)})
                 for c, decision in decided

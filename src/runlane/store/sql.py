@@ -754,17 +754,6 @@ WHERE lane_id = :lane_id
 LANE_LEAVE = """
 UPDATE lanes SET queued_count = queued_count - :n WHERE lane_id = :lane_id
 """
-# PostgreSQL: the lanes that lost queued runs to a claim's admission (denied, deferred,
-# pruned) when the claim took none, locked in lane_id order first as every writer of
-# several lanes locks them; when it took some, CLAIM_WRITE_PG moves them with its own.
-LANES_LEAVE_PG = """
-UPDATE lanes l SET queued_count = l.queued_count - d.n
-FROM unnest(CAST(:lane_ids AS bigint[]), CAST(:counts AS integer[])) AS d(lane_id, n)
-WHERE l.lane_id = d.lane_id
-  AND l.lane_id IN (SELECT k.lane_id FROM lanes k
-                    WHERE k.lane_id = ANY(CAST(:lane_ids AS bigint[]))
-                    ORDER BY k.lane_id FOR UPDATE)
-"""
 LANE_CLAIMED = """
 UPDATE lanes SET queued_count = queued_count - :n, pass = pass + :n / weight
 WHERE lane_id = :lane_id

@@ -14,7 +14,6 @@ import json
 import logging
 import random
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
@@ -68,7 +67,7 @@ from runlane.store.engine import build_engine, dialect_of
 from runlane.store.scheduling import (
     FREED_SCOPES,
     JOIN_AHEAD,
-    LANE_LEAVES,
+    LANE_MOVES,
     LanesDue,
     PolicyChanged,
     SchedulingMixin,
@@ -760,28 +759,25 @@ class Store(SchedulingMixin):
         def work(conn: Connection, check_due: bool) -> list[Lease] | None:
             candidates, empty = self._claim_candidates(conn, queue, limit, capabilities,
                                                        run_id, check_due=check_due)
-            # PostgreSQL: the lanes of runs that admission denies, defers or prunes are
-            # written with the claim's own, in lane_id order, after its counters.
-            gone: Counter[int] = Counter()
-            if self.is_postgres:
-                conn.info[LANE_LEAVES] = gone
-            try:
+            # The lanes of runs that admission denies, defers or prunes move after the
+            # claim's counters, with its own lanes (PostgreSQL: in its one write), in
+            # lane_id order; a denial's lane written first deadlocked two claims.
+            with self._lane_moves_in_order(conn) as gone:
                 admitted = self._admit_candidates(conn, candidates, actor=worker_id) \
                     if candidates else []
-            finally:
-                conn.info.pop(LANE_LEAVES, None)
-            passed, rows = admitted, None
-            if admitted and self.is_postgres:  # the write checks the slots itself
-                rows = self._write_claim(conn, admitted, None, worker_id=worker_id,
-                                         lease_ttl=lease_ttl, gone=gone)
-            if admitted and rows is None:  # lock the counters, allot slots run by run
-                passed, full_tenants = self._allot_slots(conn, admitted)
-                rows = self._write_claim(conn, passed, full_tenants, worker_id=worker_id,
-                                         lease_ttl=lease_ttl, gone=gone) if passed else []
-                if rows is None:  # cannot happen: the counters are locked and checked
-                    raise TransitionRefused("slots changed while their counters were locked")
-            if gone and not rows:  # nothing claimed: only those lanes move
-                self._lanes_left(conn, gone)
+                conn.info.pop(LANE_MOVES, None)  # collected: the writes below are the claim's
+                passed, rows = admitted, None
+                if admitted and self.is_postgres:  # the write checks the slots itself
+                    rows = self._write_claim(conn, admitted, None, worker_id=worker_id,
+                                             lease_ttl=lease_ttl, gone=gone)
+                if admitted and rows is None:  # lock the counters, allot slots run by run
+                    passed, full_tenants = self._allot_slots(conn, admitted)
+                    rows = self._write_claim(conn, passed, full_tenants,
+                                             worker_id=worker_id, lease_ttl=lease_ttl,
+                                             gone=gone) if passed else []
+                    if rows is None:  # cannot happen: the counters are locked and checked
+                        raise TransitionRefused(
+                            "slots changed while their counters were locked")
             rows = rows or []
             woken = self._lane_upkeep(conn, empty, wake=not rows)
             if not rows:
