@@ -48,7 +48,8 @@ def claim_write(conn: Connection, scopes: list[str], n: int = 0) -> list[Any]:
     return list(conn.execute(PG.render(sql.CLAIM_WRITE_PG), {
         "now": None, "slot_scopes": scopes, "slot_counts": [n] * len(scopes),
         "slot_max": [COUNTERS.get(s, 1) for s in scopes], "run_ids": [], "estimated": [],
-        "scopes": [], "worker_id": "w", "ttl": 30.0, "lane_ids": [], "lane_counts": [], "lane_gone": []}))
+        "scopes": [], "worker_id": "w", "ttl": 30.0, "lane_ids": [], "lane_counts": [],
+        "lane_gone": []}))
 
 
 def active(conn: Connection) -> dict[str, int]:

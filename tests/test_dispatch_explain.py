@@ -714,8 +714,8 @@ def test_marking_a_tenants_lanes_reads_only_that_tenants_lanes(
     it) locks that tenant's lanes in lane_id order: through the index by tenant, a sort
     of its few lanes, never a scan of every lane."""
     with explain_db.engine.connect() as conn:
-        params = {"tenant": "tenant-0900", "at_limit": 0}
-        mine = conn.execute(text("SELECT COUNT(*) FROM lanes WHERE tenant = :tenant "
+        params = {"tenants": ["tenant-0900"], "at_limit": 0}
+        mine = conn.execute(text("SELECT COUNT(*) FROM lanes WHERE tenant = 'tenant-0900' "
                                  "AND tenant_at_limit <> :at_limit"), params).scalar_one()
         plan = plan_of(conn, sql.MARK_TENANT_LANES, params)
         conn.rollback()

@@ -445,9 +445,13 @@ class SchedulingMixin:
                 below.update(r.scope for r in conn.execute(
                     self._q(sql.GIVE_SLOTS, "scopes"), {"scopes": sorted(run_scopes)})
                     if r.active == r.max_active - 1)  # it was full: something may wait
-        for scope in sorted(s for s in below if s.startswith("tenant:")):
-            conn.execute(self._q(sql.MARK_TENANT_LANES),
-                         {"tenant": scope.removeprefix("tenant:"), "at_limit": 0})
+        # Every tenant it took below its limit shows its lanes again: one statement,
+        # all their lanes in lane_id order (tenant by tenant, a release of two tenants
+        # locked the second's lower lane after the first's higher one).
+        shown = sorted(s.removeprefix("tenant:") for s in below if s.startswith("tenant:"))
+        if shown:
+            conn.execute(self._q(sql.MARK_TENANT_LANES, "tenants"),
+                         {"tenants": shown, "at_limit": 0})
         freed = {s for s in below if not s.startswith("tenant:")}
         if freed:  # woken last in the transaction: Store._transaction
             conn.info.setdefault(FREED_SCOPES, set()).update(freed)
@@ -656,9 +660,13 @@ class SchedulingMixin:
         write them when it ends, in lane_id order, as every writer of several lanes
         locks them. A claim folds its admission's into its own lane write
         (``_write_claim``'s ``gone``) and leaves the rest here."""
-        moves: Counter[int] = Counter()
         info = conn.info  # not read again on the way out: after a dead session, reading
-        info[LANE_MOVES] = moves  # it raises PendingRollbackError over the real error
+        outer: Counter[int] | None = info.get(LANE_MOVES)  # it raises PendingRollbackError
+        if outer is not None:  # nested: the outermost block writes them all
+            yield outer
+            return
+        moves: Counter[int] = Counter()
+        info[LANE_MOVES] = moves
         try:
             yield moves
         finally:
@@ -923,10 +931,9 @@ class SchedulingMixin:
         # Cannot happen: the runs and the counters are locked.
         if len(rows) != len(passed) or slots_taken != len(slots):
             raise TransitionRefused("claimed runs or their slots changed while locked")
-        if self.dialect != "postgresql":  # PostgreSQL's statement hid them itself
-            for tenant in sorted(full_tenants or ()):
-                conn.execute(self._q(sql.MARK_TENANT_LANES),
-                             {"tenant": tenant, "at_limit": 1})
+        if self.dialect != "postgresql" and full_tenants:  # PostgreSQL's statement hid them
+            conn.execute(self._q(sql.MARK_TENANT_LANES, "tenants"),
+                         {"tenants": sorted(full_tenants), "at_limit": 1})
         return rows
 
     def _check_policy_before_effect(self, conn: Connection, run_id: str, effect: str) -> None:
@@ -954,17 +961,20 @@ class SchedulingMixin:
         return S.ADMITTED if row.pending else S.QUEUED
 
     def _resolve_dependents(self, conn: Connection, task_id: str, now: float | None) -> None:
-        """A task's run just ended: release or cancel the runs waiting for it."""
-        for r in conn.execute(self._q(sql.DEPENDENT_RUNS), {"task_id": task_id}).all():
-            outcome = self._dependency_outcome(conn, r.task_id)
-            if outcome is S.ADMITTED:
-                continue
-            self._set_status(
-                conn, run_id=r.run_id, source=S.ADMITTED, path=[outcome],
-                run_token=r.fencing_token, actor="scheduler", now=now,
-                reason_code=Reason.DEPENDENCY_FAILED if outcome is S.CANCELLED else None,
-                message=(f"dependency {task_id} ended without success"
-                         if outcome is S.CANCELLED else "dependencies succeeded"))
+        """A task's run just ended: release or cancel the runs waiting for it (their
+        rows locked in run_id order; the lanes they enter written at the end, in
+        lane_id order: dependents of several lanes took them in query order)."""
+        with self._lane_moves_in_order(conn):
+            for r in conn.execute(self._q(sql.DEPENDENT_RUNS), {"task_id": task_id}).all():
+                outcome = self._dependency_outcome(conn, r.task_id)
+                if outcome is S.ADMITTED:
+                    continue
+                self._set_status(
+                    conn, run_id=r.run_id, source=S.ADMITTED, path=[outcome],
+                    run_token=r.fencing_token, actor="scheduler", now=now,
+                    reason_code=Reason.DEPENDENCY_FAILED if outcome is S.CANCELLED else None,
+                    message=(f"dependency {task_id} ended without success"
+                             if outcome is S.CANCELLED else "dependencies succeeded"))
 
     # --- the scheduler pass --------------------------------------------------------
 

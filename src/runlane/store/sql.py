@@ -706,7 +706,7 @@ UPDATE attempts SET limit_scopes = NULL WHERE run_id = :run_id AND fencing_token
 MARK_TENANT_LANES = """
 UPDATE lanes SET tenant_at_limit = :at_limit
 WHERE lane_id IN (SELECT l.lane_id FROM lanes l
-                  WHERE l.tenant = :tenant AND l.tenant_at_limit <> :at_limit
+                  WHERE l.tenant IN :tenants AND l.tenant_at_limit <> :at_limit
                   ORDER BY l.lane_id {lock_for_update})
 """
 
@@ -935,10 +935,17 @@ LOCK_LANES = "SELECT l.lane_id FROM lanes l ORDER BY l.lane_id {lock_l_skip}"
 COUNTER_SET = "UPDATE limit_counters SET active = :n WHERE scope = :scope"
 COUNTER_SET_MAX = "UPDATE limit_counters SET max_active = :max_active WHERE scope = :scope"
 COUNTER_DELETE = "DELETE FROM limit_counters WHERE scope = :scope"
-RECOMPUTE_TENANT_FLAGS = """
-UPDATE lanes SET tenant_at_limit = CASE WHEN EXISTS (
+# Only the lanes whose flag is wrong, locked in lane_id order first: an UPDATE of every
+# lane locked them in scan order and deadlocked with a claim or a submit holding a
+# lower lane (a review's reproduction, tests/test_lock_order.py).
+_TENANT_FULL_FLAG = """CASE WHEN EXISTS (
     SELECT 1 FROM limit_counters c
-    WHERE c.scope = 'tenant:' || lanes.tenant AND c.active >= c.max_active) THEN 1 ELSE 0 END
+    WHERE c.scope = 'tenant:' || {alias}.tenant AND c.active >= c.max_active) THEN 1 ELSE 0 END"""
+RECOMPUTE_TENANT_FLAGS = """
+UPDATE lanes SET tenant_at_limit = """ + _TENANT_FULL_FLAG.format(alias="lanes") + """
+WHERE lanes.lane_id IN (SELECT l.lane_id FROM lanes l
+                        WHERE l.tenant_at_limit <> """ + _TENANT_FULL_FLAG.format(alias="l") + """
+                        ORDER BY l.lane_id {lock_for_update})
 """
 
 # --- policy, admission, dependencies, budgets ----------------------------------------
@@ -979,6 +986,7 @@ DEPENDENT_RUNS = """
 SELECT r.run_id, r.task_id, r.fencing_token FROM task_dependencies d
 JOIN runs r ON r.task_id = d.task_id
 WHERE d.depends_on = :task_id AND r.status = 'ADMITTED'
+ORDER BY r.run_id
 {lock_r}
 """
 # How a task's dependencies stand: not yet succeeded, and ended without success.

@@ -927,9 +927,10 @@ class Store(SchedulingMixin):
             self._give_back_slots_many(conn, [
                 (run_id, moves[run_id][1].fencing_token, row.limit_scopes)
                 for run_id, row in sorted(won.items())], cleared=self.is_postgres)
-            for _, row in sorted(won.items()):
-                if row.has_dependents:
-                    self._resolve_dependents(conn, row.task_id, row.now)
+            with self._lane_moves_in_order(conn):  # all their dependents' lanes at once
+                for _, row in sorted(won.items()):
+                    if row.has_dependents:
+                        self._resolve_dependents(conn, row.task_id, row.now)
             lost = {i: self._refusal(conn, lease, path[-1])
                     for run_id, (i, lease, path) in moves.items() if run_id not in won}
             return set(won), lost
