@@ -128,9 +128,6 @@ def test_a_policy_change_recomputes_tenant_flags_in_lane_id_order(
         assert set(conn.execute(text("SELECT tenant_at_limit FROM lanes")).scalars()) == {0}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known: a reconcile that repairs a run writes its lane, then locks every counter "
-    "(repair 7) in the same transaction; fix: one transaction per repaired run"))
 def test_a_reconcile_never_locks_a_counter_after_a_lane(
         store: Store, db_url: str, clock: ManualClock) -> None:
     pg_only(db_url)

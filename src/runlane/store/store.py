@@ -1282,74 +1282,90 @@ class Store(SchedulingMixin):
     def reconcile(self, *, admitted_grace: float = 60.0, active_grace: float = 60.0,
                   worker_grace: float = 180.0, max_attempt_seconds: float = 7200.0,
                   limit: int = 100) -> dict[str, int]:
-        """The six conservative repairs of seed 000 §25, each recorded with a reason."""
-        def work(conn: Connection) -> dict[str, int]:
+        """The six conservative repairs of seed 000 §25, each recorded with a reason.
+
+        The candidates are listed first (``SKIP LOCKED``: rows a worker holds are left
+        for the next pass); then each repaired run is a transaction of its own, which
+        takes that run's rows, its counters, then its lane, in the order every writer
+        keeps, and checks again that the run still needs the repair (compare-and-set).
+        In one transaction, a repaired run's lane came before the next run's counters
+        and the recount's (repair 7): a wait cycle with a claim
+        (``tests/test_lock_order.py``)."""
+        def listed(conn: Connection) -> dict[str, Any]:
             now = self._now(conn)
-            counts: dict[str, int] = {}
             p = {"now": now, "limit": limit}
+            return {
+                "now": now,
+                "admitted": conn.execute(self._q(sql.ADMITTED_NOT_QUEUED),
+                                         {**p, "grace": admitted_grace}).all(),
+                "terminal": conn.execute(self._q(sql.TERMINAL_WITH_LEASE, "terminal"), {
+                    **p, "terminal": [s.value for s in TERMINAL]}).all(),
+                "cancelled": conn.execute(self._q(sql.QUEUED_OF_CANCELLED_TASK, "waiting"), {
+                    **p, "waiting": [s.value for s in WAITING]}).all(),
+                "active": conn.execute(self._q(sql.ACTIVE_WITHOUT_LEASE, "active"), {
+                    **p, "active": [s.value for s in (LEASED | CANCELLING)],
+                    "grace": active_grace}).all(),
+                "overlong": conn.execute(self._q(sql.OVERLONG_ATTEMPTS),
+                                         {**p, "max_seconds": max_attempt_seconds}).all(),
+            }
 
-            # 1. Runs admitted but never queued (a lost enqueue): queue them.
-            rows = conn.execute(self._q(sql.ADMITTED_NOT_QUEUED),
-                                {**p, "grace": admitted_grace}).all()
-            counts["admitted_requeued"] = sum(
-                self._set_status(conn, run_id=r.run_id, source=S.ADMITTED, path=[S.QUEUED],
-                                 run_token=self._token(conn, r.run_id), actor="reconciler",
-                                 now=now, reason_code=Reason.RECONCILED_ADMITTED_NOT_QUEUED)
-                for r in rows
-            )
-            # 2. Terminal runs that still hold a live lease: revoke it.
-            rows = conn.execute(self._q(sql.TERMINAL_WITH_LEASE, "terminal"),
-                                {**p, "terminal": [s.value for s in TERMINAL]}).all()
-            for r in rows:
-                held = conn.execute(
-                    self._q(sql.REVOKE_LEASE),
-                    {"now": now, "run_id": r.run_id, "token": r.fencing_token,
-                     "reason_code": Reason.RECONCILED_TERMINAL_LEASE}).scalar()
-                self._give_back_slots(conn, r.run_id, r.fencing_token, held)
-            counts["terminal_leases_revoked"] = len(rows)
-            # 3. Waiting runs of a cancelled task (the cancel write was lost): cancel them.
-            rows = conn.execute(self._q(sql.QUEUED_OF_CANCELLED_TASK, "waiting"),
-                                {**p, "waiting": [s.value for s in WAITING]}).all()
-            n = 0
-            for r in rows:
-                status = S(conn.execute(text("SELECT status FROM runs WHERE run_id = :r"),
-                                        {"r": r.run_id}).scalar_one())
-                n += self._set_status(conn, run_id=r.run_id, source=status,
-                                      path=[S.CANCELLED], run_token=self._token(conn, r.run_id),
-                                      actor="reconciler", now=now,
-                                      reason_code=Reason.RECONCILED_CANCELLED_TASK)
-            counts["cancelled_task_runs_cancelled"] = n
-            # 4. Runs in a leased or cancelling state with no live lease at all.
-            active = [s.value for s in (LEASED | CANCELLING)]
-            rows = conn.execute(self._q(sql.ACTIVE_WITHOUT_LEASE, "active"),
-                                {**p, "active": active, "grace": active_grace}).all()
-            for r in rows:
-                snap = self._snapshot(conn, r.run_id, r.fencing_token)
-                if snap is not None:
-                    self._end_attempt(conn, snap, Reason.WORKER_LOST, actor="reconciler",
-                                      lease_status="REVOKED",
-                                      message=Reason.RECONCILED_ACTIVE_WITHOUT_LEASE.value)
-            counts["active_without_lease_recovered"] = len(rows)
-            # 5. Workers whose heartbeat stopped: DEAD.
-            counts["workers_marked_dead"] = len(
-                conn.execute(self._q(sql.STALE_WORKERS), {"now": now, "grace": worker_grace})
-                .all()
-            )
-            # 6. Attempts running longer than the maximum: TIMEOUT.
-            rows = conn.execute(self._q(sql.OVERLONG_ATTEMPTS),
-                                {**p, "max_seconds": max_attempt_seconds}).all()
-            for r in rows:
-                snap = self._snapshot(conn, r.run_id, r.fencing_token)
-                if snap is not None:
-                    self._end_attempt(conn, snap, Reason.TIMEOUT, actor="reconciler",
-                                      lease_status="REVOKED",
-                                      message=f"attempt ran over {max_attempt_seconds:.0f}s")
-            counts["overlong_attempts_timed_out"] = len(rows)
-            # 7. The scheduler's bookkeeping, recounted from the truth.
-            counts.update(self._repair_scheduling_counts(conn))
-            return counts
+        found = self._transaction(listed)
+        now = found["now"]
 
-        counts = self._transaction(work)
+        # 1. Runs admitted but never queued (a lost enqueue): queue them.
+        def requeue(conn: Connection, run_id: str) -> bool:
+            return self._set_status(conn, run_id=run_id, source=S.ADMITTED, path=[S.QUEUED],
+                                    run_token=self._token(conn, run_id), actor="reconciler",
+                                    now=now, reason_code=Reason.RECONCILED_ADMITTED_NOT_QUEUED)
+
+        # 2. Terminal runs that still hold a live lease: revoke it.
+        def revoke(conn: Connection, run_id: str, token: int) -> bool:
+            held = conn.execute(self._q(sql.REVOKE_LEASE), {
+                "now": now, "run_id": run_id, "token": token,
+                "reason_code": Reason.RECONCILED_TERMINAL_LEASE}).scalar()
+            self._give_back_slots(conn, run_id, token, held)
+            return True
+
+        # 3. Waiting runs of a cancelled task (the cancel write was lost): cancel them.
+        def cancel(conn: Connection, run_id: str) -> bool:
+            status = S(conn.execute(text("SELECT status FROM runs WHERE run_id = :r"),
+                                    {"r": run_id}).scalar_one())
+            return status in WAITING and self._set_status(
+                conn, run_id=run_id, source=status, path=[S.CANCELLED],
+                run_token=self._token(conn, run_id), actor="reconciler", now=now,
+                reason_code=Reason.RECONCILED_CANCELLED_TASK)
+
+        # 4. Runs in a leased or cancelling state with no live lease at all, and
+        # 6. attempts running longer than the maximum: their attempt ends.
+        def end(conn: Connection, run_id: str, token: int, reason: Reason,
+                message: str) -> bool:
+            snap = self._snapshot(conn, run_id, token)
+            if snap is not None:
+                self._end_attempt(conn, snap, reason, actor="reconciler",
+                                  lease_status="REVOKED", message=message)
+            return True
+
+        def each(work: Callable[..., bool], *args: Any) -> int:
+            return int(self._transaction(lambda conn: work(conn, *args)))
+
+        counts: dict[str, int] = {
+            "admitted_requeued": sum(each(requeue, r.run_id) for r in found["admitted"]),
+            "terminal_leases_revoked": sum(each(revoke, r.run_id, r.fencing_token)
+                                           for r in found["terminal"]),
+            "cancelled_task_runs_cancelled": sum(each(cancel, r.run_id)
+                                                 for r in found["cancelled"]),
+            "active_without_lease_recovered": sum(
+                each(end, r.run_id, r.fencing_token, Reason.WORKER_LOST,
+                     Reason.RECONCILED_ACTIVE_WITHOUT_LEASE.value) for r in found["active"]),
+        }
+        # 5. Workers whose heartbeat stopped: DEAD.
+        counts["workers_marked_dead"] = self._transaction(lambda conn: len(conn.execute(
+            self._q(sql.STALE_WORKERS), {"now": now, "grace": worker_grace}).all()))
+        counts["overlong_attempts_timed_out"] = sum(
+            each(end, r.run_id, r.fencing_token, Reason.TIMEOUT,
+                 f"attempt ran over {max_attempt_seconds:.0f}s") for r in found["overlong"])
+        # 7. The scheduler's bookkeeping, recounted from the truth.
+        counts.update(self._transaction(self._repair_scheduling_counts))
         if any(counts.values()):
             log.info("reconciled", **counts)
         return counts
