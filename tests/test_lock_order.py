@@ -146,3 +146,24 @@ def test_a_reconcile_never_locks_a_counter_after_a_lane(
         TAKE_LANE, {"high": lane},
         lambda: store.reconcile(max_attempt_seconds=50))
     assert errors == []
+
+
+def test_a_cancel_locks_its_dependents_before_the_lane_its_run_leaves(
+        store: Store, db_url: str) -> None:
+    """Cancelling a queued run's task cancels the runs waiting for it. The holder
+    stands for a completion of another of their dependencies: it locked a dependent's
+    row and writes a lane last. A cancel that wrote its run's lane at once, then
+    locked the dependents, deadlocked with it."""
+    pg_only(db_url)
+    [x] = submit(store)
+    [y] = submit(store)
+    [d] = submit(store, depends_on=[x.task_id, y.task_id])
+    lane = lane_of(store, x.run_id)
+    errors = race(store, "SELECT run_id FROM runs WHERE run_id = :d FOR UPDATE", TAKE_LANE,
+                  {"d": d.run_id, "high": lane}, lambda: store.cancel(x.task_id))
+    assert errors == []
+    with store.engine.connect() as conn:
+        statuses = dict(conn.execute(text(
+            "SELECT run_id, status FROM runs WHERE run_id IN (:x, :d)"),
+            {"x": x.run_id, "d": d.run_id}).all())
+    assert statuses == {x.run_id: "CANCELLED", d.run_id: "CANCELLED"}

@@ -564,29 +564,30 @@ class Store(SchedulingMixin):
                             for dep in fitted[i][0].depends_on]
             if dependencies:
                 conn.execute(insert(task_dependencies), dependencies)
-            for i, task, run in zip(planned, batch.tasks, batch.runs, strict=True):
-                report = fitted[i][1]
-                if task["task_id"] not in inserted:  # the key was taken before
-                    existing = conn.execute(self._q(sql.EXISTING_RUN), {
-                        "tenant": task["tenant"], "key": task["idempotency_key"]}).one()
-                    results[i] = Submission(existing.task_id, existing.run_id,
-                                            existing.status, False)
-                    continue
-                status = S(run["status"])
-                if status is S.ADMITTED:  # dependencies may all have ended already
-                    outcome = self._dependency_outcome(conn, task["task_id"])
-                    if outcome is not S.ADMITTED:
-                        self._set_status(
-                            conn, run_id=run["run_id"], source=S.ADMITTED, path=[outcome],
-                            run_token=0, actor=actor, now=batch.now,
-                            reason_code=(Reason.DEPENDENCY_FAILED
-                                         if outcome is S.CANCELLED else None),
-                            message=("a dependency ended without success"
-                                     if outcome is S.CANCELLED else "dependencies succeeded"))
-                        status = outcome
-                results[i] = Submission(task["task_id"], run["run_id"], status.value, True,
-                                        report.truncated_sections, report.size_bytes,
-                                        batch.decisions[run["decision_no"]].reason_code)
+            with self._lane_moves_in_order(conn):  # released runs' lanes: lane_id order
+                for i, task, run in zip(planned, batch.tasks, batch.runs, strict=True):
+                    report = fitted[i][1]
+                    if task["task_id"] not in inserted:  # the key was taken before
+                        existing = conn.execute(self._q(sql.EXISTING_RUN), {
+                            "tenant": task["tenant"], "key": task["idempotency_key"]}).one()
+                        results[i] = Submission(existing.task_id, existing.run_id,
+                                                existing.status, False)
+                        continue
+                    status = S(run["status"])
+                    if status is S.ADMITTED:  # dependencies may all have ended already
+                        outcome = self._dependency_outcome(conn, task["task_id"])
+                        if outcome is not S.ADMITTED:
+                            self._set_status(
+                                conn, run_id=run["run_id"], source=S.ADMITTED, path=[outcome],
+                                run_token=0, actor=actor, now=batch.now,
+                                reason_code=(Reason.DEPENDENCY_FAILED
+                                             if outcome is S.CANCELLED else None),
+                                message=("a dependency ended without success"
+                                         if outcome is S.CANCELLED else "dependencies succeeded"))
+                            status = outcome
+                    results[i] = Submission(task["task_id"], run["run_id"], status.value, True,
+                                            report.truncated_sections, report.size_bytes,
+                                            batch.decisions[run["decision_no"]].reason_code)
             for i, first in aliases.items():  # a repeat inside the batch creates nothing
                 original = results[first]
                 assert original is not None
@@ -1215,11 +1216,20 @@ class Store(SchedulingMixin):
 
     def cancel(self, task_id: str, *, actor: str = "user") -> CancelResult:
         """Cancel a task: waiting runs end CANCELLED now; leased runs get
-        CANCEL_REQUESTED, delivered to their worker by NOTIFY and the next heartbeat."""
+        CANCEL_REQUESTED, delivered to their worker by NOTIFY and the next heartbeat.
+
+        The lanes its runs leave are written last (``_lane_moves_in_order``): after the
+        rows of the runs waiting for the task, which a cancelled dependency cancels too.
+        Written at once, a lane came before those rows: a wait cycle with a completion
+        of another of their dependencies (``tests/test_lock_order.py``)."""
         def work(conn: Connection) -> CancelResult:
             if conn.execute(self._q(sql.MARK_TASK_CANCELLED),
                             {"task_id": task_id, "now": self.clock.now()}).first() is None:
                 raise NotFound(f"no task {task_id!r}")
+            with self._lane_moves_in_order(conn):
+                return cancel_runs(conn)
+
+        def cancel_runs(conn: Connection) -> CancelResult:
             outcome: dict[str, str] = {}
             for r in conn.execute(self._q(sql.RUNS_OF_TASK),
                                   {"task_id": task_id, "now": self.clock.now()}).all():
