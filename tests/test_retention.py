@@ -121,8 +121,11 @@ def test_batches_are_bounded_and_a_pass_stops_after_its_batches(
     assert Pruner(store, RetentionConfig(keep_days=KEEP_DAYS)).run_once()["runs_pruned"] == 0
 
 
-def test_a_task_others_depend_on_goes_with_its_last_dependent(
+def test_a_task_others_depend_on_keeps_its_run_until_its_last_dependent_goes(
         store: Store, clock: ManualClock) -> None:
+    """The run stays with its task: a dependent reads how its dependency ended from
+    the dependency's run (tests/test_retention_integrity.py: without it, a dependent of
+    a failed task was queued)."""
     if not RetentionStatements(store).has_dependencies:
         pytest.skip("no task_dependencies table in this schema")
     [upstream] = finish(store, 1)
@@ -132,12 +135,14 @@ def test_a_task_others_depend_on_goes_with_its_last_dependent(
             t=downstream.task_id, d=upstream_task)
     clock.advance(KEEP_DAYS * DAY + 60)
     first = prune_finished(store, keep_seconds=KEEP_DAYS * DAY)
-    assert (first.runs, first.tasks) == (1, 0)  # the run goes, its task is still needed
-    assert count(store, "tasks", "task_id = :t", t=upstream_task) == 1
+    assert (first.runs, first.tasks) == (0, 0)  # still needed: the run and its task stay
+    assert count(store, "runs", "run_id = :r", r=upstream) == 1
 
     [lease] = store.claim("w1", lease_ttl=60.0)
     store.complete(lease)
     clock.advance(KEEP_DAYS * DAY + 60)
     second = prune_finished(store, keep_seconds=KEEP_DAYS * DAY)
-    assert (second.runs, second.tasks) == (1, 2)
+    assert (second.runs, second.tasks) == (1, 1)  # the dependent; then, free, the upstream
+    third = prune_finished(store, keep_seconds=KEEP_DAYS * DAY)
+    assert (third.runs, third.tasks) == (1, 1)
     assert count(store, "tasks") == count(store, "task_dependencies") == 0

@@ -727,7 +727,7 @@ def test_2010_blocked_rows_ahead_of_one_runnable_row(store: Store, clock: Manual
         execute(store, "UPDATE runs SET visible_at = :later", later=clock.now() + 3600)
         tenant = "other"
     else:
-        parent = submit(store, tenant="other")[0]
+        parent = submit(store, repo="/srv/git/upstream.git")[0]  # running: never claimed
         store.submit([spec(depends_on=[parent.task_id]) for _ in range(2010)])
         execute(store, "UPDATE runs SET status = 'RUNNING' WHERE run_id = :r", r=parent.run_id)
     clock.advance(1)

@@ -51,7 +51,7 @@ def test_a_batch_with_repeated_keys_and_several_lanes_counts_only_what_it_insert
         spec(),
         spec(tenant="globex", queue="java", idempotency_key="k1"),  # another tenant's k1
         spec(tenant="globex", priority=10),
-        spec(tenant="globex", queue="java", depends_on=[before.task_id]),  # ADMITTED
+        spec(queue="java", depends_on=[before.task_id]),  # ADMITTED (waits for k1's)
     ])
     assert [s.created for s in subs] == [False, True, False, True, True, True, True]
     assert (subs[0].task_id, subs[0].run_id, subs[0].status) == (
@@ -60,7 +60,7 @@ def test_a_batch_with_repeated_keys_and_several_lanes_counts_only_what_it_insert
     assert [s.status for s in subs[3:]] == [S.QUEUED.value] * 3 + [S.ADMITTED.value]
     by_lane = {key: lane.queued_count for key, lane in lanes(store).items()}
     assert by_lane == {("default", 100, "acme"): 3, ("java", 100, "globex"): 1,
-                       ("default", 10, "globex"): 1}
+                       ("default", 10, "globex"): 1, ("java", 100, "acme"): 0}
     with store.engine.connect() as conn:
         assert conn.execute(text("SELECT COUNT(*) FROM runs")).scalar_one() == 6
         assert conn.execute(text("SELECT COUNT(*) FROM tasks")).scalar_one() == 6

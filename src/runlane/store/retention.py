@@ -8,9 +8,15 @@ that still holds an ACTIVE lease (the reconciler revokes those first). On Postgr
 the pick uses ``SKIP LOCKED``, so prunes on several machines split the work and never
 wait on a row a worker holds; on SQLite the transaction is ``BEGIN IMMEDIATE``.
 
-A task is deleted with its last run unless another task depends on it
-(``task_dependencies``, when that table exists); it goes with its last dependent.
-An idempotency key is remembered for as long as its task is kept.
+A run is not picked while another task still names its task: depends on it
+(``task_dependencies``, when that table exists) or follows it up (``parent_task_id``).
+The run and its task stay together until the last such task is pruned, and go in a
+later batch: a dependent's run reads how its dependency ended from the dependency's
+run, and a follow-up shows its parent. (Earlier, the run went and the task stayed: a
+dependent of a failed task was then queued as if the dependency had succeeded, the
+task's idempotency key crashed a submit, and a chain of three left its first task
+behind.) A task is deleted with its last run. An idempotency key is remembered for as
+long as its task is kept.
 """
 
 from __future__ import annotations
@@ -34,29 +40,45 @@ FINISHED = sorted(s.value for s in TERMINAL)
 # status in bounded reads, where ORDER BY updated_at over four statuses made
 # PostgreSQL read and sort all of ``runs`` for every batch (1 s per batch of 500 at
 # 2M runs, bench/sizes.py).
+# Nor the run of a task another task names (see above; ``ix_task_dependencies_depends_on``
+# and ``ix_tasks_parent`` serve the checks). A submit that names a task share-locks its
+# run until it commits (sql.NAMED_TASKS): SKIP LOCKED passes over it. The run's task is
+# locked here too, SKIP LOCKED: a prune never waits for a task row after it holds the
+# run (a cancel locks the task, then its runs: the two deadlocked).
 PICK_FINISHED = """
-SELECT r.run_id, r.task_id FROM runs r
+SELECT r.run_id, r.task_id FROM runs r JOIN tasks t ON t.task_id = r.task_id
 WHERE r.status IN :finished
   AND r.updated_at < {now} - :keep_seconds
   AND NOT EXISTS (SELECT 1 FROM attempts a
                   WHERE a.run_id = r.run_id AND a.lease_status = 'ACTIVE')
+  AND NOT EXISTS (SELECT 1 FROM tasks c WHERE c.parent_task_id = r.task_id)
+  {not_depended_on}
 LIMIT :limit
-{lock_r_skip}
+{lock_rt_skip}
+"""
+RUN_NOT_DEPENDED_ON = """
+  AND NOT EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = r.task_id)
 """
 DELETE_SIDE_EFFECTS = "DELETE FROM side_effects WHERE run_id IN :run_ids"
 DELETE_RUN_EVENTS = "DELETE FROM run_events WHERE run_id IN :run_ids"
 DELETE_ATTEMPTS = "DELETE FROM attempts WHERE run_id IN :run_ids"
 DELETE_RUNS = "DELETE FROM runs WHERE run_id IN :run_ids AND status IN :finished"
-# Of these tasks, those with no run left (and, with dependencies, none depending on them).
+# Of these tasks, those with no run left that no task names (as parent, or, with
+# dependencies, as a dependency).
 ORPHAN_TASKS = """
 SELECT t.task_id FROM tasks t
 WHERE t.task_id IN :task_ids
   AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.task_id = t.task_id)
+  AND NOT EXISTS (SELECT 1 FROM tasks c WHERE c.parent_task_id = t.task_id)
 """
 NOT_DEPENDED_ON = """
   AND NOT EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = t.task_id)
 """
 DEPENDED_ON_BY = "SELECT DISTINCT depends_on FROM task_dependencies WHERE task_id IN :task_ids"
+PARENTS_OF = """
+SELECT DISTINCT parent_task_id FROM tasks
+WHERE task_id IN :task_ids AND parent_task_id IS NOT NULL
+"""
 DELETE_DEPENDENCIES = "DELETE FROM task_dependencies WHERE task_id IN :task_ids"
 DELETE_TASKS = "DELETE FROM tasks WHERE task_id IN :task_ids"
 
@@ -83,7 +105,8 @@ class RetentionStatements:
 
         def render(statement: str, *expanding: str) -> TextClause:
             clause = text(statement.format(
-                now=NOW[dialect], lock_r_skip=LOCK_SKIP[dialect].format(alias="r")))
+                now=NOW[dialect], lock_rt_skip=LOCK_SKIP[dialect].format(alias="r, t"),
+                not_depended_on=RUN_NOT_DEPENDED_ON if self.has_dependencies else ""))
             return clause.bindparams(*(bindparam(n, expanding=True) for n in expanding))
 
         self.pick = render(PICK_FINISHED, "finished")
@@ -94,6 +117,7 @@ class RetentionStatements:
         orphans = ORPHAN_TASKS + (NOT_DEPENDED_ON if self.has_dependencies else "")
         self.orphan_tasks = render(orphans, "task_ids")
         self.depended_on = render(DEPENDED_ON_BY, "task_ids")
+        self.parents = render(PARENTS_OF, "task_ids")
         self.dependencies = render(DELETE_DEPENDENCIES, "task_ids")
         self.tasks = render(DELETE_TASKS, "task_ids")
 
@@ -124,19 +148,19 @@ def prune_finished(store: Store, *, keep_seconds: float, limit: int = 500,
 
 
 def _prune_tasks(conn: Connection, st: RetentionStatements, candidates: list[str]) -> int:
-    """Delete the candidate tasks that have no run left; then, once, the tasks those
-    depended on, when nothing else needs them any more."""
+    """Delete the candidate tasks that have no run left; then, up the chain, the tasks
+    those depended on that have no run left either and that nothing else needs (only
+    an earlier retention left such tasks: the runs of the others wait for a later
+    batch)."""
     deleted = 0
-    for _ in range(2):
-        if not candidates:
-            break
+    while candidates:
         orphans = [r.task_id for r in conn.execute(st.orphan_tasks, {"task_ids": candidates})]
         if not orphans:
             break
-        upstream: list[str] = []
+        upstream = [r.parent_task_id for r in conn.execute(st.parents, {"task_ids": orphans})]
         if st.has_dependencies:
-            upstream = [r.depends_on for r in conn.execute(st.depended_on,
-                                                           {"task_ids": orphans})]
+            upstream += [r.depends_on for r in conn.execute(st.depended_on,
+                                                            {"task_ids": orphans})]
             conn.execute(st.dependencies, {"task_ids": orphans})
         deleted += conn.execute(st.tasks, {"task_ids": orphans}).rowcount
         candidates = sorted(set(upstream) - set(orphans))

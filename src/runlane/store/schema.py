@@ -66,6 +66,10 @@ tasks = Table(
     Column("parent_task_id", ID),
     Column("estimated_cost_usd", Float),
     UniqueConstraint("tenant", "idempotency_key", name="uq_tasks_tenant_idempotency_key"),
+    # Retention keeps a task another names as its parent (migration 0011).
+    Index("ix_tasks_parent", "parent_task_id",
+          postgresql_where=text("parent_task_id IS NOT NULL"),
+          sqlite_where=text("parent_task_id IS NOT NULL")),
 )
 
 # A task waits for these tasks to succeed before its run is queued.

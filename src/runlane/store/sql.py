@@ -31,6 +31,7 @@ LOCK_SHARE_SKIP = {"postgresql": "FOR SHARE OF {alias} SKIP LOCKED", "sqlite": "
 ROW_VERSION = {"postgresql": "CAST({alias}.xmin AS text)", "sqlite": "''"}
 GREATEST = {"postgresql": "GREATEST", "sqlite": "MAX"}
 LOCK_WAIT = {"postgresql": "FOR UPDATE OF {alias}", "sqlite": ""}
+LOCK_SHARE = {"postgresql": "FOR SHARE OF {alias}", "sqlite": ""}
 
 # --- claim (the dispatch path) -------------------------------------------------------
 #
@@ -977,9 +978,16 @@ ADD_TENANT_SPEND = """
 INSERT INTO tenant_spend (tenant, day, usd) VALUES (:tenant, :day, :usd)
 ON CONFLICT (tenant, day) DO UPDATE SET usd = tenant_spend.usd + excluded.usd
 """
-TASKS_WITH_STATUS = """
-SELECT t.task_id, r.status FROM tasks t JOIN runs r ON r.task_id = t.task_id
+# The tasks a submit names (dependencies, parent) that have a run, with their tenant.
+# PostgreSQL share-locks the runs (in run_id order, as every writer locks runs)
+# until the submit commits: retention picks runs SKIP LOCKED, so it cannot delete a
+# task between this check and the rows that name it (a dependency's foreign key, a
+# dependent queued as if the failed task it waits for had never been).
+NAMED_TASKS = """
+SELECT t.task_id, t.tenant FROM tasks t JOIN runs r ON r.task_id = t.task_id
 WHERE t.task_id IN :task_ids
+ORDER BY r.run_id
+{lock_r_share}
 """
 # Runs waiting for a task that just ended.
 DEPENDENT_RUNS = """
@@ -1569,6 +1577,7 @@ class Statements:
             now=NOW[self.dialect],
             lock_r=LOCK_WAIT[self.dialect].format(alias="r"),
             lock_r_skip=LOCK_SKIP[self.dialect].format(alias="r"),
+            lock_r_share=LOCK_SHARE[self.dialect].format(alias="r"),
             lock_a_skip=LOCK_SKIP[self.dialect].format(alias="a"),
             lock_l_skip=LOCK_SKIP[self.dialect].format(alias="l"),
             lock_c_share_skip=LOCK_SHARE_SKIP[self.dialect].format(alias="c"),

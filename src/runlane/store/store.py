@@ -538,10 +538,13 @@ class Store(SchedulingMixin):
         """
         fitted = [enforce_payload_cap(spec, self.payload_cap_bytes) for spec in specs]
         # PostgreSQL writes a submit in one statement (SUBMIT_WRITE_PG), atomic by itself,
-        # unless a task has dependencies: their rows, and the release of a run whose
-        # dependencies already ended, are more writes. Such a submit needs no BEGIN and
-        # no COMMIT (see _transaction): one or two round trips where it was four.
-        one_write = self.is_postgres and not any(spec.depends_on for spec, _ in fitted)
+        # unless a task names others: their dependency rows, and the release of a run
+        # whose dependencies already ended, are more writes, and the named tasks' runs
+        # stay share-locked until the commit (NAMED_TASKS: retention must not
+        # delete them meanwhile). Any other submit needs no BEGIN and no COMMIT (see
+        # _transaction): one or two round trips where it was four.
+        one_write = self.is_postgres and not any(
+            spec.depends_on or spec.parent_task_id for spec, _ in fitted)
 
         def work(conn: Connection) -> list[Submission]:
             presumed = self._submit_policy_seen if self.is_postgres else None
@@ -569,7 +572,14 @@ class Store(SchedulingMixin):
                     report = fitted[i][1]
                     if task["task_id"] not in inserted:  # the key was taken before
                         existing = conn.execute(self._q(sql.EXISTING_RUN), {
-                            "tenant": task["tenant"], "key": task["idempotency_key"]}).one()
+                            "tenant": task["tenant"], "key": task["idempotency_key"]}).first()
+                        if existing is None:
+                            # A task an earlier retention kept without its run (it
+                            # now keeps both while another task names it), or one
+                            # deleted since the insert met its key.
+                            raise TaskInvalid("idempotency_key", (
+                                f"{task['idempotency_key']!r} names a task whose run "
+                                "retention deleted; submit with another key"))
                         results[i] = Submission(existing.task_id, existing.run_id,
                                                 existing.status, False)
                         continue
@@ -630,8 +640,8 @@ class Store(SchedulingMixin):
         policy = self._policy_version(conn, version)
         usage = self._tenant_usage(conn, {spec.tenant for spec, _ in fitted}, now) \
             if policy_needs_usage(policy) else {}
-        known = {r.task_id: S(r.status) for r in conn.execute(
-            self._q(sql.TASKS_WITH_STATUS, "task_ids"), {"task_ids": referenced})
+        known = {r.task_id: r.tenant for r in conn.execute(
+            self._q(sql.NAMED_TASKS, "task_ids"), {"task_ids": referenced})
         } if referenced else {}
         return self._decide_submission(fitted, policy, version, now, usage, known,
                                        default_max_attempts=default_max_attempts, actor=actor)
@@ -639,7 +649,7 @@ class Store(SchedulingMixin):
     @staticmethod
     def _decide_submission(fitted: list[tuple[TaskSpec, PayloadReport]], policy: Policy,
                            version: int, now: float | None, usage: dict[str, TenantUsage],
-                           known: dict[str, RunStatus], *, default_max_attempts: int,
+                           known: dict[str, str], *, default_max_attempts: int,
                            actor: str) -> tuple[_SubmitBatch, list[int], dict[int, int]]:
         """Admission for each spec under ``policy``, with what was read for it."""
         needs_usage = policy_needs_usage(policy)
@@ -651,7 +661,10 @@ class Store(SchedulingMixin):
         for i, (spec, report) in enumerate(fitted):
             for field_name, task_id in [*(("depends_on", t) for t in spec.depends_on),
                                         ("parent_task_id", spec.parent_task_id)]:
-                if task_id and task_id not in known:
+                # Another tenant's task is answered as one that does not exist: a
+                # tenant neither learns of it nor ties its runs to it (a cancel of
+                # theirs would cancel ours).
+                if task_id and known.get(task_id) != spec.tenant:
                     raise TaskInvalid(field_name, f"no task {task_id!r}")
             if spec.idempotency_key is not None:
                 key = (spec.tenant, spec.idempotency_key)
