@@ -78,6 +78,12 @@ FREED_SCOPES = "runlane_freed_scopes"
 # denial wrote its lane before the claim's counters and lanes, and two claims
 # deadlocked on two lanes.
 LANE_MOVES = "runlane_lane_moves"
+# conn.info key: inside such a block, the tenants a release took below their limit,
+# whose lanes show again: marked with the block's lane moves, after them the lanes
+# of both locked at once in lane_id order (a release marked them before it locked
+# the runs waiting for its task, and deadlocked with a completion of another of
+# their dependencies).
+SHOWN_TENANTS = "runlane_shown_tenants"
 
 
 @dataclass(frozen=True)
@@ -448,8 +454,11 @@ class SchedulingMixin:
         # Every tenant it took below its limit shows its lanes again: one statement,
         # all their lanes in lane_id order (tenant by tenant, a release of two tenants
         # locked the second's lower lane after the first's higher one).
+        # Inside a block that collects lane moves, marked with them at its end.
         shown = sorted(s.removeprefix("tenant:") for s in below if s.startswith("tenant:"))
-        if shown:
+        if shown and conn.info.get(LANE_MOVES) is not None:
+            conn.info.setdefault(SHOWN_TENANTS, set()).update(shown)
+        elif shown:
             conn.execute(self._q(sql.MARK_TENANT_LANES, "tenants"),
                          {"tenants": shown, "at_limit": 0})
         freed = {s for s in below if not s.startswith("tenant:")}
@@ -658,8 +667,10 @@ class SchedulingMixin:
     def _lane_moves_in_order(self, conn: Connection) -> Iterator[Counter[int]]:
         """Collect the lane moves of the runs this block changes (net per lane) and
         write them when it ends, in lane_id order, as every writer of several lanes
-        locks them. A claim folds its admission's into its own lane write
-        (``_write_claim``'s ``gone``) and leaves the rest here."""
+        locks them; with them, the lanes of the tenants its releases showed again
+        (SHOWN_TENANTS; both sets locked first in one lane_id order). A claim folds its
+        admission's moves into its own lane write (``_write_claim``'s ``gone``) and
+        leaves the rest here."""
         info = conn.info  # not read again on the way out: after a dead session, reading
         outer: Counter[int] | None = info.get(LANE_MOVES)  # it raises PendingRollbackError
         if outer is not None:  # nested: the outermost block writes them all
@@ -671,12 +682,20 @@ class SchedulingMixin:
             yield moves
         finally:
             info.pop(LANE_MOVES, None)
-        for lane_id in sorted(moves):
+            shown = sorted(info.pop(SHOWN_TENANTS, ()))
+        moved = sorted(lane_id for lane_id in moves if moves[lane_id])
+        if moved and shown and self.dialect == "postgresql":  # both sets, one order
+            conn.execute(self._q(sql.LOCK_LANES_TO_WRITE),
+                         {"lane_ids": moved, "tenants": shown})
+        for lane_id in moved:
             if moves[lane_id] > 0:
                 conn.execute(self._q(sql.LANE_ENTER),
                              {"lane_id": lane_id, "n": moves[lane_id], "ahead": JOIN_AHEAD})
-            elif moves[lane_id] < 0:
+            else:
                 conn.execute(self._q(sql.LANE_LEAVE), {"lane_id": lane_id, "n": -moves[lane_id]})
+        if shown:
+            conn.execute(self._q(sql.MARK_TENANT_LANES, "tenants"),
+                         {"tenants": shown, "at_limit": 0})
 
     def _sleep_blocked_lanes(self, conn: Connection, empty: set[int]) -> None:
         """Lanes that gave nothing although runs of them are visible, every one blocked

@@ -704,6 +704,16 @@ UPDATE attempts SET limit_scopes = NULL WHERE run_id = :run_id AND fencing_token
 # lane_id order first, as every writer of several lanes locks them (their scan order
 # is not lane_id order once a lane's row was written again: a release deadlocked with
 # a submit holding a lower lane of the tenant).
+# PostgreSQL: the lanes a transaction moves runs in and those of the tenants it shows
+# again, locked at once in lane_id order before it writes them (the two writes would
+# otherwise lock them in two passes, each in order, but not in one).
+LOCK_LANES_TO_WRITE = """
+SELECT l.lane_id FROM lanes l
+WHERE l.lane_id = ANY(CAST(:lane_ids AS bigint[]))
+   OR (l.tenant = ANY(CAST(:tenants AS text[])) AND l.tenant_at_limit <> 0)
+ORDER BY l.lane_id
+FOR UPDATE
+"""
 MARK_TENANT_LANES = """
 UPDATE lanes SET tenant_at_limit = :at_limit
 WHERE lane_id IN (SELECT l.lane_id FROM lanes l
@@ -1153,6 +1163,8 @@ JOIN attempts a ON a.run_id = r.run_id AND a.fencing_token = :token
 WHERE r.run_id = :run_id
 {lock_r}
 """
+# The same, read without a lock: why a fenced write lost (Store._refusal).
+RUN_WITH_ATTEMPT_READ = RUN_WITH_ATTEMPT.replace("{lock_r}", "")
 
 # Close an attempt once: its outcome, and its lease if that is still ACTIVE.
 _END_ATTEMPT = """

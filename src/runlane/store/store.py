@@ -865,8 +865,12 @@ class Store(SchedulingMixin):
 
     # --- fenced worker writes -----------------------------------------------------
 
-    def _snapshot(self, conn: Connection, run_id: str, token: int) -> _Snapshot | None:
-        row = conn.execute(self._q(sql.RUN_WITH_ATTEMPT),
+    def _snapshot(self, conn: Connection, run_id: str, token: int, *, lock: bool = True
+                  ) -> _Snapshot | None:
+        """The run and its attempt of ``token``; the run's row locked unless ``lock``
+        is false."""
+        statement = sql.RUN_WITH_ATTEMPT if lock else sql.RUN_WITH_ATTEMPT_READ
+        row = conn.execute(self._q(statement),
                            {"run_id": run_id, "token": token, "now": self.clock.now()}).first()
         if row is None:
             return None
@@ -881,9 +885,10 @@ class Store(SchedulingMixin):
         )
 
     def _refusal(self, conn: Connection, lease: Lease, wanted: RunStatus) -> Exception:
-        """Why a fenced write changed nothing: the lease, a cancel, or the state."""
+        """Why a fenced write changed nothing: the lease, a cancel, or the state. Read
+        without a lock: the write already lost; this only names why."""
         try:
-            snap = self._live_snapshot(conn, lease)
+            snap = self._live_snapshot(conn, lease, lock=False)
         except (LeaseLost, CancelRequested) as exc:
             return exc
         return TransitionRefused(f"run {lease.run_id} is {snap.status}; cannot move to {wanted}")
@@ -933,20 +938,23 @@ class Store(SchedulingMixin):
             ordered = [moves[run_id][1:] for run_id in sorted(moves)]
             won = {r.run_id: r for r in self._write_completion(conn, ordered, S.SUCCEEDED,
                                                                    outcome)}
-            for run_id, row in sorted(won.items()):
-                _, lease, path = moves[run_id]
-                self._lane_moved(conn, row.lane_id, lease.stage, path[-1])
-            # Counters before the dependents' runs and lanes: closer to the lock order
-            # (run rows, counters by scope, lanes) than the other way round.
-            self._give_back_slots_many(conn, [
-                (run_id, moves[run_id][1].fencing_token, row.limit_scopes)
-                for run_id, row in sorted(won.items())], cleared=self.is_postgres)
-            with self._lane_moves_in_order(conn):  # all their dependents' lanes at once
+            # Why the others lost: read, not locked (a run row locked here, after the
+            # counters below, deadlocked with a reaper or a cancel ending its attempt).
+            lost = {i: self._refusal(conn, lease, path[-1])
+                    for run_id, (i, lease, path) in moves.items() if run_id not in won}
+            # The lock order: the dependents' run rows, then the counters by scope,
+            # then every lane (the runs' own, the dependents', the tenants shown again)
+            # at the block's end in lane_id order.
+            with self._lane_moves_in_order(conn):
+                for run_id, row in sorted(won.items()):
+                    _, lease, path = moves[run_id]
+                    self._lane_moved(conn, row.lane_id, lease.stage, path[-1])
                 for _, row in sorted(won.items()):
                     if row.has_dependents:
                         self._resolve_dependents(conn, row.task_id, row.now)
-            lost = {i: self._refusal(conn, lease, path[-1])
-                    for run_id, (i, lease, path) in moves.items() if run_id not in won}
+                self._give_back_slots_many(conn, [
+                    (run_id, moves[run_id][1].fencing_token, row.limit_scopes)
+                    for run_id, row in sorted(won.items())], cleared=self.is_postgres)
             return set(won), lost
 
         completed_ids, lost = self._transaction(work)
@@ -1132,14 +1140,19 @@ class Store(SchedulingMixin):
              "retry_after_seconds": retry_after, "lease_status": lease_status, "now": now,
              "run_id": snap.run_id, "token": snap.fencing_token},
         ).scalar()
-        self._give_back_slots(conn, snap.run_id, snap.fencing_token, held,
-                              cleared=self.is_postgres)
-        if path:
-            won = self._set_status(
+        # The lock order: the run (locked by the caller's snapshot) and, when it ends,
+        # the runs waiting for its task; then its counters; then the lanes (its own, the
+        # dependents', its tenant's shown again) at the block's end in lane_id order.
+        # Counters first marked the tenant's lanes before the dependents were locked.
+        with self._lane_moves_in_order(conn):
+            won = not path or self._set_status(
                 conn, run_id=snap.run_id, source=status, path=path, run_token=snap.run_token,
                 actor=actor, now=now, attempt_no=snap.attempt_no, reason_code=run_reason,
                 message=message, visible_at=visible_at,
             )
+            self._give_back_slots(conn, snap.run_id, snap.fencing_token, held,
+                                  cleared=self.is_postgres)
+        if path:
             if not won:  # cannot happen under the row lock; refuse loudly rather than guess
                 raise TransitionRefused(f"run {snap.run_id} changed while locked")
             log.info("attempt_ended", task_id=snap.task_id, run_id=snap.run_id,
@@ -1151,8 +1164,9 @@ class Store(SchedulingMixin):
 
     # --- side-effect ledger -----------------------------------------------------------
 
-    def _live_snapshot(self, conn: Connection, lease: Lease) -> _Snapshot:
-        snap = self._snapshot(conn, lease.run_id, lease.fencing_token)
+    def _live_snapshot(self, conn: Connection, lease: Lease, *, lock: bool = True
+                       ) -> _Snapshot:
+        snap = self._snapshot(conn, lease.run_id, lease.fencing_token, lock=lock)
         if snap is None or not snap.lease_live:
             raise LeaseLost(f"run {lease.run_id}: lease with token {lease.fencing_token} "
                             "is no longer live")
