@@ -73,6 +73,7 @@ class Runlane:
                 f"cannot reach the database {self.store.engine.url!r}: "
                 f"{str(exc.orig).strip().splitlines()[0]}"
             ) from None
+        migrate.refuse_newer(current)
         if current != migrate.head_revision():
             raise SchemaOutdated(
                 f"database schema is at {current or 'nothing'}, runlane needs "

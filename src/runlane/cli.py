@@ -6,6 +6,7 @@ logs and errors go to stderr; an error is one line and a non-zero exit code:
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -20,7 +21,7 @@ from rich.table import Table
 from sqlalchemy.exc import DBAPIError
 
 from runlane.api import Runlane
-from runlane.domain.policy import PolicyInvalid, load_policy
+from runlane.domain.policy import MAX_COUNT, PolicyInvalid, load_policy
 from runlane.domain.routing import (
     canonical_capabilities,
     parse_capabilities,
@@ -28,10 +29,10 @@ from runlane.domain.routing import (
     requirements_to_mapping,
 )
 from runlane.domain.states import RunStatus
-from runlane.domain.tasks import TaskInvalid
+from runlane.domain.tasks import TaskInvalid, valid_name
 from runlane.errors import DatabaseUnavailable, RunlaneError
 from runlane.logs import configure_logging
-from runlane.settings import load_settings
+from runlane.settings import Settings, load_settings
 
 out = Console()
 F = TypeVar("F", bound=Callable[..., Any])
@@ -44,9 +45,21 @@ def json_flag(fn: F) -> F:
 
 class State:
     database_url: str | None = None
+    settings: dict[str, str] = {}  # the other settings given as flags, by name
 
 
 state = State()
+# Every setting is a flag of the top-level command (CONTRACT.md: a flag, else
+# RUNLANE_<NAME>, else runlane.toml, else the default), `--lease-ttl-seconds 30`.
+SETTING_FLAGS = tuple(name for name in Settings.model_fields if name != "database_url")
+
+
+def setting_options(fn: F) -> F:
+    for name in reversed(SETTING_FLAGS):
+        fn = click.option(f"--{name.replace('_', '-')}", name, default=None, metavar="VALUE",
+                          help=f"Setting {name.upper()} (else RUNLANE_{name.upper()}, "
+                          "runlane.toml, the default).")(fn)
+    return fn
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -55,10 +68,12 @@ state = State()
               "sqlite:///runlane.db).")
 @click.option("--log-level", envvar="RUNLANE_LOG_LEVEL", default="WARNING", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@setting_options
 @click.version_option(package_name="runlane")
-def app(database_url: str | None, log_level: str) -> None:
+def app(database_url: str | None, log_level: str, **settings: str | None) -> None:
     """runlane: a durable run scheduler for background AI coding agents."""
     state.database_url = database_url
+    state.settings = {name: value for name, value in settings.items() if value is not None}
     configure_logging(log_level)
 
 
@@ -73,7 +88,7 @@ def runs_app() -> None:
 
 
 def _lane(check_schema: bool = True) -> Runlane:
-    lane = Runlane(settings=load_settings(database_url=state.database_url))
+    lane = Runlane(settings=load_settings(database_url=state.database_url, **state.settings))
     if check_schema:
         lane.check_schema()
     return lane
@@ -211,7 +226,9 @@ def _submission(s: Any) -> dict[str, Any]:
 
 def _read_json(path: Path, flag: str) -> Any:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise TaskInvalid(flag, f"{path} is not UTF-8 text") from None
     except OSError as exc:
         raise TaskInvalid(flag, f"cannot read {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
@@ -220,7 +237,9 @@ def _read_json(path: Path, flag: str) -> Any:
 
 def _read_jsonl(path: Path) -> list[Any]:
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise TaskInvalid("--batch", f"{path} is not UTF-8 text") from None
     except OSError as exc:
         raise TaskInvalid("--batch", f"cannot read {path}: {exc.strerror}") from None
     rows = []
@@ -257,13 +276,16 @@ def cancel(task_id: str, as_json: bool) -> None:
 @runs_app.command("list")
 @click.option("--status", help="Only runs in this status.")
 @click.option("--tenant", help="Only runs of this tenant.")
-@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1, max=MAX_COUNT), default=1000,
+              show_default=True)
 @click.option("--unroutable", is_flag=True,
               help="Only waiting runs that no live worker can serve (queue or capabilities).")
 @json_flag
 def runs_list(status: str | None, tenant: str | None, limit: int, unroutable: bool,
               as_json: bool) -> None:
     """List runs, oldest first."""
+    if tenant is not None and not valid_name(tenant):
+        raise TaskInvalid("--tenant", f"{tenant!r} is not a tenant name")
     if status is not None:
         status = status.upper()
         if status not in RunStatus.__members__:
@@ -402,19 +424,44 @@ def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
     return parsed
 
 
+# Attempts one worker process runs at once (threads): more is a typo.
+MAX_CONCURRENCY = 1000
+
+
+def _finite(_ctx: click.Context, param: click.Parameter, value: float | None
+            ) -> float | None:
+    """click's FloatRange lets NaN through (every comparison with it is false)."""
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter("must be a finite number", param=param)
+    return value
+
+
+def _queue_names(_ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+                 ) -> tuple[str, ...]:
+    """As a submit checks them: a worker on an empty or malformed queue name would
+    serve nothing, silently."""
+    for value in values:
+        if not valid_name(value):
+            raise click.BadParameter(f"{value!r} is not a queue name (1-128 characters of "
+                                     "letters, digits and ._:@/-)", param=param)
+    return values
+
+
 @app.command()
 @click.option("--agent-command", required=True, help="Run by /bin/sh -c in the workspace.")
 @click.option("--verify-command", help="Run in the workspace after the agent succeeds.")
-@click.option("--queue", "queues", multiple=True, help="Queue to claim from (repeatable).")
-@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--queue", "queues", multiple=True, callback=_queue_names,
+              help="Queue to claim from (repeatable).")
+@click.option("--concurrency", type=click.IntRange(min=1, max=MAX_CONCURRENCY), default=1,
+              show_default=True)
 @click.option("--capability", "capabilities", multiple=True, help="KEY=VALUE (repeatable).")
 @click.option("--exit-when-idle", is_flag=True,
               help="Exit once nothing is active and nothing is queued in its queues.")
 @click.option("--timeout-seconds", type=click.FloatRange(min=0, min_open=True),
-              help="Wall-clock limit of one attempt's agent (TIMEOUT).")
-@click.option("--max-changed-files", type=click.IntRange(min=0),
+              callback=_finite, help="Wall-clock limit of one attempt's agent (TIMEOUT).")
+@click.option("--max-changed-files", type=click.IntRange(min=0, max=MAX_COUNT),
               help="More changed files fail the attempt (LIMIT_EXCEEDED).")
-@click.option("--max-diff-lines", type=click.IntRange(min=0),
+@click.option("--max-diff-lines", type=click.IntRange(min=0, max=MAX_COUNT),
               help="More diff lines fail the attempt (LIMIT_EXCEEDED).")
 @click.option("--keep-failed-workspaces", is_flag=True)
 def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ...],
@@ -439,13 +486,13 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
 
 
 @app.command()
-@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Worker processes to run.")
+@click.option("--workers", type=click.IntRange(min=1, max=MAX_CONCURRENCY), default=2,
+              show_default=True, help="Worker processes to run.")
 @click.option("--agent-command", required=True, help="Passed to every worker.")
 @click.option("--verify-command")
-@click.option("--queue", "queues", multiple=True)
-@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Per worker process.")
+@click.option("--queue", "queues", multiple=True, callback=_queue_names)
+@click.option("--concurrency", type=click.IntRange(min=1, max=MAX_CONCURRENCY), default=1,
+              show_default=True, help="Per worker process.")
 def up(workers: int, agent_command: str, verify_command: str | None, queues: tuple[str, ...],
        concurrency: int) -> None:
     """Everything on one machine: maintenance and N worker processes (restarted if they
@@ -460,7 +507,10 @@ def up(workers: int, agent_command: str, verify_command: str | None, queues: tup
             args += ["--verify-command", verify_command]
         for queue in queues:
             args += ["--queue", queue]
-        pool = WorkerPool(args, workers, database_url=lane.settings.database_url)
+        # The settings given as flags reach the workers as their environment.
+        pool = WorkerPool(args, workers, database_url=lane.settings.database_url,
+                          env={f"RUNLANE_{name.upper()}": value
+                               for name, value in state.settings.items()})
         stop = threading.Event()
         signals.signal(signals.SIGTERM, lambda *_: stop.set())
         services = [lane.reaper(), lane.reconciler(), lane.scheduler(), lane.pruner()]

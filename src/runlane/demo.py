@@ -34,6 +34,7 @@ from rich.table import Table
 from runlane.api import Runlane
 from runlane.domain.policy import parse_policy
 from runlane.domain.states import TERMINAL, RunStatus
+from runlane.errors import RunlaneError
 from runlane.services.maintenance import Reaper, ReaperConfig, Reconciler, ReconcilerConfig
 from runlane.services.scheduler import Scheduler, SchedulerConfig
 from runlane.services.supervisor import WorkerPool
@@ -118,12 +119,41 @@ def _table(runs: list[dict[str, Any]], elapsed: float, note: str) -> Table:
     return table
 
 
+class DemoDirectoryInvalid(RunlaneError):
+    exit_code = 2
+
+
+# Written into the demo's directory: only a directory that holds it (an earlier
+# demo's) is emptied by the next demo. It used to be deleted whatever it held.
+MARKER = ".runlane-demo"
+
+
+def _fresh_directory(directory: Path) -> Path:
+    """``directory``, empty but for the marker: an earlier demo's is emptied; an
+    existing file, or a directory with anything else in it, is refused."""
+    if directory.exists() or directory.is_symlink():
+        if not directory.is_dir() or directory.is_symlink():
+            raise DemoDirectoryInvalid(f"--directory {directory} exists and is not a directory")
+        earlier = (directory / MARKER).exists() or (  # or one from before the marker
+            (directory / "runlane.db").is_file() and (directory / "repos").is_dir())
+        if not earlier and any(directory.iterdir()):
+            raise DemoDirectoryInvalid(
+                f"--directory {directory} holds files of its own (no {MARKER}): the "
+                "demo empties its directory; choose a new or empty one")
+        shutil.rmtree(directory)
+    try:
+        directory.mkdir(parents=True)
+        (directory / MARKER).write_text("runlane demo: the next demo empties this directory\n")
+    except OSError as exc:
+        raise DemoDirectoryInvalid(
+            f"--directory {directory}: cannot create it: {exc.strerror}") from None
+    return directory.resolve()
+
+
 def run_demo(directory: Path, console: Console | None = None, *, workers: int = 3,
              timeout: float = 90.0) -> dict[str, Any]:
     started = time.monotonic()
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True)
-    directory = directory.resolve()
+    directory = _fresh_directory(directory)
     url = f"sqlite:///{directory / 'runlane.db'}"
     fleet = make_fleet(directory / "repos")
     env = {**WORKER_ENV, "RUNLANE_FORGE_DIR": str(directory / "forge"),

@@ -21,6 +21,13 @@ class SchemaOutdated(RunlaneError):
     exit_code = 4
 
 
+class SchemaTooNew(RunlaneError):
+    """The database was migrated by a newer runlane: upgrading runlane, not the
+    database, is the fix."""
+
+    exit_code = 4
+
+
 class LeaseLost(RunlaneError):
     """A fenced write was refused: the lease expired, was revoked, or a newer one exists.
 

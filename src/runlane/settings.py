@@ -25,33 +25,40 @@ class SettingsInvalid(RunlaneError):
     exit_code = 2
 
 
+# The longest duration a setting may give, in seconds (a year): longer ones are
+# typos, and past ~9e9 s a thread cannot wait that long (OverflowError in the
+# maintenance and heartbeat threads, which died while the process ran on).
+MAX_SECONDS = 365 * 24 * 3600.0
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="RUNLANE_", toml_file=CONFIG_FILE, extra="forbid", case_sensitive=False
+        env_prefix="RUNLANE_", toml_file=CONFIG_FILE, extra="forbid", case_sensitive=False,
+        allow_inf_nan=False,
     )
 
     database_url: str = "sqlite:///runlane.db"
-    lease_ttl_seconds: float = Field(60.0, gt=0)
-    heartbeat_seconds: float = Field(10.0, gt=0)
-    retry_base_seconds: float = Field(30.0, ge=0)
-    retry_max_seconds: float = Field(1800.0, ge=0)
+    lease_ttl_seconds: float = Field(60.0, gt=0, le=MAX_SECONDS)
+    heartbeat_seconds: float = Field(10.0, gt=0, le=MAX_SECONDS)
+    retry_base_seconds: float = Field(30.0, ge=0, le=MAX_SECONDS)
+    retry_max_seconds: float = Field(1800.0, ge=0, le=MAX_SECONDS)
     max_attempts: int = Field(3, ge=1, le=100)
-    reaper_interval_seconds: float = Field(5.0, gt=0)
+    reaper_interval_seconds: float = Field(5.0, gt=0, le=MAX_SECONDS)
     # Extensions to the contract's table (documented in the README).
     payload_cap_bytes: int = Field(4 * 1024 * 1024, gt=0)
-    max_attempt_seconds: float = Field(7200.0, gt=0)
+    max_attempt_seconds: float = Field(7200.0, gt=0, le=MAX_SECONDS)
     # Finished runs older than this are pruned by `runlane maintain`; 0 keeps them forever.
     retention_days: float = Field(30.0, ge=0)
-    max_run_seconds: float | None = Field(None, gt=0)
+    max_run_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
     max_run_cost_usd: float | None = Field(None, ge=0)
     workspace_dir: Path = Path(tempfile.gettempdir()) / "runlane-workspaces"
     artifacts_dir: Path = Path("runlane-artifacts")
-    drain_grace_seconds: float = Field(30.0, ge=0)
-    agent_term_grace_seconds: float = Field(10.0, ge=0)
+    drain_grace_seconds: float = Field(30.0, ge=0, le=MAX_SECONDS)
+    agent_term_grace_seconds: float = Field(10.0, ge=0, le=MAX_SECONDS)
     # PostgreSQL ends a session idle inside a transaction this long (a frozen process
     # holding row locks); 0 never does. See store/engine.py.
     idle_in_transaction_timeout_seconds: float = Field(
-        IDLE_IN_TRANSACTION_TIMEOUT_SECONDS, ge=0)
+        IDLE_IN_TRANSACTION_TIMEOUT_SECONDS, ge=0, le=MAX_SECONDS)
 
     @model_validator(mode="after")
     def _heartbeat_well_inside_the_lease(self) -> Settings:

@@ -95,22 +95,28 @@ def _globs(value: Any) -> tuple[str, ...]:
 Globs = Annotated[tuple[str, ...], PlainValidator(_globs), PlainSerializer(list)]
 
 
+# The largest count a policy may set: the database's integer (a larger limit was
+# applied, and then every claim failed on it).
+MAX_COUNT = 2**31 - 1
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # No infinities or NaN (a weight of inf was applied and printed as `Infinity`).
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class Limits(_Model):
     """Per-run limits (seed 000 §28), snapshotted on each run at admission."""
 
     max_wall_clock_minutes: float | None = Field(default=None, gt=0)
-    max_agent_iterations: int | None = Field(default=None, ge=0)
-    max_tool_calls: int | None = Field(default=None, ge=0)
+    max_agent_iterations: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    max_tool_calls: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     max_shell_command_seconds: float | None = Field(default=None, gt=0)
     max_verifier_minutes: float | None = Field(default=None, gt=0)
-    max_changed_files: int | None = Field(default=None, ge=0)
-    max_diff_lines: int | None = Field(default=None, ge=0)
-    max_model_input_tokens: int | None = Field(default=None, ge=0)
-    max_model_output_tokens: int | None = Field(default=None, ge=0)
+    max_changed_files: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    max_diff_lines: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    max_model_input_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    max_model_output_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     max_cost_usd: float | None = Field(default=None, ge=0)
 
     def snapshot(self) -> dict[str, float | int]:
@@ -144,12 +150,12 @@ class Defaults(_Model):
 class Concurrency(_Model):
     """Maximum active runs per scope; an absent limit is no limit."""
 
-    global_max_active: int | None = Field(default=None, ge=0)
-    per_tenant_max_active: int | None = Field(default=None, ge=0)
-    per_repository_max_active: int | None = Field(default=None, ge=0)
-    per_user_max_active: int | None = Field(default=None, ge=0)
-    per_risk_class_max_active: dict[RiskClass, Annotated[int, Field(ge=0)]] = {}
-    per_queue_max_active: dict[Name, Annotated[int, Field(ge=0)]] = {}
+    global_max_active: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    per_tenant_max_active: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    per_repository_max_active: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    per_user_max_active: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    per_risk_class_max_active: dict[RiskClass, Annotated[int, Field(ge=0, le=MAX_COUNT)]] = {}
+    per_queue_max_active: dict[Name, Annotated[int, Field(ge=0, le=MAX_COUNT)]] = {}
 
 
 class Retry(_Model):
@@ -170,8 +176,8 @@ class Retry(_Model):
 
 class TenantPolicy(_Model):
     weight: float = Field(default=1.0, gt=0)
-    max_active: int | None = Field(default=None, ge=0)
-    max_queued: int | None = Field(default=None, ge=0)
+    max_active: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    max_queued: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     daily_model_budget_usd: float | None = Field(default=None, ge=0)
     allowed_risk_classes: tuple[str, ...] | None = None
 
@@ -192,7 +198,7 @@ class RepositoryPolicy(_Model):
     message: str | None = None
     queue: str | None = None
     max_attempts: int | None = Field(default=None, ge=1, le=100)
-    max_active: int | None = Field(default=None, ge=0)
+    max_active: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     requires: RequirementTable = {}
     limits: Limits = Limits()
 

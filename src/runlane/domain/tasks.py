@@ -50,6 +50,11 @@ class TaskInvalid(ValueError):
         self.reason = reason
 
 
+def valid_name(value: str) -> bool:
+    """A tenant, queue or user name: 1-128 characters of letters, digits and ._:@/-."""
+    return bool(_NAME.match(value))
+
+
 def parse_priority(value: int | str) -> int:
     if isinstance(value, bool):
         raise ValueError("must be an integer or one of " + ", ".join(PRIORITY_CLASSES))
@@ -96,7 +101,9 @@ def validate_repo(value: str) -> str:
 class TaskSpec(BaseModel):
     """One task as submitted (CLI flags, a JSON Lines row, or the Python API)."""
 
-    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+    # No infinities or NaN: a cost of inf is stored and then printed as `Infinity`,
+    # which is not JSON.
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True, allow_inf_nan=False)
 
     tenant: str
     repo: str
@@ -104,7 +111,8 @@ class TaskSpec(BaseModel):
     # Unset queue/priority: the policy decides (a repository rule, else its defaults).
     queue: str | None = None
     priority: int | None = None
-    idempotency_key: str | None = Field(default=None, max_length=255)
+    # Not empty: an unset shell variable would make every such task one task.
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=255)
     max_attempts: int | None = Field(default=None, ge=1, le=100)
     context: dict[str, str] = Field(default_factory=dict)
     # Required worker capabilities (routing.py syntax: "java", "git,maven", 12, ">=21").
@@ -121,7 +129,7 @@ class TaskSpec(BaseModel):
             return None
         if not value:
             raise ValueError("must not be empty")
-        if not _NAME.match(value):
+        if not valid_name(value):
             raise ValueError(
                 f"{value!r} must be 1-128 characters of letters, digits and ._:@/-"
             )

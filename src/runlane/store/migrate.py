@@ -12,6 +12,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine
 
+from runlane.errors import SchemaTooNew
+
 MIGRATIONS = Path(__file__).parent / "migrations"
 
 
@@ -32,9 +34,21 @@ def current_revision(engine: Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
+def refuse_newer(revision: str | None) -> None:
+    """Raise SchemaTooNew when ``revision`` is none of this runlane's migrations (a
+    newer runlane migrated the database: a rolling deploy's older binary)."""
+    script = ScriptDirectory.from_config(_config())
+    if revision is not None and revision not in {r.revision for r in script.walk_revisions()}:
+        raise SchemaTooNew(
+            f"database schema is at {revision}, newer than this runlane knows (its newest "
+            f"is {head_revision()}): run a runlane at least as new as the one that "
+            "migrated it")
+
+
 def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str | None]:
     """Migrate to ``revision``; safe to repeat. Returns (before, after)."""
     before = current_revision(engine)
+    refuse_newer(before)
     with _migrating(engine) as config:
         command.upgrade(config, revision)
     return before, current_revision(engine)

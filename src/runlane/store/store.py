@@ -1440,7 +1440,7 @@ class Store(SchedulingMixin):
         query = select(runs).order_by(runs.c.created_at, runs.c.run_id).limit(limit)
         if status:
             query = query.where(runs.c.status == status)
-        if tenant:
+        if tenant is not None:
             query = query.where(runs.c.tenant == tenant)
         with self.engine.connect() as conn:
             return [dict(r._mapping) for r in conn.execute(query)]
