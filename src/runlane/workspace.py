@@ -64,6 +64,11 @@ class PushFailed(WorkspaceError):
     """The run's branch could not be pushed (or looked up on the remote)."""
 
 
+class AgentLeftBadTree(WorkspaceError):
+    """What the agent left cannot be committed as it is (a git repository of its own
+    inside the workspace): the agent's doing, not runlane's."""
+
+
 # --- classification of git's complaints ----------------------------------------
 
 # Checked first: the remote answered, and what it said will not change on a retry.
@@ -235,6 +240,9 @@ class Workspace:
     def __init__(self, path: Path, *, remote_url: str, base_branch: str,
                  base_sha: str | None, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
         self.path = path
+        # The agent's changes as a tree, taken when it exited (keep_agent_tree): what
+        # the finalizer commits, whatever the verify command writes afterwards.
+        self.agent_tree: str | None = None
         self.remote_url = remote_url  # origin's URL as the clone recorded it
         self._base_branch = base_branch
         self.base_sha = base_sha  # the commit the clone checked out; None: empty repo
@@ -254,6 +262,8 @@ class Workspace:
         root.mkdir(parents=True, exist_ok=True)
         dest = (root / name).absolute()
         _rmtree(dest)
+        if repo.startswith("~"):  # a local path of the user's (submit accepts it)
+            repo = os.path.expanduser(repo)
         done = _git(["clone", "--quiet", "--", repo, str(dest)], cwd=None, timeout=timeout)
         if done.timed_out or done.code != 0:
             _rmtree(dest)
@@ -268,6 +278,15 @@ class Workspace:
                           timeout=LOCAL_TIMEOUT_SECONDS).stdout.decode().strip()
             sha = _git(["rev-parse", "--verify", "--quiet", "HEAD^{commit}"], cwd=dest,
                        timeout=LOCAL_TIMEOUT_SECONDS).stdout.decode().strip()
+            if not sha and _local(["for-each-ref", "--count=1", "refs/remotes/origin/"],
+                                  dest).strip():
+                # The remote's HEAD names a branch it does not have (`git init --bare`,
+                # then a push of main): not an empty repository. Running the agent in
+                # an empty directory pushed a root commit with no common history.
+                raise CloneFailed(
+                    f"{_redact(repo)}: its HEAD names no branch it has, so it has no "
+                    "default branch to work on (set it: git symbolic-ref HEAD "
+                    "refs/heads/<branch> in the repository)")
         except WorkspaceError:
             _rmtree(dest)
             raise
@@ -306,7 +325,42 @@ class Workspace:
         return total + sum(_count_lines(self.path / p) for p in self._untracked())
 
     def has_changes(self) -> bool:
+        if self.agent_tree is not None:
+            return self.agent_tree != self._base_tree()
         return bool(self.changed_files())
+
+    def _base_tree(self) -> str:
+        return _local(["rev-parse", f"{self._base()}^{{tree}}"], self.path).strip()
+
+    def _tree_of_the_worktree(self) -> str:
+        """Every change since the clone, as a tree (in an index of its own). Raises
+        AgentLeftBadTree for a git repository the agent made inside the workspace: it
+        would be committed as a bare gitlink (no files, no .gitmodules), or not at all."""
+        base = self._base()
+        with tempfile.TemporaryDirectory(prefix="runlane-index-") as tmp:
+            index = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
+            _local(["read-tree", base], self.path, env=index)
+            added = _git(["add", "--all", "--", "."], cwd=self.path,
+                         timeout=LOCAL_TIMEOUT_SECONDS, env=index)
+            if added.timed_out or added.code != 0:
+                raise AgentLeftBadTree(
+                    f"the agent's changes cannot be committed: {_summary(added.stderr)}")
+            tree = _local(["write-tree"], self.path, env=index).strip()
+        links = set(_local(["ls-tree", "-r", "-z", tree], self.path).split("\0")) - set(
+            _local(["ls-tree", "-r", "-z", base], self.path).split("\0"))
+        nested = sorted(entry.partition("\t")[2] for entry in links
+                        if entry.startswith("160000 "))
+        if nested:
+            raise AgentLeftBadTree(
+                f"the agent left a git repository of its own at {', '.join(nested)}: "
+                "remove its .git (to commit its files) or leave it out of the workspace")
+        return tree
+
+    def keep_agent_tree(self) -> None:
+        """Take the agent's changes as they are when it exits: the finalizer commits
+        them, and ``has_changes`` asks about them, whatever runs in the workspace
+        afterwards (a verify command's caches and reports are not the agent's work)."""
+        self.agent_tree = self._tree_of_the_worktree()
 
     def check_limits(self, limits: AttemptLimits) -> str | None:
         """Why the changes exceed the attempt's limits, or None when they do not."""
@@ -334,13 +388,8 @@ class Workspace:
         if _git(["check-ref-format", f"refs/heads/{branch}"], cwd=self.path,
                 timeout=LOCAL_TIMEOUT_SECONDS).code != 0:
             raise WorkspaceError(f"invalid branch name {branch!r}")
-        base = self._base()
-        with tempfile.TemporaryDirectory(prefix="runlane-index-") as tmp:
-            index = {"GIT_INDEX_FILE": str(Path(tmp) / "index")}
-            _local(["read-tree", base], self.path, env=index)
-            _local(["add", "--all", "--", "."], self.path, env=index)
-            tree = _local(["write-tree"], self.path, env=index).strip()
-        if tree == _local(["rev-parse", f"{base}^{{tree}}"], self.path).strip():
+        tree = self.agent_tree or self._tree_of_the_worktree()
+        if tree == self._base_tree():
             raise WorkspaceError("nothing to commit: the workspace has no changes")
         who = {"GIT_AUTHOR_NAME": AUTHOR_NAME, "GIT_AUTHOR_EMAIL": AUTHOR_EMAIL,
                "GIT_COMMITTER_NAME": AUTHOR_NAME, "GIT_COMMITTER_EMAIL": AUTHOR_EMAIL}
@@ -354,6 +403,21 @@ class Workspace:
         _local(["symbolic-ref", "HEAD", f"refs/heads/{branch}"], self.path)
         _local(["reset", "--quiet", "--mixed"], self.path)  # index = the new commit
         return sha
+
+    def remote_commit_carries(self, sha: str, trailer: str) -> bool:
+        """Whether the remote's commit ``sha`` (fetched if this clone lacks it) has
+        ``trailer`` in its message: the mark of runlane's own commit for the run."""
+        have = _git(["cat-file", "-e", f"{sha}^{{commit}}"], cwd=self.path,
+                    timeout=LOCAL_TIMEOUT_SECONDS)
+        if have.code != 0:
+            done = _git(["fetch", "--quiet", "--no-tags", "--", self.remote_url, sha],
+                        cwd=self.path, timeout=self.timeout)
+            if done.timed_out or done.code != 0:
+                raise PushFailed(f"cannot fetch {sha} from the remote: "
+                                 f"{'timed out' if done.timed_out else _summary(done.stderr)}",
+                                 transient=done.timed_out or is_transient(done.stderr))
+        message = _local(["log", "-1", "--format=%B", sha], self.path)
+        return trailer in message.splitlines()
 
     def remote_branch_sha(self, branch: str) -> str | None:
         """The sha of ``branch`` on the remote, or None when it has no such branch.
@@ -372,11 +436,14 @@ class Workspace:
                 return sha
         return None
 
-    def push(self, branch: str) -> None:
-        """Push the local ``branch`` to the same name on the remote (no force)."""
+    def push(self, branch: str, *, replacing: str | None = None) -> None:
+        """Push the local ``branch`` to the same name on the remote: no force, or, with
+        ``replacing``, over that commit only (a branch of the run's name that is not
+        runlane's commit: the agent pushed it itself)."""
         ref = f"refs/heads/{branch}"
-        done = _git(["push", "--quiet", "--no-verify", "--", self.remote_url, f"{ref}:{ref}"],
-                    cwd=self.path, timeout=self.timeout)
+        lease = [f"--force-with-lease={ref}:{replacing}"] if replacing else []
+        done = _git(["push", "--quiet", "--no-verify", *lease, "--", self.remote_url,
+                     f"{ref}:{ref}"], cwd=self.path, timeout=self.timeout)
         if done.timed_out:
             raise PushFailed(f"git push timed out after {self.timeout:g} s", transient=True)
         if done.code != 0:
@@ -390,6 +457,12 @@ class Workspace:
     def remove(self) -> None:
         """Delete the clone; safe to call again."""
         _rmtree(self.path)
+
+    @staticmethod
+    def remove_named(root: Path, name: str) -> None:
+        """Delete the clone ``root/name`` if there is one (a name ``clone`` takes)."""
+        if name and name not in (".", "..") and "/" not in name and os.sep not in name:
+            _rmtree(root / name)
 
 
 def _local(args: list[str], cwd: Path, *, env: dict[str, str] | None = None,

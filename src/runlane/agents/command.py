@@ -119,11 +119,19 @@ def _parse_cost(obj: dict[str, Any]) -> CostReport:
                       output_tokens=_count(obj.get("output_tokens", 0), "output_tokens"))
 
 
+# The largest figures one cost line counts for: more is taken as this much. A larger
+# figure made a report the database cannot hold (dropped whole, dollars and all, so
+# the run's cost limit never fired) or sums that overflow to infinity; this much
+# still trips any cost limit.
+MAX_LINE_USD = 1e9
+MAX_LINE_TOKENS = 2**53
+
+
 def _number(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) \
             or not math.isfinite(value) or value < 0:
         raise MalformedControlLine(f'"{name}" must be a non-negative number, got {value!r}')
-    return float(value)
+    return min(float(value), MAX_LINE_USD)
 
 
 def _count(value: Any, name: str) -> int:
@@ -131,7 +139,7 @@ def _count(value: Any, name: str) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise MalformedControlLine(f'"{name}" must be a non-negative integer, got {value!r}')
-    return value
+    return min(value, MAX_LINE_TOKENS)
 
 
 # --- the log -------------------------------------------------------------------

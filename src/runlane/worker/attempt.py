@@ -9,7 +9,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,7 +24,7 @@ from runlane.errors import CancelRequested, CostLimitExceeded, LeaseLost, Policy
 from runlane.store.store import Lease, Store
 from runlane.worker.effects import perform_effect
 from runlane.worker.finalizer import Finalizer
-from runlane.workspace import CloneFailed, PushFailed, Workspace
+from runlane.workspace import AgentLeftBadTree, CloneFailed, PushFailed, Workspace
 
 log = structlog.get_logger("runlane.worker")
 S = RunStatus
@@ -150,6 +150,7 @@ class AttemptDriver:
             artifacts = self.settings.artifacts_root / lease.run_id / str(lease.attempt_no)
             artifacts.mkdir(parents=True, exist_ok=True)
             self.store.advance(lease, S.PREPARING_SANDBOX)
+            self._remove_earlier_workspaces(lease)
             try:
                 workspace = Workspace.clone(task["repo"], self.settings.workspace_root,
                                             f"{lease.run_id}-{lease.attempt_no}",
@@ -178,6 +179,9 @@ class AttemptDriver:
         except LeaseLost:
             bound.warning("lease_lost_stopping")
             ended = "lease_lost"
+            return ended
+        except AgentLeftBadTree as exc:  # what the agent left, not a fault of runlane's
+            ended = self._fail(state, Reason.AGENT_FAILED, str(exc))
             return ended
         except (CodeHostError, PushFailed) as exc:
             ended = self._fail(state, Reason.CODE_HOST_FAILED_TRANSIENT if exc.transient
@@ -211,7 +215,9 @@ class AttemptDriver:
         lease = state.lease
         if result.stopped is not None:
             return self._stopped(state, result.stopped)
-        if result.failure is not None:
+        # CONTRACT.md: exit 0 means done; a fail line classifies a non-zero exit (an
+        # agent that reported a rate limit, waited and finished keeps its work).
+        if result.failure is not None and result.exit_code != 0:
             reason, message = result.failure.reason_code, result.failure.message
             if reason in WORKER_ONLY:
                 message = f"agent reported {reason}, a code only runlane may record"
@@ -220,14 +226,23 @@ class AttemptDriver:
         if result.exit_code != 0:
             return self._fail(state, Reason.AGENT_FAILED,
                               f"agent exited with status {result.exit_code}")
+        workspace.keep_agent_tree()  # what is committed: not what the verify command adds
         over = workspace.check_limits(self._limits(lease))
         if over:
             return self._fail(state, Reason.LIMIT_EXCEEDED, over)
         if self.verifier is not None:
             state.check()
+            # The wall-clock limit is the run's: the verify command gets what the agent
+            # left of it, not the whole limit again.
+            limits = self._limits(lease)
+            if limits.wall_clock_seconds is not None:
+                left = limits.wall_clock_seconds - (result.duration_seconds or 0.0)
+                if left <= 0:
+                    return self._stopped(state, StopReason.TIMEOUT)
+                limits = replace(limits, wall_clock_seconds=left)
             self.store.advance(lease, S.VERIFYING)
             verdict = self.verifier.run(workspace=workspace.path, artifacts_dir=artifacts,
-                                        env=env, control=state, limits=self._limits(lease),
+                                        env=env, control=state, limits=limits,
                                         log_name="verify.log")
             if verdict.stopped is not None:
                 return self._stopped(state, verdict.stopped)
@@ -294,6 +309,15 @@ class AttemptDriver:
                   attempt_no=state.lease.attempt_no,
                   error=str(exc.orig or exc).strip().splitlines()[0])
         return "abandoned"
+
+    def _remove_earlier_workspaces(self, lease: Lease) -> None:
+        """The clones of this run's earlier attempts on this machine: a worker killed
+        mid-attempt never removed its own (a full clone per lost worker). Their leases
+        are gone (this attempt holds the run's newest), so nothing writes from them."""
+        if self.settings.keep_failed_workspaces:
+            return
+        for attempt_no in range(1, lease.attempt_no):
+            Workspace.remove_named(self.settings.workspace_root, f"{lease.run_id}-{attempt_no}")
 
     def _limits(self, lease: Lease) -> AttemptLimits:
         """The worker's limits, tightened by the run's limits snapshot (policy)."""

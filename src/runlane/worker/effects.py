@@ -3,8 +3,9 @@
 Every effect has a deterministic identity (``key``). Before acting, the intent is
 recorded with the lease's fencing token (refused if the lease is gone or the run is
 being cancelled); then the effect's marker is looked up outside (``find``) and
-adopted if present; only then is it performed (``do``); the result is recorded
-last. A finalizer that dies anywhere in between is retried by a new attempt that
+adopted if present; only then, the lease and cancellation checked again (a cancel
+during the lookup opened a pull request after it), is it performed (``do``); the
+result is recorded last. A finalizer that dies anywhere in between is retried by a new attempt that
 finds either the DONE row or the marker, and never acts twice.
 """
 
@@ -26,6 +27,8 @@ def perform_effect(store: Store, lease: Lease, key: str, *,
     if recorded.status == "DONE" and recorded.result is not None:
         return recorded.result
     found = find()
+    if found is None:  # about to act: a cancel or a lost lease since the intent stops it
+        store.check_lease(lease)
     result = found if found is not None else do()
     if found is not None:
         result = {**found, "adopted": True}

@@ -49,7 +49,8 @@ class Finalizer:
             return False
         if push.status == "DONE":
             return True
-        return workspace.remote_branch_sha(branch_name(lease.task_id, lease.run_id)) is not None
+        found = workspace.remote_branch_sha(branch_name(lease.task_id, lease.run_id))
+        return found is not None and workspace.remote_commit_carries(found, trailer(lease.run_id))
 
     def resume(self, lease: Lease, workspace: Workspace, task: dict[str, Any]) -> str:
         """Finish what an earlier attempt started: adopt its pushed branch and open (or
@@ -75,16 +76,24 @@ class Finalizer:
     def _publish(self, lease: Lease, workspace: Workspace, task: dict[str, Any],
                  sha: str | None) -> str:
         branch = branch_name(lease.task_id, lease.run_id)
+        not_ours: list[str] = []  # the branch's commit on the remote, when not runlane's
 
         def remote_branch() -> dict[str, Any] | None:
+            """Adopted only when its commit is runlane's for this run (the trailer): an
+            agent that pushed the run's branch itself is not the run's push."""
             found = workspace.remote_branch_sha(branch)
-            return {"branch": branch, "sha": found} if found else None
+            if found is None:
+                return None
+            if workspace.remote_commit_carries(found, trailer(lease.run_id)):
+                return {"branch": branch, "sha": found}
+            not_ours.append(found)
+            return None
 
         def push() -> dict[str, Any]:
             if sha is None:  # resuming, and the branch is gone: nothing to push
                 raise PushFailed(f"branch {branch} of an earlier attempt is not on the remote",
                                  transient=True)
-            workspace.push(branch)
+            workspace.push(branch, replacing=not_ours[-1] if not_ours else None)
             return {"branch": branch, "sha": sha}
 
         perform_effect(self.store, lease, PUSH_EFFECT, find=remote_branch, do=push)
