@@ -67,7 +67,7 @@ class Runlane:
                 and not Path(url.database).exists():
             raise SchemaOutdated(f"no database at {url.database}: run `runlane db upgrade`")
         try:
-            current = migrate.current_revision(self.store.engine)
+            current = migrate.current_revision(self.store.reads)
         except DBAPIError as exc:
             raise DatabaseUnavailable(
                 f"cannot reach the database {self.store.engine.url!r}: "

@@ -11,14 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from runlane.domain.policy import Policy
+from runlane.domain.policy import DEFER_SECONDS, Policy
 from runlane.domain.reasons import Reason
 from runlane.domain.routing import Requirement, canonical_requirements, merge_requirements
 
 DEFAULT_MAX_ATTEMPTS = 3
-# How long a DEFER waits when nothing better is known (a full queue, a rule without
-# retry_after_seconds): long enough not to spin, short enough to notice free room.
-DEFER_SECONDS = 60.0
 DAY_SECONDS = 86_400
 
 DecisionKind = Literal["ADMIT", "DENY", "DEFER"]

@@ -89,7 +89,7 @@ def _globs(value: Any) -> tuple[str, ...]:
         raise ValueError("must be a glob string or a list of glob strings")
     if not items or not all(items):
         raise ValueError("a glob must not be empty")
-    return tuple(items)
+    return tuple(sorted(set(items)))  # a set (any may match): one digest in any order
 
 
 Globs = Annotated[tuple[str, ...], PlainValidator(_globs), PlainSerializer(list)]
@@ -226,6 +226,11 @@ class RuleWhen(_Model):
     risk_class: Globs | None = None
 
 
+# How long a DEFER waits when nothing better is known (a full queue, a rule without
+# retry_after_seconds): long enough not to spin, short enough to notice free room.
+DEFER_SECONDS = 60.0
+
+
 class Rule(_Model):
     name: str | None = None
     when: RuleWhen = RuleWhen()
@@ -247,6 +252,9 @@ class Rule(_Model):
             raise ValueError('retry_after_seconds is only for action = "defer"')
         if self.reason_code is not None and self.action == "admit":
             raise ValueError('reason_code is only for action = "deny" or "defer"')
+        if self.action == "defer" and self.retry_after_seconds is None:
+            # The default written out: the same rule with or without it is one digest.
+            object.__setattr__(self, "retry_after_seconds", DEFER_SECONDS)
         return self
 
     def matches(self, facts: dict[str, str]) -> bool:

@@ -92,8 +92,12 @@ class Scheduler(MaintenanceService):
         backlog = version > 0 and (
             changed or self._backlog_left
             or (self._policy_seen is None and not self.store.backlog_admitted(version)))
+        # Deferred runs too, on a first pass that catches up with a version no pass
+        # has seen through (every `maintain --once` is a first pass: a lifted rule
+        # left its runs deferred until their retry-after).
+        first = self._policy_seen is None
         self._last = self.store.schedule_pass(page_size=self.config.page_size,
-                                              not_yet_due=changed,
+                                              not_yet_due=changed or (first and backlog),
                                               queued_under_older=backlog)
         # Only once the pass is done: one that failed is run again in full.
         self._policy_seen = version

@@ -1,8 +1,9 @@
 """Engines for the two supported databases, tuned for a job queue.
 
-SQLite: WAL, a long busy timeout, and every transaction opened with
+SQLite: WAL, a long busy timeout, and every transaction that may write opened with
 ``BEGIN IMMEDIATE`` so that writers queue on the file lock up front instead of
-failing with "database is locked" when a read transaction tries to upgrade.
+failing with "database is locked" when a read transaction tries to upgrade; reads
+(``Store.reads``) begin DEFERRED and never wait for a writer.
 PostgreSQL: psycopg 3, a pool sized to the machine (no pre-ping: see build_engine), and
 ``idle_in_transaction_session_timeout``: runlane's transactions are a few short
 statements, so a session idle inside one for seconds belongs to a frozen process (a
@@ -150,6 +151,11 @@ def _sqlite_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # Reads (Store.reads: execution option sqlite_begin="DEFERRED") take no lock
+        # up front: in WAL they never wait for a writer. Everything else is IMMEDIATE
+        # (a `runs list` waited out a long write, and past the busy timeout failed
+        # with "database is locked").
+        mode = connection.get_execution_options().get("sqlite_begin", "IMMEDIATE")
+        connection.exec_driver_sql("BEGIN DEFERRED" if mode == "DEFERRED" else "BEGIN IMMEDIATE")
 
     return engine

@@ -139,7 +139,7 @@ NOTIFY = "SELECT pg_notify(:channel, :payload)"
 def check_database(store: Store) -> list[Violation]:
     """Every invariant the database can show: ``Store.audit()`` and ``CHAOS_CHECKS``."""
     found = store.audit()
-    with store.engine.connect() as conn:
+    with store.reads.connect() as conn:
         found.extend(run_checks(conn))
     return found
 

@@ -158,6 +158,7 @@ def rows_due(rows: Sequence[Any]) -> bool:
 class SchedulingMixin:
     if TYPE_CHECKING:
         engine: Engine
+        reads: Engine
         clock: Clock
         dialect: str
         _policy_cache: dict[int, Policy]
@@ -244,11 +245,11 @@ class SchedulingMixin:
         return applied
 
     def current_policy(self) -> tuple[int, Policy]:
-        with self.engine.connect() as conn:
+        with self.reads.connect() as conn:
             return self._policy(conn)
 
     def policy_record(self) -> dict[str, Any] | None:
-        with self.engine.connect() as conn:
+        with self.reads.connect() as conn:
             row = conn.execute(self._q(sql.POLICY_LATEST)).first()
         if row is None:
             return None
@@ -336,7 +337,7 @@ class SchedulingMixin:
                         ) -> list[dict[str, Any]]:
         """Queued runs that no live worker can serve: none claims from their queue, or
         none has the capabilities they require. Each says why."""
-        with self.engine.connect() as conn:
+        with self.reads.connect() as conn:
             live = [(set(w.queues if isinstance(w.queues, list) else json.loads(w.queues)),
                      parse_capabilities(w.capabilities if isinstance(w.capabilities, dict)
                                         else json.loads(w.capabilities)))
@@ -1083,7 +1084,11 @@ class SchedulingMixin:
                                     run_token=r.fencing_token, actor="scheduler", now=now,
                                     reason_code=(Reason.DEPENDENCY_FAILED if target is S.CANCELLED
                                                  else decision.reason_code),
-                                    message=f"{decision.decision} under policy v{version}",
+                                    message=(f"denied by the scheduler pass by policy "
+                                             f"v{version} (deferred under "
+                                             f"v{r.policy_version}): {decision.message}"
+                                             if decision.decision == "DENY" else
+                                             f"{decision.decision} under policy v{version}"),
                                     visible_at=now if target in (S.QUEUED, S.ADMITTED) else None):
                     counts[key] += 1
                     if target is S.QUEUED:
@@ -1212,7 +1217,7 @@ class SchedulingMixin:
         Version 0 (no policy applied) has nothing to admit again."""
         if version == 0:
             return True
-        with self.engine.connect() as conn:
+        with self.reads.connect() as conn:
             return conn.execute(self._q(sql.BACKLOG_ADMITTED),
                                 {"version": version}).scalar() is not None
 

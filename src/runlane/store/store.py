@@ -328,6 +328,10 @@ class Store(SchedulingMixin):
         # The same pool; a connection checked out through it runs in autocommit, and the
         # pool restores the engine's isolation level when it comes back. An engine
         # stand-in (a test's savepoints) keeps its own transactions.
+        # For reads only: on SQLite their transactions begin DEFERRED (no lock up
+        # front: in WAL a reader never waits for a writer); elsewhere the engine itself.
+        self.reads: Engine = (self.engine.execution_options(sqlite_begin="DEFERRED")
+                              if isinstance(self.engine, Engine) else self.engine)
         self._autocommit_engine: Engine = (
             self.engine.execution_options(isolation_level="AUTOCOMMIT")
             if isinstance(self.engine, Engine) and self.is_postgres else self.engine)
@@ -1122,11 +1126,14 @@ class Store(SchedulingMixin):
         elif status in LEASED or status is S.STALE_LEASE:
             recovered = lease_status in ("EXPIRED", "REVOKED") and status in LEASED
             prefix = [S.STALE_LEASE] if recovered else []
+            # The settings' retry policy with the policy file's [retry] section over
+            # it (that section was validated, stored, and then never used).
+            _, policy = self._policy(conn)
             decision = decide(
                 reason,
                 RunBudget(snap.charged_attempts, snap.max_attempts, now - snap.created_at,
                           snap.cost_usd),
-                self.retry_policy, retry_after, self.rng,
+                policy.retry_policy(self.retry_policy), retry_after, self.rng,
             )
             if decision.retry:
                 path = [*prefix, S.FAILED_RETRYABLE, S.QUEUED]
@@ -1234,7 +1241,7 @@ class Store(SchedulingMixin):
         if run_id is not None:
             query += " WHERE run_id = :run_id"
             params["run_id"] = run_id
-        with self.engine.connect() as conn:
+        with self.reads.connect() as conn:
             keys = conn.execute(text(query + " ORDER BY created_at, run_id, effect_key"),
                                 params).all()
             return [self._effect(conn, r.run_id, r.effect_key) for r in keys]
@@ -1442,11 +1449,11 @@ class Store(SchedulingMixin):
             query = query.where(runs.c.status == status)
         if tenant is not None:
             query = query.where(runs.c.tenant == tenant)
-        with self.engine.connect() as conn:
+        with self.reads.connect() as conn:
             return [dict(r._mapping) for r in conn.execute(query)]
 
     def get_run(self, run_id: str) -> dict[str, Any]:
-        with self.engine.connect() as conn:
+        with self.reads.connect() as conn:
             row = conn.execute(select(runs).where(runs.c.run_id == run_id)).first()
             if row is None:
                 raise NotFound(f"no run {run_id!r}")
@@ -1473,13 +1480,13 @@ class Store(SchedulingMixin):
                       capabilities: dict[str, Any] | None = None) -> int:
         """Runs queued in these queues that these capabilities may serve, visible now
         or later (backoff)."""
-        with self.engine.connect() as conn:
+        with self.reads.connect() as conn:
             routes = sorted(self._servable_routes(conn, capabilities))
             return int(conn.execute(self._q(sql.WAITING_IN_ROUTES, "queues", "routes"),
                                     {"queues": list(queues), "routes": routes}).scalar() or 0)
 
     def get_task(self, task_id: str) -> dict[str, Any]:
-        with self.engine.connect() as conn:
+        with self.reads.connect() as conn:
             row = conn.execute(select(tasks).where(tasks.c.task_id == task_id)).first()
             if row is None:
                 raise NotFound(f"no task {task_id!r}")
@@ -1490,7 +1497,7 @@ class Store(SchedulingMixin):
     def audit(self) -> list[Violation]:
         """Check the invariants of DESIGN.md on the live database."""
         found: list[Violation] = []
-        with self.engine.connect() as conn:
+        with self.reads.connect() as conn:
             for check, statement in sql.AUDIT_CHECKS.items():
                 for r in conn.execute(text(statement)):
                     found.append(Violation(check, r.run_id, r.detail))

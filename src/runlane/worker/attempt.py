@@ -215,6 +215,9 @@ class AttemptDriver:
         lease = state.lease
         if result.stopped is not None:
             return self._stopped(state, result.stopped)
+        if state.over_budget.is_set():  # its cost went over the run's maximum before it
+            # exited: LIMIT_EXCEEDED, never retried, whatever the agent said after
+            return self._stopped(state, StopReason.LIMIT_EXCEEDED)
         # CONTRACT.md: exit 0 means done; a fail line classifies a non-zero exit (an
         # agent that reported a rate limit, waited and finished keeps its work).
         if result.failure is not None and result.exit_code != 0:
