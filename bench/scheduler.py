@@ -734,7 +734,7 @@ def explain_all(url: str) -> list[Explained]:
                 "run_ids": sorted(c.run_id for c in firsts), "estimated": [None] * len(firsts),
                 "scopes": [None] * len(firsts), "worker_id": WORKER, "ttl": 600.0,
                 "lane_ids": claimed_lanes, "lane_counts": [1] * len(claimed_lanes),
-                "ahead": 1e-6},
+                "lane_gone": [0] * len(claimed_lanes), "also_full": [], "ahead": 1e-6},
                 index="runs_pkey", table="runs", bound=len(firsts),
                 note=f"the writes of a claim of {len(firsts)} runs in one statement (slots, "
                      "compare-and-set, attempts, events, lanes)", ordered=False))

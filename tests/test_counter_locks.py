@@ -49,7 +49,7 @@ def claim_write(conn: Connection, scopes: list[str], n: int = 0) -> list[Any]:
         "now": None, "slot_scopes": scopes, "slot_counts": [n] * len(scopes),
         "slot_max": [COUNTERS.get(s, 1) for s in scopes], "run_ids": [], "estimated": [],
         "scopes": [], "worker_id": "w", "ttl": 30.0, "lane_ids": [], "lane_counts": [],
-        "lane_gone": []}))
+        "lane_gone": [], "also_full": []}))
 
 
 def active(conn: Connection) -> dict[str, int]:

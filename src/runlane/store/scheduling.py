@@ -78,12 +78,12 @@ FREED_SCOPES = "runlane_freed_scopes"
 # denial wrote its lane before the claim's counters and lanes, and two claims
 # deadlocked on two lanes.
 LANE_MOVES = "runlane_lane_moves"
-# conn.info key: inside such a block, the tenants a release took below their limit,
-# whose lanes show again: marked with the block's lane moves, after them the lanes
-# of both locked at once in lane_id order (a release marked them before it locked
-# the runs waiting for its task, and deadlocked with a completion of another of
-# their dependencies).
-SHOWN_TENANTS = "runlane_shown_tenants"
+# conn.info key: inside such a block, the tenants whose lanes show again (0: a release
+# took them below their limit) or hide (1: a claim found them at it), by tenant:
+# marked with the block's lane moves, the lanes of both locked at once in lane_id
+# order (a release marked them before it locked the runs waiting for its task, and
+# deadlocked with a completion of another of their dependencies).
+TENANT_MARKS = "runlane_tenant_marks"
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,9 @@ class SchedulingMixin:
                     freed.add(row.scope)
             if freed:  # lanes blocked on a limit the policy raised: woken before commit
                 conn.info.setdefault(FREED_SCOPES, set()).update(freed)
-            conn.execute(self._q(sql.RECOMPUTE_TENANT_FLAGS))
+            conn.execute(self._q(sql.RECOMPUTE_LANES_FOR_POLICY[self.dialect]), {
+                "ahead": JOIN_AHEAD,
+                "weights": json.dumps({t: p.weight for t, p in policy.tenants.items()})})
             self._policy_cache[version] = policy
             self._notify(conn, SCHEDULE_CHANNEL, str(version))
             return PolicyVersion(version, digest, True)
@@ -458,10 +460,10 @@ class SchedulingMixin:
         # Inside a block that collects lane moves, marked with them at its end.
         shown = sorted(s.removeprefix("tenant:") for s in below if s.startswith("tenant:"))
         if shown and conn.info.get(LANE_MOVES) is not None:
-            conn.info.setdefault(SHOWN_TENANTS, set()).update(shown)
+            conn.info.setdefault(TENANT_MARKS, {}).update(dict.fromkeys(shown, 0))
         elif shown:
             conn.execute(self._q(sql.MARK_TENANT_LANES, "tenants"),
-                         {"tenants": shown, "at_limit": 0})
+                         {"tenants": shown, "at_limit": 0, "ahead": JOIN_AHEAD})
         freed = {s for s in below if not s.startswith("tenant:")}
         if freed:  # woken last in the transaction: Store._transaction
             conn.info.setdefault(FREED_SCOPES, set()).update(freed)
@@ -536,7 +538,7 @@ class SchedulingMixin:
         for r in drift:
             conn.execute(self._q(sql.LANE_SET_COUNT), {"lane_id": r.lane_id, "n": r.actual})
         if drift or fixed:
-            conn.execute(self._q(sql.RECOMPUTE_TENANT_FLAGS))
+            conn.execute(self._q(sql.RECOMPUTE_TENANT_FLAGS), {"ahead": JOIN_AHEAD})
             log.warning("scheduling_counts_repaired", lanes=len(drift), counters=fixed)
         return {"lane_counts_repaired": len(drift), "slot_counters_repaired": fixed}
 
@@ -669,7 +671,7 @@ class SchedulingMixin:
         """Collect the lane moves of the runs this block changes (net per lane) and
         write them when it ends, in lane_id order, as every writer of several lanes
         locks them; with them, the lanes of the tenants its releases showed again
-        (SHOWN_TENANTS; both sets locked first in one lane_id order). A claim folds its
+        (TENANT_MARKS; both sets locked first in one lane_id order). A claim folds its
         admission's moves into its own lane write (``_write_claim``'s ``gone``) and
         leaves the rest here."""
         info = conn.info  # not read again on the way out: after a dead session, reading
@@ -683,20 +685,23 @@ class SchedulingMixin:
             yield moves
         finally:
             info.pop(LANE_MOVES, None)
-            shown = sorted(info.pop(SHOWN_TENANTS, ()))
+            marks: dict[str, int] = info.pop(TENANT_MARKS, {})
         moved = sorted(lane_id for lane_id in moves if moves[lane_id])
-        if moved and shown and self.dialect == "postgresql":  # both sets, one order
-            conn.execute(self._q(sql.LOCK_LANES_TO_WRITE),
-                         {"lane_ids": moved, "tenants": shown})
+        if moved and marks and self.dialect == "postgresql":  # both sets, one order
+            conn.execute(self._q(sql.LOCK_LANES_TO_WRITE), {
+                "lane_ids": moved, "tenants": sorted(marks),
+                "flags": [marks[tenant] for tenant in sorted(marks)]})
         for lane_id in moved:
             if moves[lane_id] > 0:
                 conn.execute(self._q(sql.LANE_ENTER),
                              {"lane_id": lane_id, "n": moves[lane_id], "ahead": JOIN_AHEAD})
             else:
                 conn.execute(self._q(sql.LANE_LEAVE), {"lane_id": lane_id, "n": -moves[lane_id]})
-        if shown:
-            conn.execute(self._q(sql.MARK_TENANT_LANES, "tenants"),
-                         {"tenants": shown, "at_limit": 0})
+        for at_limit in (0, 1):
+            tenants = sorted(t for t, flag in marks.items() if flag == at_limit)
+            if tenants:
+                conn.execute(self._q(sql.MARK_TENANT_LANES, "tenants"),
+                             {"tenants": tenants, "at_limit": at_limit, "ahead": JOIN_AHEAD})
 
     def _sleep_blocked_lanes(self, conn: Connection, empty: set[int]) -> None:
         """Lanes that gave nothing although runs of them are visible, every one blocked
@@ -881,7 +886,10 @@ class SchedulingMixin:
                     counters[s][0] += 1
                     slots[s] += 1
                 passed.append((c, decision))
-        full_tenants = {s.removeprefix("tenant:") for s in slots
+        # Every tenant at its limit, not only those this claim filled: a tenant paused
+        # with max_active = 0 takes no slot ever, and its lanes, never hidden, kept
+        # the lowest pass and came first in every claim of 1, which then took nothing.
+        full_tenants = {s.removeprefix("tenant:") for s in counters
                         if s.startswith("tenant:") and counters[s][0] >= counters[s][1]}
         return passed, full_tenants
 
@@ -918,7 +926,8 @@ class SchedulingMixin:
                 "run_ids": run_ids, "estimated": [c.estimated_cost_usd for c, _ in passed],
                 "scopes": scopes, "worker_id": worker_id, "ttl": lease_ttl,
                 "lane_ids": lanes, "lane_counts": [per_lane[lane] for lane in lanes],
-                "lane_gone": [left[lane] for lane in lanes], "ahead": JOIN_AHEAD, "now": now})
+                "lane_gone": [left[lane] for lane in lanes], "ahead": JOIN_AHEAD, "now": now,
+                "also_full": sorted(full_tenants or ())})
             if not rows:
                 return None  # a counter was missing, stale or short of room
             if gone is not None:
@@ -953,7 +962,7 @@ class SchedulingMixin:
             raise TransitionRefused("claimed runs or their slots changed while locked")
         if self.dialect != "postgresql" and full_tenants:  # PostgreSQL's statement hid them
             conn.execute(self._q(sql.MARK_TENANT_LANES, "tenants"),
-                         {"tenants": sorted(full_tenants), "at_limit": 1})
+                         {"tenants": sorted(full_tenants), "at_limit": 1, "ahead": JOIN_AHEAD})
         return rows
 
     def _check_policy_before_effect(self, conn: Connection, run_id: str, effect: str) -> None:

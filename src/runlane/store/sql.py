@@ -493,7 +493,8 @@ events AS (
     SELECT run_id, attempt_count, t.now, :worker_id, 'QUEUED', 'CLAIMED', fencing_token
     FROM claimed, t),
 full_tenants AS (
-    SELECT substr(scope, 8) AS tenant FROM slots WHERE at_limit AND scope LIKE 'tenant:%'),
+    SELECT substr(scope, 8) AS tenant FROM slots WHERE at_limit AND scope LIKE 'tenant:%'
+    UNION SELECT unnest({also_full})),
 lane_locks AS (
     SELECT l.lane_id FROM lanes l
     WHERE l.lane_id = ANY(ARRAY(
@@ -529,7 +530,8 @@ lane_deltas AS (
                          CAST(:lane_gone AS integer[]))
       AS x(lane_id, n, gone)),
 """ + _CLAIM_WRITES_PG.replace("{slot_scopes}", "CAST(:slot_scopes AS text[])").replace(
-    "{run_ids}", "CAST(:run_ids AS text[])").replace("{gate}", "true") + """
+    "{run_ids}", "CAST(:run_ids AS text[])").replace("{gate}", "true").replace(
+    "{also_full}", "CAST(:also_full AS text[])") + """
 SELECT claimed.run_id, claimed.fencing_token, claimed.attempt_count,
        (SELECT now FROM t) AS now, (SELECT COUNT(*) FROM slots) AS slots_taken,
        ARRAY(SELECT tenant FROM full_tenants ORDER BY tenant) AS full_tenants
@@ -610,7 +612,7 @@ lane_deltas AS (
 """ + _CLAIM_WRITES_PG.replace(
     "{slot_scopes}", "ARRAY(SELECT scope FROM slot_deltas)").replace(
     "{run_ids}", "ARRAY(SELECT run_id FROM chosen)").replace(
-    "{gate}", "(SELECT ok FROM fast)") + """
+    "{gate}", "(SELECT ok FROM fast)").replace("{also_full}", "CAST(ARRAY[] AS text[])") + """
 SELECT c.run_id, c.fencing_token, c.attempt_count, (SELECT now FROM t) AS now,
        w.task_id, w.tenant, w.repo, w.queue, w.priority, w.max_attempts, w.limits,
        w.created_at, (SELECT COUNT(*) FROM page) AS page_lanes, due.lanes_due,
@@ -710,12 +712,24 @@ UPDATE attempts SET limit_scopes = NULL WHERE run_id = :run_id AND fencing_token
 LOCK_LANES_TO_WRITE = """
 SELECT l.lane_id FROM lanes l
 WHERE l.lane_id = ANY(CAST(:lane_ids AS bigint[]))
-   OR (l.tenant = ANY(CAST(:tenants AS text[])) AND l.tenant_at_limit <> 0)
+   OR EXISTS (SELECT 1 FROM unnest(CAST(:tenants AS text[]), CAST(:flags AS integer[]))
+                AS m(tenant, flag)
+              WHERE m.tenant = l.tenant AND l.tenant_at_limit <> m.flag)
 ORDER BY l.lane_id
 FOR UPDATE
 """
+# A lane shown again catches up with its (queue, priority): hidden, it kept the pass
+# it had, and a tenant whose limit was raised took the next claims one after another
+# ahead of a new tenant's first run (banked credit). It rejoins just behind the lowest
+# pass (a new lane joins just ahead of it: the newcomer's first run still goes first).
+_SHOWN_PASS = """{greatest}(pass, COALESCE(
+        (SELECT MIN(l2.pass) + :ahead FROM lanes l2
+         WHERE l2.queue = lanes.queue AND l2.priority = lanes.priority
+           AND l2.queued_count > 0 AND l2.tenant_at_limit = 0
+           AND l2.wake_at IS NULL), pass))"""
 MARK_TENANT_LANES = """
-UPDATE lanes SET tenant_at_limit = :at_limit
+UPDATE lanes SET tenant_at_limit = :at_limit,
+    pass = CASE WHEN CAST(:at_limit AS integer) = 0 THEN """ + _SHOWN_PASS + """ ELSE pass END
 WHERE lane_id IN (SELECT l.lane_id FROM lanes l
                   WHERE l.tenant IN :tenants AND l.tenant_at_limit <> :at_limit
                   ORDER BY l.lane_id {lock_for_update})
@@ -952,12 +966,34 @@ COUNTER_DELETE = "DELETE FROM limit_counters WHERE scope = :scope"
 _TENANT_FULL_FLAG = """CASE WHEN EXISTS (
     SELECT 1 FROM limit_counters c
     WHERE c.scope = 'tenant:' || {alias}.tenant AND c.active >= c.max_active) THEN 1 ELSE 0 END"""
+_SHOWN_AGAIN = ("lanes.tenant_at_limit <> 0 AND "
+                + _TENANT_FULL_FLAG.format(alias="lanes") + " = 0")
 RECOMPUTE_TENANT_FLAGS = """
-UPDATE lanes SET tenant_at_limit = """ + _TENANT_FULL_FLAG.format(alias="lanes") + """
+UPDATE lanes SET tenant_at_limit = """ + _TENANT_FULL_FLAG.format(alias="lanes") + """,
+    pass = CASE WHEN """ + _SHOWN_AGAIN + """ THEN """ + _SHOWN_PASS + """ ELSE pass END
 WHERE lanes.lane_id IN (SELECT l.lane_id FROM lanes l
                         WHERE l.tenant_at_limit <> """ + _TENANT_FULL_FLAG.format(alias="l") + """
                         ORDER BY l.lane_id {lock_for_update})
 """
+# A policy change: the same, and each lane's weight that of its tenant in the policy
+# (``:weights``, a JSON object; 1.0 for a tenant it does not name), in one statement
+# that locks the lanes in lane_id order. Weights were written only when a run
+# entered a lane: a weight changed by policy did not apply to runs already queued.
+_TENANT_WEIGHT = {
+    "postgresql": ("COALESCE((SELECT CAST(w.value AS double precision) FROM "
+                   "json_each_text(CAST(:weights AS json)) w WHERE w.key = {alias}.tenant), 1.0)"),
+    "sqlite": ("COALESCE((SELECT CAST(w.value AS REAL) FROM json_each(:weights) w "
+               "WHERE w.key = {alias}.tenant), 1.0)"),
+}
+RECOMPUTE_LANES_FOR_POLICY = {dialect: """
+UPDATE lanes SET tenant_at_limit = """ + _TENANT_FULL_FLAG.format(alias="lanes") + """,
+    pass = CASE WHEN """ + _SHOWN_AGAIN + """ THEN """ + _SHOWN_PASS + """ ELSE pass END,
+    weight = """ + weight.replace("{alias}", "lanes") + """
+WHERE lanes.lane_id IN (SELECT l.lane_id FROM lanes l
+                        WHERE l.tenant_at_limit <> """ + _TENANT_FULL_FLAG.format(alias="l") + """
+                           OR l.weight <> """ + weight.replace("{alias}", "l") + """
+                        ORDER BY l.lane_id {lock_for_update})
+""" for dialect, weight in _TENANT_WEIGHT.items()}
 
 # --- policy, admission, dependencies, budgets ----------------------------------------
 

@@ -68,6 +68,7 @@ from runlane.store.scheduling import (
     FREED_SCOPES,
     JOIN_AHEAD,
     LANE_MOVES,
+    TENANT_MARKS,
     LanesDue,
     PolicyChanged,
     SchedulingMixin,
@@ -775,6 +776,7 @@ class Store(SchedulingMixin):
                                                              r.run_id))])
 
         def work(conn: Connection, check_due: bool) -> list[Lease] | None:
+            hid = False  # full tenants found by this claim, their lanes hidden
             candidates, empty = self._claim_candidates(conn, queue, limit, capabilities,
                                                        run_id, check_due=check_due)
             # The lanes of runs that admission denies, defers or prunes move after the
@@ -793,13 +795,17 @@ class Store(SchedulingMixin):
                     rows = self._write_claim(conn, passed, full_tenants,
                                              worker_id=worker_id, lease_ttl=lease_ttl,
                                              gone=gone) if passed else []
+                    if not passed and full_tenants:  # hidden with the block's lanes
+                        conn.info.setdefault(TENANT_MARKS, {}).update(
+                            dict.fromkeys(full_tenants, 1))
+                        hid = True
                     if rows is None:  # cannot happen: the counters are locked and checked
                         raise TransitionRefused(
                             "slots changed while their counters were locked")
             rows = rows or []
             woken = self._lane_upkeep(conn, empty, wake=not rows)
-            if not rows:
-                return [] if not woken else None  # None: lanes woke, look once more
+            if not rows:  # None: lanes woke or full tenants hid, look once more
+                return [] if not (woken or hid) else None
             by_id = {c.run_id: c for c, _ in passed}
             return [_lease(r, by_id[r.run_id], worker_id, lease_ttl)
                     for r in sorted(rows, key=lambda r: (by_id[r.run_id].priority,
