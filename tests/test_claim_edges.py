@@ -1,9 +1,8 @@
 """What a claim returns (issue 4's requirements), on SQLite, PostgreSQL's one-statement
 claim and PostgreSQL's transaction claim (a review, 2026-12-02).
 
-The tests of a fixed defect failed before their fix; two known gaps are pinned by
-strict xfails (a claim left short by a candidate without a slot; fairness and age
-order per route, not per tenant); the property test at the end is the evidence of
+The tests of a fixed defect failed before their fix; a known gap is pinned by strict
+xfails (fairness and age order per route, not per tenant); the property test at the end is the evidence of
 what was checked and found correct (limits, routing, strict priority, oldest first
 in a lane, the three claim paths agreeing)."""
 
@@ -75,9 +74,6 @@ def test_a_tenant_paused_with_max_active_0_does_not_starve_other_tenants(
 # --- defect 2: a candidate that fails its slot leaves the claim short -------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: a claim deals its candidates before it allots their slots; one that "
-    "gets none is not replaced in the same claim (the next claim takes the runnable run)"))
 def test_a_candidate_without_a_slot_does_not_leave_the_claim_short(
         store: Store, clock: ManualClock) -> None:
     """Tenant a may run 1; b is unlimited. A claim of 3: the shares give a two
@@ -92,9 +88,6 @@ def test_a_candidate_without_a_slot_does_not_leave_the_claim_short(
     assert len(got) == 3, [lease.tenant for lease in got]  # seen: ['b', 'a']
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: a claim deals its candidates before it allots their slots; one that "
-    "gets none is not replaced in the same claim (the next claim takes the runnable run)"))
 def test_a_repository_with_one_free_slot_does_not_leave_the_claim_short(
         store: Store, clock: ManualClock) -> None:
     """DEFECT (same root cause, a repository limit): two critical runs of one

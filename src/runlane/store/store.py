@@ -237,6 +237,10 @@ def _admission_request_key(spec: TaskSpec) -> tuple[Any, ...] | None:
             requires)
 
 
+# Claims one call may make when a candidate got no slot (Store.claim).
+CLAIM_ROUNDS = 3
+
+
 @dataclass
 class _SubmitBatch:
     """The rows one submit writes: tasks, runs and the distinct admission decisions
@@ -775,7 +779,9 @@ class Store(SchedulingMixin):
                     for r in sorted(one_trip, key=lambda r: (r.priority, r.created_at,
                                                              r.run_id))])
 
-        def work(conn: Connection, check_due: bool) -> list[Lease] | None:
+        short = [False]  # a candidate got no slot: its place may go to another run
+
+        def work(conn: Connection, check_due: bool, limit: int) -> list[Lease] | None:
             hid = False  # full tenants found by this claim, their lanes hidden
             candidates, empty = self._claim_candidates(conn, queue, limit, capabilities,
                                                        run_id, check_due=check_due)
@@ -792,6 +798,7 @@ class Store(SchedulingMixin):
                                              lease_ttl=lease_ttl, gone=gone)
                 if admitted and rows is None:  # lock the counters, allot slots run by run
                     passed, full_tenants = self._allot_slots(conn, admitted)
+                    short[0] = len(passed) < len(admitted)
                     rows = self._write_claim(conn, passed, full_tenants,
                                              worker_id=worker_id, lease_ttl=lease_ttl,
                                              gone=gone) if passed else []
@@ -812,27 +819,41 @@ class Store(SchedulingMixin):
                                                          by_id[r.run_id].created_at,
                                                          r.run_id))]
 
-        # Due lanes are woken first, in a transaction of their own (taking lane locks
-        # before the counters would break the lock order); a claim that found nothing
-        # but woke lanes looks again. Either way the woken lanes are pickable once
-        # that transaction committed.
-        leases: list[Lease] | None = None
-        check_due = True
-        for attempt in range(3):
-            try:
-                leases = self._transaction(functools.partial(work, check_due=check_due))
-            except LanesDue:
-                woken = self._transaction(
-                    lambda conn: self._lane_upkeep(conn, set(), wake=True))
-                # Due lanes held elsewhere cannot be woken now: go on without them.
-                check_due = woken > 0 and attempt < 1
-                continue
-            except PolicyChanged as changed:  # rolled back: again, under the new one
-                log.info("claim_restarted_policy_changed", read_version=changed.args[0])
-                continue
-            if leases is not None:
+        def one_claim(limit: int) -> list[Lease]:
+            """Due lanes are woken first, in a transaction of their own (taking lane
+            locks before the counters would break the lock order); a claim that found
+            nothing but woke lanes looks again. Either way the woken lanes are
+            pickable once that transaction committed."""
+            leases: list[Lease] | None = None
+            check_due = True
+            for attempt in range(3):
+                try:
+                    leases = self._transaction(functools.partial(
+                        work, check_due=check_due, limit=limit))
+                except LanesDue:
+                    woken = self._transaction(
+                        lambda conn: self._lane_upkeep(conn, set(), wake=True))
+                    # Due lanes held elsewhere cannot be woken now: go on without them.
+                    check_due = woken > 0 and attempt < 1
+                    continue
+                except PolicyChanged as changed:  # rolled back: again, under the new one
+                    log.info("claim_restarted_policy_changed", read_version=changed.args[0])
+                    continue
+                if leases is not None:
+                    break
+            return leases or []
+
+        # A claim deals its candidates before it allots their slots: one that got none
+        # (its repository filled by an earlier candidate of the same claim) leaves the
+        # claim short while runnable runs wait. Such a claim claims again for what it
+        # lacks: the scopes it filled are full now, so the next deal passes over them.
+        taken: list[Lease] = []
+        for _ in range(CLAIM_ROUNDS):
+            short[0] = False
+            taken += one_claim(limit - len(taken))
+            if not short[0] or len(taken) >= limit or run_id is not None:
                 break
-        return self._claimed(worker_id, leases or [])
+        return self._claimed(worker_id, taken)
 
     @staticmethod
     def _claimed(worker_id: str, leases: list[Lease]) -> list[Lease]:
