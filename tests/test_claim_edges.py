@@ -2,9 +2,9 @@
 claim and PostgreSQL's transaction claim (a review, 2026-12-02).
 
 The tests of a fixed defect failed before their fix; a known gap is pinned by strict
-xfails (fairness and age order per route, not per tenant); the property test at the end is the evidence of
-what was checked and found correct (limits, routing, strict priority, oldest first
-in a lane, the three claim paths agreeing)."""
+xfails (fairness and age order per route, not per tenant); the property test at the
+end is the evidence of what was checked and found correct (limits, routing, strict
+priority, oldest first in a lane, the three claim paths agreeing)."""
 
 from __future__ import annotations
 

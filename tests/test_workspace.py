@@ -376,3 +376,17 @@ def test_remove_is_idempotent_and_copes_with_read_only_directories(ws: Workspace
     assert not ws.path.exists()
     ws.remove()
     assert not os.path.lexists(ws.path)
+
+
+def test_a_clone_is_removed_by_name_only_once_its_attempt_lets_go(remote: Path,
+                                                                  tmp_path: Path) -> None:
+    """A later attempt removes an earlier one's clone (a killed worker's) only when no
+    live process holds it: removing a clone its attempt still used crashed that
+    attempt (the fault harness: two worker processes, one SIGSTOPped)."""
+    root = tmp_path / "workspaces"
+    held = Workspace.clone(str(remote), root, "run-1")
+    assert not Workspace.remove_named(root, "run-1")  # its attempt is alive
+    assert held.path.is_dir()
+    held.release()  # as a SIGKILL would
+    assert Workspace.remove_named(root, "run-1")
+    assert sorted(p.name for p in root.iterdir()) == []

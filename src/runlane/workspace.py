@@ -18,6 +18,7 @@ the agent runs with the worker's own rights anyway.)
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -195,7 +196,8 @@ def _rmtree(path: Path) -> None:
         with contextlib.suppress(OSError):
             os.chmod(os.path.dirname(failed), stat.S_IRWXU)
             os.chmod(failed, stat.S_IRWXU)
-        func(failed)
+        with contextlib.suppress(FileNotFoundError):  # removed meanwhile by another
+            func(failed)
 
     if not os.path.lexists(path):
         return
@@ -240,6 +242,7 @@ class Workspace:
     def __init__(self, path: Path, *, remote_url: str, base_branch: str,
                  base_sha: str | None, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> None:
         self.path = path
+        self._lock_fd: int | None = None  # held while this attempt uses the clone
         # The agent's changes as a tree, taken when it exited (keep_agent_tree): what
         # the finalizer commits, whatever the verify command writes afterwards.
         self.agent_tree: str | None = None
@@ -261,6 +264,17 @@ class Workspace:
             raise ValueError(f"bad workspace name {name!r}")
         root.mkdir(parents=True, exist_ok=True)
         dest = (root / name).absolute()
+        lock_fd = _hold(_lock_path(dest))  # ours for the attempt's life (remove_named)
+        try:
+            return cls._cloned(repo, dest, lock_fd, timeout)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                _lock_path(dest).unlink()
+            os.close(lock_fd)
+            raise
+
+    @classmethod
+    def _cloned(cls, repo: str, dest: Path, lock_fd: int, timeout: float) -> Workspace:
         _rmtree(dest)
         if repo.startswith("~"):  # a local path of the user's (submit accepts it)
             repo = os.path.expanduser(repo)
@@ -290,8 +304,10 @@ class Workspace:
         except WorkspaceError:
             _rmtree(dest)
             raise
-        return cls(dest, remote_url=remote_url or repo, base_branch=branch or "main",
-                   base_sha=sha or None, timeout=timeout)
+        workspace = cls(dest, remote_url=remote_url or repo, base_branch=branch or "main",
+                        base_sha=sha or None, timeout=timeout)
+        workspace._lock_fd = lock_fd
+        return workspace
 
     # --- what changed ----------------------------------------------------------
 
@@ -457,12 +473,56 @@ class Workspace:
     def remove(self) -> None:
         """Delete the clone; safe to call again."""
         _rmtree(self.path)
+        if self._lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                _lock_path(self.path).unlink()
+        self.release()
+
+    def release(self) -> None:
+        """Let go of the clone's lock, keeping the clone (kept for inspection)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     @staticmethod
-    def remove_named(root: Path, name: str) -> None:
-        """Delete the clone ``root/name`` if there is one (a name ``clone`` takes)."""
-        if name and name not in (".", "..") and "/" not in name and os.sep not in name:
-            _rmtree(root / name)
+    def remove_named(root: Path, name: str) -> bool:
+        """Delete the clone ``root/name`` if its attempt is gone: the process that
+        cloned it holds its lock file while it lives (a SIGKILL releases it; a stopped
+        or still running attempt keeps it, and removes its clone itself). True when
+        removed."""
+        if not name or name in (".", "..") or "/" in name or os.sep in name:
+            return False
+        dest = (root / name).absolute()
+        lock = _lock_path(dest)
+        if not dest.exists() and not lock.exists():
+            return False
+        try:
+            fd = _hold(lock, wait=False)
+        except BlockingIOError:
+            return False  # its attempt is alive
+        try:
+            _rmtree(dest)
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+        finally:
+            os.close(fd)
+        return True
+
+
+def _lock_path(dest: Path) -> Path:
+    return dest.with_name(dest.name + ".lock")
+
+
+def _hold(lock: Path, *, wait: bool = True) -> int:
+    """An exclusive flock on ``lock`` (created): its descriptor. Raises
+    BlockingIOError when another process holds it and ``wait`` is false."""
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _local(args: list[str], cwd: Path, *, env: dict[str, str] | None = None,

@@ -208,6 +208,8 @@ class AttemptDriver:
             succeeded = ended in ("no_changes", "pull_request")
             if workspace is not None and (succeeded or not self.settings.keep_failed_workspaces):
                 workspace.remove()
+            elif workspace is not None:
+                workspace.release()
             bound.info("attempt_finished", ended=ended)
 
     def _after_agent(self, state: AttemptState, workspace: Workspace, artifacts: Path,
