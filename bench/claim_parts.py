@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lifecycle import (
     display_command,
+    drop_postgres,
+    fresh_postgres,
     libpq,
     load_average,
     memory_total,
@@ -46,7 +48,6 @@ from lifecycle import (
     progress,
     runlane_source,
     table,
-    with_database,
 )
 from runlane.logs import configure_logging
 from runlane.store.sql import compact
@@ -202,10 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = datetime.now(UTC)
     wall = time.monotonic()
     name = f"runlane_bench_parts_{os.getpid()}"
-    with psycopg.connect(libpq(args.postgres_url), autocommit=True) as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
-        admin.execute(f'CREATE DATABASE "{name}"'.encode())
-    url = with_database(args.postgres_url, name)
+    url = fresh_postgres(args.postgres_url, name)
     load_before = load_average()
     try:
         progress(f"populating {name}: {shape.runs:,} runs + {shape.runs:,} FIFO jobs")
@@ -213,8 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         found = measure(url, args.samples)
         facts = postgres_facts(url)
     finally:
-        with psycopg.connect(libpq(args.postgres_url), autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
+        drop_postgres(args.postgres_url, name)
     environment = [
         ("Machine", f"{lscpu()}; {memory_total()} RAM"),
         ("Python", f"{platform.python_implementation()} {platform.python_version()}"),

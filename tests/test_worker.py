@@ -238,6 +238,9 @@ def test_sigkilled_worker_run_is_finished_by_another(pstore: Store, remote: Path
     assert len(pull_requests(forge_dir, remote)) == 1
     assert len(agent_branches(remote)) == 1
     assert pstore.audit() == []
+    # Attempt 1's clone too: the next attempt removed it, its worker being dead (it
+    # stayed forever before; tests/test_worker_edges.py's review).
+    assert sorted(p.name for p in (tmp_path / "workspaces").iterdir()) == []
 
 
 def test_sigterm_drains_without_new_claims(pstore: Store, remote: Path,

@@ -248,39 +248,6 @@ def test_a_home_relative_repository_is_cloned(lane: Runlane, remote: Path, forge
         run["reason_code"], run["attempts"][-1]["message"])
 
 
-# --- the workspace of a worker that died --------------------------------------------------------
-
-
-def test_the_workspace_of_a_killed_worker_is_cleaned_up(
-        pstore: Any, remote: Path, forge_dir: Path, tmp_path: Path, workers: Any) -> None:
-    """A worker is SIGKILLed while its agent runs; the reaper requeues the run and another
-    worker finishes it. Attempt 1's clone (`{run_id}-1`) stays in the workspace directory
-    forever: nothing removes the workspaces of earlier attempts (a full clone per lost
-    worker)."""
-    import contextlib
-    import signal
-
-    from .support import spec
-    from .test_worker import AGENT_WRITES, reap_until, wait_until
-
-    [sub] = pstore.submit([spec(repo=str(remote))])
-    agent = ("echo $$ > \"$RUNLANE_ARTIFACTS_DIR/pgid\"; "
-             "if [ \"$RUNLANE_ATTEMPT\" = 1 ]; then sleep 60; fi; " + AGENT_WRITES)
-    victim = workers(agent)
-    pgid_file = tmp_path / "artifacts" / sub.run_id / "1" / "pgid"
-    wait_until(lambda: pgid_file.exists(), 20, "attempt 1 to run")
-    victim.signal(signal.SIGKILL)
-    victim.wait()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(int(pgid_file.read_text()), signal.SIGKILL)  # the orphaned agent
-    reap_until(pstore, sub.run_id, "QUEUED", 10)
-    finisher = workers(agent, "--exit-when-idle")
-    assert finisher.wait(60) == 0
-    assert str(pstore.get_run(sub.run_id)["status"]) == "SUCCEEDED"
-    left = sorted(p.name for p in (tmp_path / "workspaces").iterdir())
-    assert left == []
-
-
 # --- a git repository the agent creates inside the workspace --------------------------------------
 
 
