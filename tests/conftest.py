@@ -94,14 +94,19 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return empty_database(request, request.param, tmp_path)
 
 
+def migrated_sqlite(path: Path) -> str:
+    """A new SQLite file at ``path``, migrated to head: its URL."""
+    url = f"sqlite:///{path}"
+    engine = build_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    return url
+
+
 def empty_database(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> str:
     """A migrated, empty database: ``kind`` is "sqlite" or "postgresql"."""
     if kind == "sqlite":
-        url = f"sqlite:///{tmp_path / 'runlane.db'}"
-        engine = build_engine(url)
-        upgrade(engine)
-        engine.dispose()
-        return url
+        return migrated_sqlite(tmp_path / "runlane.db")
     url = str(request.getfixturevalue("pg_url"))
     truncate_pg(url)
     return url

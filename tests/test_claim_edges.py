@@ -25,11 +25,9 @@ from runlane.clock import ManualClock
 from runlane.domain.policy import parse_policy
 from runlane.domain.reasons import Reason
 from runlane.domain.routing import parse_capabilities, requirements_from_canonical, satisfies
-from runlane.store.engine import build_engine
-from runlane.store.migrate import upgrade
 from runlane.store.store import Store
 
-from .conftest import POLICY, T0, empty_database, truncate_pg
+from .conftest import POLICY, T0, empty_database, migrated_sqlite, truncate_pg
 from .support import spec, submit
 
 TTL = 30.0
@@ -307,11 +305,7 @@ COUNTER = iter(range(10**9))
 
 def fresh_url(kind: str, pg_url: str, sqlite_dir: Path) -> str:
     if kind == "sqlite":
-        url = f"sqlite:///{sqlite_dir / f'db{next(COUNTER)}.db'}"
-        engine = build_engine(url)
-        upgrade(engine)
-        engine.dispose()
-        return url
+        return migrated_sqlite(sqlite_dir / f"db{next(COUNTER)}.db")
     truncate_pg(pg_url)
     return pg_url
 
