@@ -1,10 +1,10 @@
 """What a claim returns (issue 4's requirements), on SQLite, PostgreSQL's one-statement
 claim and PostgreSQL's transaction claim (a review, 2026-12-02).
 
-The tests of a fixed defect failed before their fix; a known gap is pinned by strict
-xfails (fairness and age order per route, not per tenant); the property test at the
-end is the evidence of what was checked and found correct (limits, routing, strict
-priority, oldest first in a lane, the three claim paths agreeing)."""
+The tests of a fixed defect failed before their fix (the two of fairness and age order
+across a tenant's routes were strict xfails until flows, 2026-12-02); the property test
+at the end is the evidence of what was checked and found correct (limits, routing,
+strict priority, oldest first in a lane, the three claim paths agreeing)."""
 
 from __future__ import annotations
 
@@ -116,35 +116,69 @@ def test_a_weight_raised_by_policy_applies_to_runs_already_queued(store: Store) 
 # --- defect 4: a lane per route gives a tenant a share per route ------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: a lane is (queue, route, priority, tenant), so the fair share and the "
-    "age order hold per route; a tenant spread over N requirement sets gets N shares"))
 def test_a_tenant_with_two_requirement_sets_gets_one_share_not_two(store: Store) -> None:
-    """A lane is (queue, route, priority, tenant) and each lane has its own
-    pass: a tenant whose runs need two different capability sets (both served by this
-    worker) gets two lanes and twice the share of a tenant of the same weight."""
+    """A lane is (queue, route, priority, tenant): a tenant whose runs need two
+    capability sets (both served by this worker) has two lanes, but one flow, one pass
+    and one share, as a tenant of the same weight with one lane. (Seen when each lane
+    had its own pass: a 20, b 10.)"""
     submit(store, 20, tenant="a", requires={"tools": "git"})
     submit(store, 20, tenant="a")
     submit(store, 20, tenant="b")
     served = Counter(claimed_tenants(store, 10, limit=3, capabilities={"tools": ["git"]}))
-    assert served == {"a": 15, "b": 15}  # seen: a 20, b 10
+    assert served == {"a": 15, "b": 15}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: a lane is (queue, route, priority, tenant), so the fair share and the "
-    "age order hold per route; a tenant spread over N requirement sets gets N shares"))
 def test_within_a_tenant_and_priority_the_oldest_run_goes_first_across_routes(
         store: Store, clock: ManualClock) -> None:
-    """DEFECT (same root cause). Three runs of tenant a, then a newer one of a that
-    requires git; the worker has git. Within a tenant it should be priority then age;
-    the newer run's lane joins just ahead of the older lane's pass and is claimed
-    first."""
+    """Three runs of tenant a, then a newer one of a that requires git; the worker has
+    git. Within a tenant it is priority then age, whatever the route: the newer run's
+    lane (a lane is one route) joined the flow at its pass, and the claim takes the
+    flow's oldest run. (Seen before flows: the newer run first, its lane joined just
+    ahead of the older lane's pass.) Runs of one instant go in run_id order."""
     old = submit(store, 3, tenant="a")
     clock.advance(1)
     new = submit(store, 1, tenant="a", requires={"tools": "git"})
     got = [lease.run_id for _ in range(4) for lease in store.claim(
         "w1", limit=1, lease_ttl=TTL, capabilities={"tools": ["git"]})]
-    assert got == [r.run_id for r in old + new]  # seen: the newer run first
+    assert got == [*sorted(r.run_id for r in old), new[0].run_id]
+    # The same in claims of 2 (one flow, two lanes, one share: its two oldest runs).
+    old = submit(store, 3, tenant="b")
+    clock.advance(1)
+    new = submit(store, 1, tenant="b", requires={"tools": "git"})
+    got = [lease.run_id for _ in range(2) for lease in store.claim(
+        "w1", limit=2, lease_ttl=TTL, capabilities={"tools": ["git"]})]
+    assert got == [*sorted(r.run_id for r in old), new[0].run_id]
+
+
+def lane_passes(store: Store, tenant: str) -> dict[str, float]:
+    """A tenant's lanes, by route, and their pass."""
+    with store.engine.connect() as conn:
+        return {r.route_key: r.pass_ for r in conn.execute(text(
+            "SELECT route_key, pass AS pass_ FROM lanes WHERE tenant = :t"), {"t": tenant})}
+
+
+def test_a_claim_advances_every_lane_of_its_flow_and_a_joining_lane_takes_its_pass(
+        store: Store, clock: ManualClock) -> None:
+    """A flow is a tenant's lanes of one queue and priority (one per route). Claims of
+    its plain lane advance its GPU lane too, though this worker cannot serve it: a GPU
+    worker then finds the tenant's share already spent (its pass is the flow's). A
+    lane that joins the flow later (a new route, git) comes in at the flow's pass, not
+    just ahead of the lowest pass, where it would take the next claims (banked
+    credit). Fails without FLOW_CLAIMED / the flow's lanes in CLAIM_WRITES_PG, and
+    without _FLOW_PASS."""
+    submit(store, 5, tenant="a")
+    submit(store, 5, tenant="a", requires={"tools": "cuda"})
+    submit(store, 5, tenant="b")
+    assert Counter(claimed_tenants(store, 4)) == {"a": 2, "b": 2}
+    passes = lane_passes(store, "a")
+    assert len(passes) == 2 and len(set(passes.values())) == 1, passes
+    clock.advance(1)
+    submit(store, 1, tenant="a", requires={"tools": "git"})
+    passes = lane_passes(store, "a")
+    assert len(passes) == 3 and len(set(passes.values())) == 1, passes
+    # The worker with git and cuda serves all three lanes of a as one share.
+    served = Counter(claimed_tenants(store, 6, capabilities={"tools": ["git", "cuda"]}))
+    assert served == {"a": 3, "b": 3}, served
 
 
 # --- defect 5: a tenant shown again keeps the pass it had when hidden -------------------

@@ -672,6 +672,14 @@ def sample_of_many_lanes(conn: Connection, n: int) -> list[str]:
         f"tenant:{r.tenant}", f"repo:{r.repo}", f"user:{r.user_id}")})
 
 
+def flow_size(conn: Connection, lane_id: int) -> int:
+    """The lanes of a lane's flow (its tenant's lanes of its queue and priority)."""
+    return int(conn.execute(text(
+        "SELECT COUNT(*) FROM lanes f JOIN lanes l ON l.lane_id = :lane "
+        "AND f.tenant = l.tenant AND f.queue = l.queue AND f.priority = l.priority"),
+        {"lane": lane_id}).scalar_one())
+
+
 def test_claim_write_touches_only_its_rows(explain_db: ExplainDb) -> None:
     """The writes of a claim of 50 (slots, compare-and-set, attempts, events, lanes) in
     one statement: each table by its primary key, as many rows as the claim has."""
@@ -690,9 +698,13 @@ def test_claim_write_touches_only_its_rows(explain_db: ExplainDb) -> None:
     assert plan["Plan"]["Actual Rows"] == 50, describe(plan)
     assert_bounded(plan, index="runs_pkey", table="runs", bound=50, ordered=False)
     read = reads(plan)
-    # Counters and the lane are read twice each: locked (in key order), then updated.
-    assert read.get("limit_counters", 0) <= 2 * len(scopes) and read.get("lanes", 0) <= 2, \
-        describe(plan)
+    # Counters are read twice each: locked (in key order), then updated. The lane is
+    # read for its flow, then each lane of the flow (one per route of the tenant, at
+    # its queue and priority: ix_lanes_flow) is read twice, locked then updated.
+    assert read.get("limit_counters", 0) <= 2 * len(scopes), describe(plan)
+    with explain_db.engine.connect() as conn:
+        flow = flow_size(conn, lane)
+    assert read.get("lanes", 0) <= 1 + 3 * flow, (flow, describe(plan))
 
 
 def test_lanes_wake_reads_only_sleeping_lanes(explain_db: ExplainDb) -> None:
@@ -704,7 +716,9 @@ def test_lanes_wake_reads_only_sleeping_lanes(explain_db: ExplainDb) -> None:
                      {"l": explain_db.lanes["backoff"]})
         plan = explain(conn, sql.LANES_WAKE, {"now": None, "ahead": 1e-6})
         conn.rollback()
-    assert_bounded(plan, index="ix_lanes_wake", table="lanes", bound=3, ordered=False)
+        flow = flow_size(conn, explain_db.lanes["backoff"])
+    # As before flows (3), and the lanes of its flow, read for their pass (ix_lanes_flow).
+    assert_bounded(plan, index="ix_lanes_wake", table="lanes", bound=3 + flow, ordered=False)
 
 
 @pytest.mark.parametrize("plan_of", [explain, explain_generic])
@@ -721,7 +735,7 @@ def test_marking_a_tenants_lanes_reads_only_that_tenants_lanes(
         plan = plan_of(conn, sql.MARK_TENANT_LANES, params)
         conn.rollback()
     assert mine > 0
-    assert_bounded(plan, index="ix_lanes_tenant", table="lanes", bound=3 * mine,
+    assert_bounded(plan, index="ix_lanes_flow", table="lanes", bound=3 * mine,
                    ordered=False)
 
 
@@ -964,20 +978,30 @@ def check_claim(conn: Connection, leases: list[Lease], pruned: list[str],
                                             candidates=True), len(run_ids))
         assert sorted(run_ids) == sorted(expected), f"lane {lane_id}"
 
-    # Stride fair share: the k-th run of a lane is due at pass + (k - 1) / weight; no
-    # lane was given a run due later than the next run of a lane left with work.
-    def due(lane_id: int, k: int) -> tuple[float, int]:
-        lane = eligible[lane_id]
-        return lane.pass_ + (k - 1) / lane.weight, lane_id
+    # Stride fair share among flows (a tenant's lanes of one priority, one per route):
+    # the k-th run of a flow is due at its pass + (k - 1) / weight; no flow was given a
+    # run due later than the next run of a flow left with work.
+    flows: dict[tuple[int, str], list[int]] = {}
+    for lane_id, lane in sorted(eligible.items()):
+        flows.setdefault((lane.priority, lane.tenant), []).append(lane_id)
 
-    latest = max(due(lane_id, len(run_ids)) for lane_id, run_ids in taken.items())
-    for lane_id, lane in eligible.items():
-        n = len(taken.get(lane_id, []))
-        if lane.priority == best and due(lane_id, n + 1) < latest:
-            more, _ = head_reads(lane_order(conn, lane_id, 2_000, taken.get(lane_id), full,
-                                            candidates=True), n + 1)
-            assert len(more) <= n, (f"lane {lane_id} ({lane.tenant}) had its run {n + 1} due "
-                                    f"at {due(lane_id, n + 1)}, before {latest}")
+    def due(flow: tuple[int, str], k: int) -> tuple[float, int]:
+        members = [eligible[lane_id] for lane_id in flows[flow]]
+        return (min(lane.pass_ for lane in members) + (k - 1) / members[0].weight,
+                min(flows[flow]))
+
+    given = {flow: sum(len(taken.get(lane_id, [])) for lane_id in members)
+             for flow, members in flows.items()}
+    latest = max(due(flow, n) for flow, n in given.items() if n)
+    for flow, members in flows.items():
+        n = given[flow]
+        if flow[0] == best and due(flow, n + 1) < latest:
+            for lane_id in members:
+                mine = len(taken.get(lane_id, []))
+                more, _ = head_reads(lane_order(conn, lane_id, 2_000, taken.get(lane_id), full,
+                                                candidates=True), mine + 1)
+                assert len(more) <= mine, (f"flow {flow} had its run {n + 1} due at "
+                                           f"{due(flow, n + 1)}, before {latest}")
 
 
 # default-50-gpu: a lane comes up short (tenant-0004's, all of a full repository) and

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, text
 
-from runlane.domain.fairness import LaneState, share_bounds, share_slots
+from runlane.domain.fairness import LaneState, flows_of, share_bounds, share_slots
 from runlane.store import sql
 from runlane.store.engine import build_engine
 
@@ -20,9 +20,12 @@ LANES = st.lists(st.tuples(st.integers(0, 2), st.sampled_from([0.5, 1.0, 2.0, 3.
                  min_size=1, max_size=40)
 
 
-def page_of(lanes: list[tuple[int, float, float, int]]) -> list[LaneState]:
-    """Lanes in fair order, as a page of lanes comes from the database."""
-    return sorted((LaneState(i, p, w, pass_, q) for i, (p, w, pass_, q) in enumerate(lanes)),
+def page_of(lanes: list[tuple[int, float, float, int]],
+            tenants: list[str] | None = None) -> list[LaneState]:
+    """Lanes in fair order, as a page of lanes comes from the database (each lane its
+    own tenant unless ``tenants`` says whose it is)."""
+    return sorted((LaneState(i, p, w, pass_, q, tenants[i] if tenants else str(i))
+                   for i, (p, w, pass_, q) in enumerate(lanes)),
                   key=lambda lane: (lane.priority, lane.pass_, lane.lane_id))
 
 
@@ -71,8 +74,8 @@ SHARES_OF_PAGE = text(
     "WITH page AS (SELECT * FROM unnest(CAST(:lane_ids AS bigint[]), "
     "CAST(:priorities AS integer[]), CAST(:passes AS double precision[]), "
     "CAST(:weights AS double precision[]), CAST(:queued AS integer[]), "
-    "CAST(:ranks AS integer[])) AS p(lane_id, priority, pass_, weight, queued_count, rank)),"
-    + sql.SHARE_TURNS + " SELECT lane_id, share FROM shares WHERE share > 0")
+    "CAST(:tenants AS text[])) AS p(lane_id, priority, pass_, weight, queued_count, tenant)),"
+    + sql.FLOWS + "," + sql.SHARE_TURNS + " SELECT lane_id, share FROM shares WHERE share > 0")
 
 
 @pytest.fixture(scope="module")
@@ -89,20 +92,30 @@ def test_the_one_statement_claim_deals_what_share_slots_deals(
     """CLAIM_ONE_TRIP_PG deals a page's shares in SQL (sql.SHARE_TURNS): for any page of
     lanes (a full page: no turn after its last lane) and claim size, the same shares as
     share_slots, which the transaction's claim deals in Python."""
-    page = page_of(lanes)
+    # A tenant's lanes (one per route) are one flow: one pass and one weight, as the
+    # store keeps them (sql.FLOW_CLAIMED, sql._FLOW_PASS).
+    shared = data.draw(st.booleans(), label="tenants with several lanes")
+    tenants = [str(i) for i in range(len(lanes))]
+    if shared:
+        tenants = [data.draw(st.sampled_from("abc"), label="tenant") for _ in lanes]
+        first = {t: lanes[tenants.index(t)] for t in tenants}
+        lanes = [(p, first[t][1], first[t][2], q)
+                 for t, (p, _, _, q) in zip(tenants, lanes, strict=True)]
+    page = page_of(lanes, tenants)
     size = data.draw(st.sampled_from([len(page), len(page) + 1, 16]), label="page size")
     size = max(size, len(page))
     wanted = data.draw(st.integers(1, size), label="wanted")
     last = page[-1]
     until = (last.priority, last.pass_, last.lane_id) if len(page) == size else None
-    expected = dict(share_slots(page, wanted, until=until))
+    flows, _ = flows_of(page)
+    expected = dict(share_slots(flows, wanted, until=until))
     with pg_engine.connect() as conn:
         got: dict[int, int] = {r.lane_id: r.share for r in conn.execute(SHARES_OF_PAGE, {
             "lane_ids": [lane.lane_id for lane in page],
             "priorities": [lane.priority for lane in page],
             "passes": [lane.pass_ for lane in page], "weights": [lane.weight for lane in page],
             "queued": [lane.queued for lane in page],
-            "ranks": list(range(1, len(page) + 1)), "wanted": wanted, "limit": size})}
+            "tenants": [lane.tenant for lane in page], "wanted": wanted, "limit": size})}
     assert got == expected, (page, wanted, size)
 
 
@@ -114,3 +127,17 @@ def test_a_near_tie_breaks_as_in_sql() -> None:
     SQL deals 10 and 1 (a review of 2026-12-01)."""
     page = [LaneState(2, 0, 10.0, 0.0, 20), LaneState(1, 0, 1.0, 1.0, 20)]
     assert dict(share_slots(page, 11)) == {2: 10, 1: 1}
+
+
+def test_a_tenants_lanes_of_one_priority_are_one_flow() -> None:
+    """Two lanes of tenant a (two routes) and one of b, one weight and pass: a claim of
+    4 deals the flows a and b two each, not a 2 + 1 + b 1 (a lane each)."""
+    page = page_of([(0, 1.0, 3.0, 10), (0, 1.0, 3.0, 10), (0, 1.0, 3.0, 10)], ["a", "a", "b"])
+    flows, members = flows_of(page)
+    assert [(flow.lane_id, flow.tenant, flow.queued) for flow in flows] == [(0, "a", 20),
+                                                                            (2, "b", 10)]
+    assert members == {0: [0, 1], 2: [2]}
+    assert dict(share_slots(flows, 4)) == {0: 2, 2: 2}
+    # Another priority of the same tenant is another flow.
+    flows, members = flows_of(page_of([(0, 1.0, 3.0, 10), (1, 1.0, 3.0, 10)], ["a", "a"]))
+    assert members == {0: [0], 1: [1]}

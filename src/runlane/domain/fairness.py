@@ -1,8 +1,10 @@
 """Weighted fair sharing of free slots among lanes (stride scheduling).
 
-A lane is one (queue, route, priority, tenant). Each lane has a virtual time
-(``pass``) that advances by ``1 / weight`` per run it is given; the next slot goes
-to the lane with the best priority, then the lowest pass. A tenant of weight 2
+A lane is one (queue, route, priority, tenant); the unit of sharing is a flow, one
+(queue, priority, tenant): a tenant's lanes of one priority, one per requirement
+set (route), share one virtual time (``pass``), which advances by ``1 / weight``
+per run the flow is given; the next slot goes to the flow with the best priority,
+then the lowest pass, and within a flow to its oldest run, whatever its route. A tenant of weight 2
 gets two runs for each one of a tenant of weight 1, and a tenant that arrives
 late joins at the current virtual time (the store sees to that), so it waits at
 most one claim per free slot however long the others' backlog is.
@@ -28,6 +30,30 @@ class LaneState:
     weight: float
     pass_: float
     queued: int
+    tenant: str = ""  # with the claim's queue and the priority: the lane's flow
+
+    @property
+    def flow(self) -> tuple[int, str]:
+        return (self.priority, self.tenant)
+
+
+def flows_of(lanes: Sequence[LaneState]) -> tuple[list[LaneState], dict[int, list[int]]]:
+    """Merge a page's lanes into flows: one per (priority, tenant), named by its lowest
+    lane_id, at its lowest pass (a flow's lanes share one; the lowest is the safe
+    reading), with the queued runs of all its lanes. Returns the flows in fair order
+    and each flow's lanes (page order). A tenant whose runs need two requirement sets
+    has two lanes but one share (sql.FLOWS deals the same flows)."""
+    members: dict[tuple[int, str], list[LaneState]] = {}
+    for lane in lanes:
+        members.setdefault(lane.flow, []).append(lane)
+    flows = sorted((LaneState(min(lane.lane_id for lane in group), priority,
+                              min(lane.weight for lane in group),
+                              min(lane.pass_ for lane in group),
+                              sum(lane.queued for lane in group), tenant)
+                    for (priority, tenant), group in members.items()),
+                   key=lambda flow: (flow.priority, flow.pass_, flow.lane_id))
+    return flows, {flow.lane_id: [lane.lane_id for lane in members[flow.flow]]
+                   for flow in flows}
 
 
 def share_slots(lanes: Sequence[LaneState], slots: int,

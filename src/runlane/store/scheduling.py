@@ -23,7 +23,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from runlane.domain.admission import AdmissionRequest, Decision, TenantUsage, admit
-from runlane.domain.fairness import LaneState, share_slots
+from runlane.domain.fairness import LaneState, flows_of, share_slots
 from runlane.domain.policy import Policy, policy_digest, policy_document, policy_from_document
 from runlane.domain.reasons import Reason
 from runlane.domain.routing import (
@@ -548,11 +548,13 @@ class SchedulingMixin:
                           capabilities: dict[str, Any] | None, run_id: str | None, *,
                           check_due: bool = True) -> tuple[list[Any], set[int]]:
         """The runs a claim may take, fairest first: lanes picked a page at a time by
-        priority and stride pass, the free slots shared among them by weight, each
-        lane's share read from its head (all lanes in one statement on PostgreSQL).
-        A lane that comes up short (runs in backoff, full repository) drops out and its
-        share goes round again, then to the next page. Also returns the lanes that
-        gave nothing at all (candidates to sleep: ``_lane_upkeep``)."""
+        priority and stride pass, the free slots shared among their flows by weight
+        (a tenant's lanes of one priority, one per route, are one flow: one share, its
+        oldest runs first whatever their route), each flow's share read from the heads
+        of its lanes (all lanes in one statement on PostgreSQL). A lane that comes up
+        short (runs in backoff, full repository) drops out and its flow's share goes
+        round again, then to the next page. Also returns the lanes that gave nothing
+        at all (candidates to sleep: ``_lane_upkeep``)."""
         now = self.clock.now()
         empty: set[int] = set()
         if run_id is not None:
@@ -565,6 +567,7 @@ class SchedulingMixin:
         after: tuple[int, float, int] = (-(2**31), float("-inf"), -1)
         carried: list[LaneState] = []  # earlier pages' lanes still in play
         seen: set[int] = set()
+        advanced: Counter[tuple[int, str]] = Counter()  # runs this claim gave each flow
         while wanted > 0:
             size = max(wanted, LANE_PAGE)
             fresh, walked, due = self._pick_lanes(conn, queue, routes, wanted, size, after,
@@ -586,36 +589,52 @@ class SchedulingMixin:
                 fresh = [lane for lane in fresh if lane.lane_id not in seen]
                 walked = None
             seen.update(lane.lane_id for lane in fresh)
+            # A lane whose flow this claim already served comes at the flow's pass.
+            fresh = [replace(lane, pass_=lane.pass_ + advanced[lane.flow] / lane.weight)
+                     if advanced[lane.flow] else lane for lane in fresh]
             page = sorted([*carried, *fresh], key=lambda lane: (lane.priority, lane.pass_,
                                                                  lane.lane_id))
             new_lanes = {lane.lane_id for lane in fresh}
             while wanted > 0 and page:
-                shares = share_slots(page, wanted, until=until)
+                flows, members = flows_of(page)
+                shares = share_slots(flows, wanted, until=until)
                 if not shares:
                     break
+                # Each lane of a flow is walked for the flow's whole share; the flow
+                # takes the oldest of what comes back.
+                wants = [(lane, share) for flow, share in shares for lane in members[flow]]
                 if walked is not None:  # the page's first walk came with the pick
-                    got = {lane: walked.get(lane, [])[:share] for lane, share in shares
+                    got = {lane: walked.get(lane, [])[:share] for lane, share in wants
                            if lane in new_lanes}
-                    rest = [(lane, share) for lane, share in shares if lane not in new_lanes]
+                    rest = [(lane, share) for lane, share in wants if lane not in new_lanes]
                     if rest:
                         got.update(self._lane_runs(conn, rest, cursors, now))
                     walked = None
                 else:
-                    got = self._lane_runs(conn, shares, cursors, now)
+                    got = self._lane_runs(conn, wants, cursors, now)
                 short: set[int] = set()
-                for lane_id, share in shares:
+                for lane_id, share in wants:
                     rows = got.get(lane_id, [])
-                    if rows:
-                        cursors[lane_id] = (rows[-1].created_at, rows[-1].run_id)
-                    candidates.extend(rows)
-                    wanted -= len(rows)
-                    if len(rows) < share:
+                    if len(rows) < share:  # the lane has no more runnable runs
                         short.add(lane_id)
                         if not rows and lane_id not in cursors:
                             empty.add(lane_id)
-                taken = {lane_id: len(got.get(lane_id, [])) for lane_id, _ in shares}
-                page = [replace(lane, queued=lane.queued - taken.get(lane.lane_id, 0),
-                                pass_=lane.pass_ + taken.get(lane.lane_id, 0) / lane.weight)
+                taken: Counter[int] = Counter()
+                for flow, share in shares:
+                    rows = sorted((row for lane_id in members[flow]
+                                   for row in got.get(lane_id, [])),
+                                  key=lambda r: (r.created_at, r.run_id))[:share]
+                    for row in rows:
+                        cursors[row.lane_id] = (row.created_at, row.run_id)
+                        taken[row.lane_id] += 1
+                    candidates.extend(rows)
+                    wanted -= len(rows)
+                by_flow: Counter[tuple[int, str]] = Counter()
+                for lane in page:
+                    by_flow[lane.flow] += taken[lane.lane_id]
+                advanced.update(by_flow)
+                page = [replace(lane, queued=lane.queued - taken[lane.lane_id],
+                                pass_=lane.pass_ + by_flow[lane.flow] / lane.weight)
                         for lane in page if lane.lane_id not in short]
             if not more:
                 break
@@ -761,15 +780,15 @@ class SchedulingMixin:
                   "after_lane": after[2], "now": now}
         if self.dialect != "postgresql":
             rows = list(conn.execute(self._q(sql.PICK_LANES["sqlite"], "routes"), params))
-            return ([LaneState(r.lane_id, r.priority, r.weight, r.pass_, r.queued_count)
-                     for r in rows], None, rows_due(rows))
+            return ([LaneState(r.lane_id, r.priority, r.weight, r.pass_, r.queued_count,
+                               r.tenant) for r in rows], None, rows_due(rows))
         lanes: dict[int, LaneState] = {}
         walked: dict[int, list[Any]] = {}
         due = False
         for r in conn.execute(self._q(sql.PICK_AND_WALK_PG), {**params, "wanted": wanted}):
             due = due or bool(r.lanes_due)
             lanes[r.page_lane_id] = LaneState(r.page_lane_id, r.page_priority, r.weight,
-                                              r.pass_, r.queued_count)
+                                              r.pass_, r.queued_count, r.page_tenant)
             if r.run_id is not None:
                 walked.setdefault(r.page_lane_id, []).append(r)
         for lane_rows in walked.values():
@@ -955,8 +974,12 @@ class SchedulingMixin:
                  "to_status": S.CLAIMED.value, "reason_code": None,
                  "fencing_token": r.fencing_token, "message": None}
                 for r in by_id.values()])
-            conn.execute(self._q(sql.LANE_CLAIMED),
+            conn.execute(self._q(sql.LANE_LEAVE),
                          [{"lane_id": lane, "n": per_lane[lane]} for lane in lanes])
+            per_flow = Counter((c.queue, c.priority, c.tenant) for c, _ in passed)
+            conn.execute(self._q(sql.FLOW_CLAIMED), [
+                {"queue": queue, "priority": priority, "tenant": tenant, "n": n}
+                for (queue, priority, tenant), n in sorted(per_flow.items())])
         # Cannot happen: the runs and the counters are locked.
         if len(rows) != len(passed) or slots_taken != len(slots):
             raise TransitionRefused("claimed runs or their slots changed while locked")

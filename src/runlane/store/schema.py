@@ -156,7 +156,9 @@ lanes = Table(
     # the pick index until then (migration 0005).
     Column("wake_at", Timestamp),
     UniqueConstraint("queue", "route_key", "priority", "tenant", name="uq_lanes_key"),
-    Index("ix_lanes_tenant", "tenant"),
+    # A lane's flow (migration 0012): a tenant's lanes of one queue and priority share
+    # one pass (sql.FLOW_CLAIMED); also every lookup of a tenant's lanes.
+    Index("ix_lanes_flow", "tenant", "queue", "priority"),
     Index(
         "ix_lanes_pick",
         "queue", "priority", "pass", "lane_id",

@@ -175,6 +175,19 @@ SELECT w.*, ctx.version, ctx.now FROM ctx, (""" + _LANE_WALK.format(
 """,
 }
 
+# A page's flows: its lanes merged per (priority, tenant) (a tenant's lanes of one
+# priority, one per route, share one pass and one share: fairness.flows_of, the same
+# merge in Python). Each flow is named by its lowest lane_id and ranked in fair order;
+# the shares are dealt to flows, and each lane of a flow is walked for the flow's
+# whole share, its oldest runs taken whatever their route.
+FLOWS = """
+     flows AS (
+       SELECT f.*, row_number() OVER (ORDER BY f.priority, f.pass_, f.lane_id) AS rank
+       FROM (SELECT MIN(p.lane_id) AS lane_id, p.priority, p.tenant,
+                    MIN(p.weight) AS weight, MIN(p.pass_) AS pass_,
+                    SUM(p.queued_count) AS queued_count
+             FROM page p GROUP BY p.priority, p.tenant) f)"""
+
 # PostgreSQL: PICK_LANES and the first LANE_RUNS of a page in one statement. Each
 # lane is walked only as far as its share can reach (``fairness.share_bounds``, the
 # same bound, property-tested against ``share_slots``): every run walked is locked,
@@ -189,25 +202,24 @@ SELECT w.*, ctx.version, ctx.now FROM ctx, (""" + _LANE_WALK.format(
 # fairness.TURN_SLACK. The claim deals the shares from what came back and walks
 # again (LANE_RUNS) only for a lane that came up short. No ORDER BY (a Sort node):
 # the claim orders the page and each lane's runs itself.
-# The page of lanes (ranked in fair order) and whether sleeping lanes are due: the
-# start of both PICK_AND_WALK_PG and CLAIM_ONE_TRIP_PG.
+# The page of lanes, its flows (ranked in fair order) and whether sleeping lanes are
+# due: the start of both PICK_AND_WALK_PG and CLAIM_ONE_TRIP_PG.
 _PAGE_PG = _CLAIM_CTX + """,
-     page AS (
-       SELECT p.*, row_number() OVER (ORDER BY p.priority, p.pass_, p.lane_id) AS rank
-       FROM (""" + _PICK_PAGE_PG + """) p),
+     page AS (""" + _PICK_PAGE_PG + """),
+""" + FLOWS + """,
      due AS (SELECT CASE WHEN MIN(w.wake_at) <= (SELECT now FROM ctx) THEN 1 ELSE 0 END
                       AS lanes_due
              FROM lanes w WHERE w.wake_at IS NOT NULL)
 """
 _PICK_AND_REACH_PG = _PAGE_PG + """,
-     edge AS (SELECT priority, pass_ FROM page WHERE rank = :wanted),
+     edge AS (SELECT priority, pass_ FROM flows WHERE rank = :wanted),
      capped AS (
        SELECT p.lane_id, p.priority, p.pass_, p.weight,
               GREATEST(0, LEAST(:wanted, p.queued_count,
                   CASE WHEN e.priority IS NULL OR p.priority < e.priority THEN :wanted
                        ELSE 1 + CAST(floor((e.pass_ - p.pass_) * p.weight + 1e-6)
                                      AS integer) END)) AS cap
-       FROM page p LEFT JOIN edge e ON true
+       FROM flows p LEFT JOIN edge e ON true
        WHERE p.rank <= :wanted),
      last_turn AS (
        SELECT c.priority, c.pass_ + k / c.weight AS at
@@ -223,9 +235,10 @@ _PICK_AND_REACH_PG = _PAGE_PG + """,
        FROM capped c LEFT JOIN last_turn t ON true)
 """
 PICK_AND_WALK_PG = _PICK_AND_REACH_PG + """
-SELECT p.lane_id AS page_lane_id, p.priority AS page_priority, p.weight, p.pass_,
-       p.queued_count, due.lanes_due, w.*, ctx.version, ctx.now
-FROM page p LEFT JOIN reach s ON s.lane_id = p.lane_id CROSS JOIN ctx CROSS JOIN due
+SELECT p.lane_id AS page_lane_id, p.priority AS page_priority, p.tenant AS page_tenant,
+       p.weight, p.pass_, p.queued_count, due.lanes_due, w.*, ctx.version, ctx.now
+FROM page p LEFT JOIN flows f ON f.priority = p.priority AND f.tenant = p.tenant
+LEFT JOIN reach s ON s.lane_id = f.lane_id CROSS JOIN ctx CROSS JOIN due
 LEFT JOIN LATERAL (""" + _LANE_WALK.format(
     lane="p.lane_id", after_created="CAST('-Infinity' AS double precision)",
     after_id="''", limit="COALESCE(s.runs, 0)", extra="") + """) w ON true
@@ -377,13 +390,24 @@ LANE_BLOCK_INSERT = """
 INSERT INTO lane_blocks (scope, lane_id) VALUES (:scope, :lane_id)
 ON CONFLICT (scope, lane_id) DO NOTHING
 """
+# The pass of a lane's flow (its tenant's other lanes of the queue and priority, one per
+# route) while one of them competes: a lane that joins (gains work, wakes) takes it,
+# never less, so the flow keeps one pass and one share; joining alone, it rejoins at
+# its priority's virtual time. On ``ix_lanes_flow`` (migration 0012).
+_FLOW_PASS = """(SELECT MIN(f.pass) FROM lanes f
+         WHERE f.tenant = {tenant} AND f.queue = {queue} AND f.priority = {priority}
+           AND f.lane_id <> {lane} AND f.queued_count > 0 AND f.tenant_at_limit = 0
+           AND f.wake_at IS NULL)"""
+_LANE_FLOW_PASS = _FLOW_PASS.format(tenant="lanes.tenant", queue="lanes.queue",
+                                    priority="lanes.priority", lane="lanes.lane_id")
 _WAKE_SET = """
 SET wake_at = NULL,
     pass = {greatest}(lanes.pass, COALESCE(
         (SELECT MIN(l2.pass) - :ahead FROM lanes l2
          WHERE l2.queue = lanes.queue AND l2.priority = lanes.priority
            AND l2.queued_count > 0 AND l2.tenant_at_limit = 0
-           AND l2.wake_at IS NULL), lanes.pass))
+           AND l2.wake_at IS NULL), lanes.pass),
+        COALESCE(""" + _LANE_FLOW_PASS + """, lanes.pass))
 """
 _DUE_LANES = """
 SELECT l.lane_id FROM lanes l WHERE l.wake_at IS NOT NULL AND l.wake_at <= {now}
@@ -448,9 +472,10 @@ WHERE lanes.lane_id = :lane_id AND lanes.wake_at IS NOT NULL
 # older than the locked rows ``room`` checked (a slot given back since would be
 # missed); the update itself applies to the latest, locked version.
 #
-# Lanes come last: the claimed lanes and, when a slot fills a tenant's limit, every
-# lane of that tenant (hidden by ``tenant_at_limit``), all locked in lane_id order
-# first: an UPDATE locks rows in whatever order its scan meets them (physical order
+# Lanes come last: the claimed lanes, every lane of their flows (a flow's lanes, one
+# per route, advance their shared pass together) and, when a slot fills a tenant's
+# limit, every lane of that tenant (hidden by ``tenant_at_limit``), all locked in
+# lane_id order first: an UPDATE locks rows in whatever order its scan meets them (physical order
 # moves with every update), and two claims of the same lanes would deadlock; so would
 # a claim that marked its tenant's lanes after locking the one it claimed from (a
 # submit holding another lane of that tenant, waiting for it).
@@ -495,11 +520,18 @@ events AS (
 full_tenants AS (
     SELECT substr(scope, 8) AS tenant FROM slots WHERE at_limit AND scope LIKE 'tenant:%'
     UNION SELECT unnest({also_full})),
+claimed_flows AS (
+    SELECT l.tenant, l.queue, l.priority, x.n
+    FROM lane_deltas x JOIN lanes l ON l.lane_id = x.lane_id WHERE x.n > 0),
 lane_locks AS (
     SELECT l.lane_id FROM lanes l
-    WHERE l.lane_id = ANY(ARRAY(
+    WHERE l.lane_id = ANY(ARRAY(  -- UNION ALL: a duplicate is harmless, a Sort is not
             SELECT x.lane_id FROM lane_deltas x
-            UNION
+            UNION ALL
+            SELECT m.lane_id FROM claimed_flows f
+            JOIN lanes m ON m.tenant = f.tenant AND m.queue = f.queue
+                        AND m.priority = f.priority
+            UNION ALL
             SELECT m.lane_id FROM lanes m
             WHERE m.tenant = ANY(ARRAY(SELECT tenant FROM full_tenants))
               AND m.tenant_at_limit = 0))
@@ -509,9 +541,10 @@ lane_counts AS (
     UPDATE lanes
     SET queued_count = lanes.queued_count - COALESCE(
             (SELECT x.n + x.gone FROM lane_deltas x WHERE x.lane_id = lanes.lane_id), 0),
-        pass = lanes.pass + CAST(COALESCE((SELECT x.n FROM lane_deltas x
-                                           WHERE x.lane_id = lanes.lane_id), 0)
-                                 AS double precision) / lanes.weight,
+        pass = lanes.pass + CAST(COALESCE(
+                   (SELECT SUM(f.n) FROM claimed_flows f
+                    WHERE f.tenant = lanes.tenant AND f.queue = lanes.queue
+                      AND f.priority = lanes.priority), 0) AS double precision) / lanes.weight,
         tenant_at_limit = CASE WHEN lanes.tenant IN (SELECT tenant FROM full_tenants)
                                THEN 1 ELSE lanes.tenant_at_limit END
     WHERE lanes.lane_id = ANY(ARRAY(SELECT lane_id FROM lane_locks)))
@@ -555,40 +588,56 @@ FROM claimed
 # The last row tells the claimer, when nothing was claimed, whether the page was empty
 # and no lane due: then the transaction would find nothing either.
 #
-# The shares: each lane of the page has a turn at pass + k / weight for k = 0, 1, ...
+# The shares: each flow of the page has a turn at pass + k / weight for k = 0, 1, ...
 # (up to its queued runs); the first ``:wanted`` turns in fair order are dealt. None of
 # them comes after the page's last lane (a turn that may belong to a lane of the next
-# page): a full page holds at least ``:wanted`` first turns no later than that. The
+# page). A full page of one lane per flow holds at least ``:wanted`` first turns no
+# later than that; when a tenant has several lanes in it, it may hold fewer, and the
+# statement claims only when it dealt them all (``fast``). The
 # result is share_slots(page, wanted, until=the last lane), tests/test_fairness.py.
 # Only the page's first ``:wanted`` lanes can get a turn (each lane's first turn comes
 # before any later lane's), which also keeps the planner's estimate of the lanes walked
 # small: with a GROUP BY of the turns, the generic plan was costed at 67 lanes and
 # PostgreSQL planned the statement again at every claim (1.2-1.8 ms).
 SHARE_TURNS = """
+page_end AS (
+    SELECT priority, pass_, lane_id FROM page
+    WHERE (SELECT COUNT(*) FROM page) >= :limit  -- a full page: the next may hold more
+    ORDER BY priority DESC, pass_ DESC, lane_id DESC LIMIT 1),
 turns AS MATERIALIZED (
-    SELECT p.lane_id FROM page p
+    SELECT p.lane_id FROM flows p
     CROSS JOIN LATERAL generate_series(0, LEAST(p.queued_count, :wanted) - 1) AS k
     WHERE p.weight > 0
+      AND NOT EXISTS (SELECT 1 FROM page_end e
+                      WHERE (p.priority, p.pass_ + k / p.weight, p.lane_id)
+                            > (e.priority, e.pass_, e.lane_id))
     ORDER BY p.priority, p.pass_ + k / p.weight, p.lane_id
     LIMIT :wanted),
 shares AS (
-    SELECT p.lane_id, (SELECT COUNT(*) FROM turns t WHERE t.lane_id = p.lane_id) AS share
-    FROM page p WHERE p.rank <= :wanted)
+    SELECT p.lane_id, p.priority, p.tenant,
+           (SELECT COUNT(*) FROM turns t WHERE t.lane_id = p.lane_id) AS share
+    FROM flows p WHERE p.rank <= :wanted)
 """
 CLAIM_ONE_TRIP_PG = _PAGE_PG + """,
 """ + SHARE_TURNS + """,
-chosen AS (
-    SELECT w.* FROM shares s
+walked AS (
+    SELECT s.lane_id AS flow_id, s.share, w.*,
+           row_number() OVER (PARTITION BY s.lane_id ORDER BY w.created_at, w.run_id) AS nth
+    FROM shares s JOIN page p ON p.priority = s.priority AND p.tenant = s.tenant
     CROSS JOIN LATERAL (""" + _LANE_WALK.format(
-    lane="s.lane_id", after_created="CAST('-Infinity' AS double precision)",
+    lane="p.lane_id", after_created="CAST('-Infinity' AS double precision)",
     after_id="''", limit="s.share", extra=" r.admission,") + """) w),
+chosen AS (SELECT * FROM walked WHERE nth <= share),
 fast AS (
     SELECT (SELECT lanes_due FROM due) = 0
        AND COALESCE((SELECT version FROM ctx), 0) = CAST(:version AS integer)
        AND EXISTS (SELECT 1 FROM chosen)
+       -- fewer flows than lanes: a full page may deal fewer turns than wanted (none
+       -- after its last lane); the transaction reads the next page
+       AND ((SELECT COUNT(*) FROM chosen) = :wanted OR NOT EXISTS (SELECT 1 FROM page_end))
        AND NOT EXISTS (SELECT 1 FROM shares s
                        WHERE s.share > (SELECT COUNT(*) FROM chosen c
-                                        WHERE c.lane_id = s.lane_id))
+                                        WHERE c.flow_id = s.lane_id))
        AND NOT EXISTS (SELECT 1 FROM chosen c
                        WHERE c.task_cancelled <> 0 OR c.policy_version <> CAST(:version AS integer)
                           OR (c.admission ->> 'decision') IS DISTINCT FROM 'ADMIT')
@@ -621,7 +670,7 @@ FROM due LEFT JOIN (claimed c JOIN chosen w ON w.run_id = c.run_id) ON true
 """
 
 # SQLite: the same writes, one after another (ADD_SLOTS, CLAIM_RUNS, INSERT_ATTEMPT,
-# the events, LANE_CLAIMED).
+# the events, LANE_LEAVE and FLOW_CLAIMED).
 ADD_SLOTS = """
 UPDATE limit_counters SET active = active + :n
 WHERE scope = :scope AND active + :n <= max_active
@@ -754,7 +803,9 @@ _LANE_UPSERT_CONFLICT = """
 ON CONFLICT (queue, route_key, priority, tenant) DO UPDATE
 SET weight = excluded.weight,
     pass = CASE WHEN lanes.queued_count = 0 AND excluded.queued_count > 0
-                THEN {greatest}(lanes.pass, excluded.pass) ELSE lanes.pass END,
+                THEN {greatest}(lanes.pass, excluded.pass,
+                                COALESCE(""" + _LANE_FLOW_PASS + """, lanes.pass))
+                ELSE lanes.pass END,
     queued_count = lanes.queued_count + excluded.queued_count,
     wake_at = NULL
 RETURNING lane_id, queue, route_key, priority, tenant
@@ -762,7 +813,9 @@ RETURNING lane_id, queue, route_key, priority, tenant
 LANE_UPSERT = """
 INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, pass,
                    tenant_at_limit)
-VALUES (:queue, :route_key, :priority, :tenant, :weight, :queued, :vtime,
+VALUES (:queue, :route_key, :priority, :tenant, :weight, :queued,
+        {greatest}(:vtime, COALESCE(""" + _FLOW_PASS.format(
+    tenant=":tenant", queue=":queue", priority=":priority", lane="-1") + """, :vtime)),
         """ + _TENANT_FULL.format(scope=":tenant_scope") + ")" + _LANE_UPSERT_CONFLICT
 LANE_ENTER = """
 UPDATE lanes
@@ -770,7 +823,8 @@ SET pass = CASE WHEN queued_count = 0 THEN {greatest}(pass, COALESCE(
         (SELECT MIN(l2.pass) - :ahead FROM lanes l2
          WHERE l2.queue = lanes.queue AND l2.priority = lanes.priority
            AND l2.queued_count > 0 AND l2.tenant_at_limit = 0
-           AND l2.wake_at IS NULL), pass))
+           AND l2.wake_at IS NULL), pass),
+        COALESCE(""" + _LANE_FLOW_PASS + """, pass))
            ELSE pass END,
     queued_count = queued_count + :n,
     wake_at = NULL
@@ -779,9 +833,11 @@ WHERE lane_id = :lane_id
 LANE_LEAVE = """
 UPDATE lanes SET queued_count = queued_count - :n WHERE lane_id = :lane_id
 """
-LANE_CLAIMED = """
-UPDATE lanes SET queued_count = queued_count - :n, pass = pass + :n / weight
-WHERE lane_id = :lane_id
+# SQLite's claim: the runs leave their lanes (LANE_LEAVE), and every lane of each flow
+# they came from advances its shared pass.
+FLOW_CLAIMED = """
+UPDATE lanes SET pass = pass + :n / weight
+WHERE tenant = :tenant AND queue = :queue AND priority = :priority
 """
 ROUTE_INSERT = """
 INSERT INTO routes (route_key, created_at) VALUES (:route_key, :now)
@@ -877,8 +933,10 @@ lane_ids AS (
     INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, pass,
                        tenant_at_limit)
     SELECT p.queue, p.route_key, p.priority, p.tenant, p.weight, p.entering,
-           COALESCE((""" + _LANE_HEAD.format(queue="p.queue", priority="p.priority") + """)
+           GREATEST(COALESCE((""" + _LANE_HEAD.format(queue="p.queue", priority="p.priority") + """)
                     - CAST(:ahead AS double precision), 0.0),
+                    """ + _FLOW_PASS.format(tenant="p.tenant", queue="p.queue",
+                                            priority="p.priority", lane="-1") + """),
            """ + _TENANT_FULL.format(scope="'tenant:' || p.tenant") + """
     FROM lane_plan p
     WHERE (SELECT COUNT(*) FROM lane_locks) >= 0  -- a one-time filter: locks first
