@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from runlane.domain.policy import parse_policy, run_scopes
 from runlane.domain.reasons import DEFAULT_RETRYABLE, Reason
 from runlane.domain.retry import RetryPolicy, RunBudget, backoff_delay, decide
 from runlane.domain.states import (
@@ -239,3 +240,18 @@ def test_too_large_even_without_context_is_refused() -> None:
     assert "PAYLOAD_TOO_LARGE" in str(caught.value)
     assert json.dumps(spec.context)  # the input itself was not mutated
     assert spec.context["diff"] == "d" * 100
+
+
+def test_a_runs_scopes_are_the_scopes_a_policy_can_limit() -> None:
+    """run_scopes (what an attempt holds, limited or not) names the same scopes as
+    concurrency_limits_for when a policy limits every one: a limit applied later
+    counts the attempts already running in its scope."""
+    policy = parse_policy(
+        "[concurrency]\nglobal_max_active = 9\nper_tenant_max_active = 9\n"
+        "per_repository_max_active = 9\nper_user_max_active = 9\n"
+        "per_risk_class_max_active = { high = 9 }\nper_queue_max_active = { batch = 9 }\n")
+    for user in ("ann", None):
+        limits = policy.concurrency_limits_for(tenant="a", repo="r", user=user,
+                                               risk_class="high", queue="batch")
+        assert sorted(limits) == run_scopes("a", "r", user, "high", "batch")
+        assert len(limits) == (6 if user else 5)

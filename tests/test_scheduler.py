@@ -653,6 +653,29 @@ def test_a_limit_removed_and_applied_again_counts_the_runs_still_holding_it(
     assert store.audit() == []
 
 
+def test_a_limit_applied_while_runs_are_live_counts_them(store: Store) -> None:
+    """Runs claimed while nothing limited their tenant, then a policy limits it to 2:
+    the new counter starts at the live attempts in its scope, so no more runs of the
+    tenant start until they end. Attempts held only the scopes limited at their claim,
+    the new counter started at 0 and a claim took 2 more: 4 live against a limit of 2
+    (a review of 2026-12-02). Every attempt now holds every scope of its run; the end
+    of one gives the new counter's slot back."""
+    submit(store, 6, tenant="a")
+    first = store.claim("w1", limit=2, lease_ttl=TTL)
+    assert len(first) == 2
+    apply(store, "[concurrency]\nper_tenant_max_active = 2\n")
+    assert store.claim("w1", limit=5, lease_ttl=TTL) == []  # 2 live: the tenant is full
+    assert store.audit() == []
+    store.complete(first[0])
+    assert len(store.claim("w1", limit=5, lease_ttl=TTL)) == 1  # its slot came back
+    assert store.audit() == []
+    # A scope limited to 1 after the fact (a repository): the same.
+    apply(store, "[concurrency]\nper_tenant_max_active = 2\nper_repository_max_active = 1\n")
+    store.complete(first[1])
+    assert store.claim("w1", limit=5, lease_ttl=TTL) == []  # repo still at 2 live of 1
+    assert store.audit() == []
+
+
 def test_applying_a_policy_locks_the_counters_in_scope_order(db_url: str) -> None:
     """apply_policy brings every counter to the new maxima. It updated them in the order
     its scan met them (physical order), so with "global" stored after "tenant:a" it

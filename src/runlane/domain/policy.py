@@ -415,3 +415,18 @@ def policy_digest(policy: Policy) -> str:
     """sha256 of the canonical JSON: unchanged by formatting or the order of tables."""
     text = json.dumps(policy_document(policy), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_scopes(tenant: str, repo: str, user: str | None, risk_class: str,
+               queue: str) -> list[str]:
+    """Every concurrency scope a run is in, limited or not, sorted. An attempt holds a
+    slot in each (``attempts.limit_scopes``): a limit applied while it runs then counts
+    it (a new counter starts at the attempts that hold its scope) and its end gives
+    that slot back. With only the scopes limited at its claim, a tenant limited to 2
+    after 2 of its runs started took 2 more (4 live against 2; a review of
+    2026-12-02). The same list in SQL: ``sql.RUN_SCOPES``."""
+    scopes = ["global", f"tenant:{tenant}", f"repo:{repo}", f"risk:{risk_class}",
+              f"queue:{queue}"]
+    if user is not None:
+        scopes.append(f"user:{user}")
+    return sorted(scopes)

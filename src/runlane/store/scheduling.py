@@ -24,7 +24,13 @@ from sqlalchemy.exc import DBAPIError
 
 from runlane.domain.admission import AdmissionRequest, Decision, TenantUsage, admit
 from runlane.domain.fairness import LaneState, flows_of, share_slots
-from runlane.domain.policy import Policy, policy_digest, policy_document, policy_from_document
+from runlane.domain.policy import (
+    Policy,
+    policy_digest,
+    policy_document,
+    policy_from_document,
+    run_scopes,
+)
 from runlane.domain.reasons import Reason
 from runlane.domain.routing import (
     parse_capabilities,
@@ -931,8 +937,8 @@ class SchedulingMixin:
         slots = Counter(s for _, d in passed for s in d.concurrency)
         maxima = {s: limit for _, d in passed for s, limit in d.concurrency.items()}
         run_ids = [c.run_id for c, _ in passed]
-        scopes = [json.dumps(sorted(d.concurrency)) if d.concurrency else None
-                  for _, d in passed]
+        scopes = [json.dumps(run_scopes(c.tenant, c.repo, c.user_id, c.risk_class, c.queue))
+                  for c, _ in passed]  # every scope: a limit applied later counts it
         per_lane = Counter(c.lane_id for c, _ in passed)
         left = Counter({lane: -n for lane, n in (gone or {}).items()
                         if n < 0 and self.dialect == "postgresql"})

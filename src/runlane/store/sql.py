@@ -32,6 +32,19 @@ ROW_VERSION = {"postgresql": "CAST({alias}.xmin AS text)", "sqlite": "''"}
 GREATEST = {"postgresql": "GREATEST", "sqlite": "MAX"}
 LOCK_WAIT = {"postgresql": "FOR UPDATE OF {alias}", "sqlite": ""}
 LOCK_SHARE = {"postgresql": "FOR SHARE OF {alias}", "sqlite": ""}
+# The scopes of an ended attempt's slots that have a counter, NULL when none has: an
+# attempt holds every scope of its run (domain.policy.run_scopes), and one without a
+# counter is not limited, nothing to give back (a run under no limit ends in the one
+# statement that ends it). A counter made after this statement's snapshot, which
+# counted the attempt, keeps its slot until the reconciler's recount: one too many,
+# never too few.
+COUNTED_SCOPES = {
+    "postgresql": """(SELECT json_agg(s.scope) FROM json_array_elements_text({col}) AS s(scope)
+        WHERE EXISTS (SELECT 1 FROM limit_counters c WHERE c.scope = s.scope))""",
+    "sqlite": """(SELECT CASE WHEN COUNT(*) > 0 THEN json_group_array(s.value) END
+        FROM json_each({col}) AS s
+        WHERE EXISTS (SELECT 1 FROM limit_counters c WHERE c.scope = s.value))""",
+}
 
 # --- claim (the dispatch path) -------------------------------------------------------
 #
@@ -571,6 +584,15 @@ SELECT claimed.run_id, claimed.fencing_token, claimed.attempt_count,
 FROM claimed
 """
 
+# Every concurrency scope of a run (domain.policy.run_scopes, the same list sorted the
+# same way: "C" is code point order, as Python sorts): an attempt holds a slot in each.
+RUN_SCOPES = """(
+    SELECT CAST(json_agg(s.scope ORDER BY s.scope COLLATE "C") AS text)
+    FROM unnest(ARRAY['global', 'tenant:' || {run}.tenant, 'repo:' || {run}.repo,
+                      'risk:' || {run}.risk_class, 'queue:' || {run}.queue,
+                      'user:' || {run}.user_id]) AS s(scope)
+    WHERE s.scope IS NOT NULL)"""
+
 # PostgreSQL: a whole claim in one statement and one round trip, autocommit (issue 5's
 # "one round trip claims up to N"). PICK_AND_WALK_PG's pick and walk; the shares of
 # the page dealt in SQL (SHARE_TURNS: fairness.share_slots, tested against it); then
@@ -652,9 +674,7 @@ slot_deltas AS (
     FROM chosen c CROSS JOIN LATERAL json_each_text(c.admission -> 'concurrency') s
     GROUP BY s.key),
 picked AS (
-    SELECT c.run_id, c.estimated_cost_usd,
-           (SELECT CAST(json_agg(s.key ORDER BY s.key COLLATE "C") AS text)
-            FROM json_object_keys(c.admission -> 'concurrency') AS s(key)) AS scopes
+    SELECT c.run_id, c.estimated_cost_usd, """ + RUN_SCOPES.format(run="c") + """ AS scopes
     FROM chosen c),
 lane_deltas AS (
     SELECT lane_id, CAST(COUNT(*) AS integer) AS n, 0 AS gone FROM chosen GROUP BY lane_id),
@@ -1295,9 +1315,10 @@ FROM (SELECT o.run_id, o.fencing_token, o.limit_scopes FROM attempts o
       WHERE o.run_id = :run_id AND o.fencing_token = :token AND o.ended_at IS NULL
       FOR UPDATE) old
 WHERE a.run_id = old.run_id AND a.fencing_token = old.fencing_token
-RETURNING old.limit_scopes
+RETURNING """ + COUNTED_SCOPES["postgresql"].format(col="old.limit_scopes") + """ AS limit_scopes
 """,
-    "sqlite": _END_ATTEMPT + "RETURNING limit_scopes\n",
+    "sqlite": _END_ATTEMPT + "RETURNING " + COUNTED_SCOPES["sqlite"].format(
+        col="limit_scopes") + " AS limit_scopes\n",
 }
 
 # --- batched completion ---------------------------------------------------------------
@@ -1342,7 +1363,7 @@ WHERE runs.run_id = b.run_id
 RETURNING runs.run_id, runs.lane_id, runs.task_id,
     EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
       AS has_dependents,
-    (SELECT a.limit_scopes FROM attempts a
+    (SELECT """ + COUNTED_SCOPES["sqlite"].format(col="a.limit_scopes") + """ FROM attempts a
      WHERE a.run_id = runs.run_id AND a.fencing_token = runs.fencing_token) AS limit_scopes,
     {now} AS now
 """
@@ -1381,7 +1402,8 @@ won AS (
     RETURNING runs.run_id, runs.lane_id, runs.task_id, runs.fencing_token,
         EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
           AS has_dependents,
-        (SELECT a.limit_scopes FROM attempts a
+        (SELECT """ + COUNTED_SCOPES["postgresql"].format(col="a.limit_scopes") + """
+         FROM attempts a
          WHERE a.run_id = runs.run_id AND a.fencing_token = runs.fencing_token)
           AS limit_scopes),
 events AS (
@@ -1510,7 +1532,7 @@ SET lease_status = 'REVOKED', lease_ended_at = {now}, ended_at = COALESCE(ended_
     status = CASE WHEN status = 'RUNNING' THEN 'FAILED' ELSE status END,
     reason_code = COALESCE(reason_code, :reason_code)
 WHERE run_id = :run_id AND fencing_token = :token AND lease_status = 'ACTIVE'
-RETURNING limit_scopes
+RETURNING {counted_limit_scopes} AS limit_scopes
 """
 QUEUED_OF_CANCELLED_TASK = """
 SELECT r.run_id FROM runs r JOIN tasks t ON t.task_id = r.task_id
@@ -1692,6 +1714,7 @@ class Statements:
             lock_ra_skip=LOCK_SKIP[self.dialect].format(alias="r, a"),
             greatest=GREATEST[self.dialect],
             lease_batch=LEASE_BATCH[self.dialect],
+            counted_limit_scopes=COUNTED_SCOPES[self.dialect].format(col="limit_scopes"),
             lock_for_update="FOR UPDATE" if self.dialect == "postgresql" else "",
         )
         clause = text(rendered)
