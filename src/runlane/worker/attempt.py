@@ -115,6 +115,13 @@ class AttemptSettings:
     keep_failed_workspaces: bool = False
     clone_timeout_seconds: float = 300.0
 
+    def __post_init__(self) -> None:
+        # Absolute, from the worker's working directory: the agent runs in its
+        # workspace, where a relative RUNLANE_ARTIFACTS_DIR (the default is
+        # `runlane-artifacts`) named a directory inside the clone, committed and pushed.
+        self.workspace_root = Path(self.workspace_root).expanduser().absolute()
+        self.artifacts_root = Path(self.artifacts_root).expanduser().absolute()
+
 
 class AttemptDriver:
     def __init__(self, store: Store, agent: AgentRunner, settings: AttemptSettings, *,
