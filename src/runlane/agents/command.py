@@ -22,7 +22,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -41,6 +41,22 @@ MAX_MESSAGE_CHARS = 4096  # messages of control lines are cut to this length
 _READ_CHUNK = 65536
 _SELECT_SECONDS = 0.05
 _KNOWN_REASONS = frozenset(r.value for r in Reason)
+
+
+# --- the agent's environment ---------------------------------------------------
+
+
+def agent_environment(worker_env: Mapping[str, str]) -> dict[str, str]:
+    """What the agent inherits from the worker: everything (its model provider's keys,
+    PATH, ...) but runlane's own settings (every ``RUNLANE_*``: the database URL with
+    its password, the forge directory) and the code host's token runlane uses
+    (``RUNLANE_GITHUB_TOKEN``, else ``GITHUB_TOKEN``; see codehost/factory.py). With
+    those an agent could write runs or push and open pull requests itself, outside the
+    fencing tokens and the side-effect ledger. The runner adds the contract's per-run
+    ``RUNLANE_*`` variables on top."""
+    token = worker_env.get("RUNLANE_GITHUB_TOKEN") or worker_env.get("GITHUB_TOKEN")
+    return {k: v for k, v in worker_env.items()
+            if not k.startswith("RUNLANE_") and not (k == "GITHUB_TOKEN" and v == token)}
 
 
 # --- control lines -------------------------------------------------------------
@@ -330,7 +346,8 @@ class CommandRunner:
         started = time.monotonic()
         try:
             proc = subprocess.Popen(
-                ["/bin/sh", "-c", self.command], cwd=workspace, env={**os.environ, **env},
+                ["/bin/sh", "-c", self.command], cwd=workspace,
+                env={**agent_environment(os.environ), **env},
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, close_fds=True)
         except OSError as exc:
