@@ -6,6 +6,7 @@ after either."""
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from runlane.codehost.base import CodeHost, CodeHostError, PullRequestExists
 from runlane.domain.reasons import WORKER_ONLY, Reason
 from runlane.domain.states import RunStatus
 from runlane.errors import CancelRequested, CostLimitExceeded, LeaseLost, PolicyDenied
+from runlane.settings import SettingsInvalid
 from runlane.store.store import Lease, Store
 from runlane.worker.effects import perform_effect
 from runlane.worker.finalizer import Finalizer
@@ -121,6 +123,21 @@ class AttemptSettings:
         # `runlane-artifacts`) named a directory inside the clone, committed and pushed.
         self.workspace_root = Path(self.workspace_root).expanduser().absolute()
         self.artifacts_root = Path(self.artifacts_root).expanduser().absolute()
+
+    def check_directories(self) -> None:
+        """Create both roots and prove them writable, at worker start-up: a worker that
+        cannot make a workspace or an artifacts directory would claim runs only to fail
+        each one (WORKER_ERROR, not retried), emptying the queue. Raises SettingsInvalid."""
+        for name, root in (("WORKSPACE_DIR", self.workspace_root),
+                           ("ARTIFACTS_DIR", self.artifacts_root)):
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=root):
+                    pass
+            except OSError as exc:
+                raise SettingsInvalid(
+                    f"{name} {root}: not a usable directory "
+                    f"({exc.strerror or type(exc).__name__}: {exc.filename or root})") from None
 
 
 class AttemptDriver:
