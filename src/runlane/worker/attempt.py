@@ -184,6 +184,12 @@ class AttemptDriver:
                           else Reason.TASK_CONTRACT_INVALID)
                 self.store.fail(lease, reason, message=str(exc))
                 return reason.value
+            if workspace.base_sha is None:  # an empty repository (`git init --bare`)
+                # Nothing to open a pull request against: refuse before the agent runs
+                # rather than push a root commit for a pull request that cannot be made.
+                return self._fail(state, Reason.TASK_CONTRACT_INVALID,
+                                  "the repository has no branch at all, so no default "
+                                  "branch to work on (push one first)")
             state.check()
             if self.finalizer.already_pushed(lease, workspace):
                 ended = self.finalizer.resume(lease, workspace, task)
