@@ -113,13 +113,27 @@ def parse_control_line(line: str) -> ControlMessage | None:
 
 
 def _parse_fail(obj: dict[str, Any]) -> Failure:
-    code = obj.get("reason_code")
+    return checked_failure(obj.get("reason_code"), obj.get("message"),
+                           obj.get("retry_after_seconds"))
+
+
+def _parse_cost(obj: dict[str, Any]) -> CostReport:
+    if "usd" not in obj:
+        raise MalformedControlLine('"cost" needs "usd"')
+    return checked_cost(obj["usd"], obj.get("input_tokens", 0), obj.get("output_tokens", 0))
+
+
+# The checks of a failure and of a cost report, whichever way an agent gives them: a
+# control line, or an in-process agent's AgentFailed and report_cost (agents/python.py).
+
+
+def checked_failure(code: Any, message: Any, retry_after: Any) -> Failure:
+    """The failure an agent reports, or MalformedControlLine when it cannot be taken as
+    one (an unknown reason code: the attempt then fails AGENT_FAILED)."""
     if not isinstance(code, str) or code not in _KNOWN_REASONS:
-        raise MalformedControlLine(f'"fail" needs a known "reason_code", got {code!r}')
-    message = obj.get("message")
+        raise MalformedControlLine(f"unknown reason code {code!r}")
     if message is not None and not isinstance(message, str):
         raise MalformedControlLine('"message" must be a string')
-    retry_after = obj.get("retry_after_seconds")
     if retry_after is not None:
         retry_after = _number(retry_after, "retry_after_seconds")
     return Failure(reason_code=code,
@@ -127,12 +141,12 @@ def _parse_fail(obj: dict[str, Any]) -> Failure:
                    retry_after_seconds=retry_after)
 
 
-def _parse_cost(obj: dict[str, Any]) -> CostReport:
-    if "usd" not in obj:
-        raise MalformedControlLine('"cost" needs "usd"')
-    return CostReport(usd=_number(obj["usd"], "usd"),
-                      input_tokens=_count(obj.get("input_tokens", 0), "input_tokens"),
-                      output_tokens=_count(obj.get("output_tokens", 0), "output_tokens"))
+def checked_cost(usd: Any, input_tokens: Any, output_tokens: Any) -> CostReport:
+    """A cost report, each figure clamped to what one report may count; raises
+    MalformedControlLine (a ValueError) for a negative, non-finite or non-number figure."""
+    return CostReport(usd=_number(usd, "usd"),
+                      input_tokens=_count(input_tokens, "input_tokens"),
+                      output_tokens=_count(output_tokens, "output_tokens"))
 
 
 # The largest figures one cost line counts for: more is taken as this much. A larger
