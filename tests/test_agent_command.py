@@ -278,7 +278,8 @@ def test_log_name_is_used(agent: Agent) -> None:
 
 def test_environment_cwd_stdin_and_own_session(agent: Agent,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RUNLANE_TEST_INHERITED", "from the worker")
+    monkeypatch.setenv("AGENT_TEST_INHERITED", "from the worker")
+    monkeypatch.setenv("RUNLANE_TEST_SETTING", "runlane's own")  # not the agent's
     probe = ("import json, os; "
              "json.dump({'env': dict(os.environ), 'cwd': os.getcwd(), "
              "'stdin': os.readlink('/proc/self/fd/0'), 'sid': os.getsid(0), "
@@ -289,7 +290,8 @@ def test_environment_cwd_stdin_and_own_session(agent: Agent,
     seen = json.loads((agent.artifacts / "probe.json").read_text())
     for key, value in agent.env.items():
         assert seen["env"][key] == value
-    assert seen["env"]["RUNLANE_TEST_INHERITED"] == "from the worker"
+    assert seen["env"]["AGENT_TEST_INHERITED"] == "from the worker"
+    assert "RUNLANE_TEST_SETTING" not in seen["env"]
     assert seen["cwd"] == str(agent.workspace)
     assert seen["stdin"] == "/dev/null"
     shell = int(agent.log().split()[-1])

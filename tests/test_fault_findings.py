@@ -332,7 +332,8 @@ def worker_with(store: Store, *leases: Lease) -> tuple[Worker, list[AttemptState
                     worker_id="w1")
     states = [AttemptState(lease, store) for lease in leases]
     for state in states:
-        worker._active[state.lease.run_id] = (threading.current_thread(), state)
+        worker._active[state.lease.run_id, state.lease.fencing_token] = (
+            threading.current_thread(), state)
     return worker, states
 
 

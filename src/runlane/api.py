@@ -151,11 +151,12 @@ class Runlane:
             agent = CommandRunner(agent_command, term_grace_seconds=s.agent_term_grace_seconds)
         verifier = (CommandRunner(verify_command, term_grace_seconds=s.agent_term_grace_seconds)
                     if verify_command else None)
+        attempts = AttemptSettings(workspace_root=s.workspace_dir, artifacts_root=s.artifacts_dir,
+                                   limits=limits or AttemptLimits(),
+                                   keep_failed_workspaces=keep_failed_workspaces)
+        attempts.check_directories()  # before the worker claims anything
         driver = AttemptDriver(
-            self.store, agent,
-            AttemptSettings(workspace_root=s.workspace_dir, artifacts_root=s.artifacts_dir,
-                            limits=limits or AttemptLimits(),
-                            keep_failed_workspaces=keep_failed_workspaces),
+            self.store, agent, attempts,
             code_host_for=code_host_for or default_code_host_for, verifier=verifier,
             judge=judge)
         return Worker(self.store, driver, WorkerConfig(

@@ -22,7 +22,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -41,6 +41,22 @@ MAX_MESSAGE_CHARS = 4096  # messages of control lines are cut to this length
 _READ_CHUNK = 65536
 _SELECT_SECONDS = 0.05
 _KNOWN_REASONS = frozenset(r.value for r in Reason)
+
+
+# --- the agent's environment ---------------------------------------------------
+
+
+def agent_environment(worker_env: Mapping[str, str]) -> dict[str, str]:
+    """What the agent inherits from the worker: everything (its model provider's keys,
+    PATH, ...) but runlane's own settings (every ``RUNLANE_*``: the database URL with
+    its password, the forge directory) and the code host's token runlane uses
+    (``RUNLANE_GITHUB_TOKEN``, else ``GITHUB_TOKEN``; see codehost/factory.py). With
+    those an agent could write runs or push and open pull requests itself, outside the
+    fencing tokens and the side-effect ledger. The runner adds the contract's per-run
+    ``RUNLANE_*`` variables on top."""
+    token = worker_env.get("RUNLANE_GITHUB_TOKEN") or worker_env.get("GITHUB_TOKEN")
+    return {k: v for k, v in worker_env.items()
+            if not k.startswith("RUNLANE_") and not (k == "GITHUB_TOKEN" and v == token)}
 
 
 # --- control lines -------------------------------------------------------------
@@ -97,13 +113,27 @@ def parse_control_line(line: str) -> ControlMessage | None:
 
 
 def _parse_fail(obj: dict[str, Any]) -> Failure:
-    code = obj.get("reason_code")
+    return checked_failure(obj.get("reason_code"), obj.get("message"),
+                           obj.get("retry_after_seconds"))
+
+
+def _parse_cost(obj: dict[str, Any]) -> CostReport:
+    if "usd" not in obj:
+        raise MalformedControlLine('"cost" needs "usd"')
+    return checked_cost(obj["usd"], obj.get("input_tokens", 0), obj.get("output_tokens", 0))
+
+
+# The checks of a failure and of a cost report, whichever way an agent gives them: a
+# control line, or an in-process agent's AgentFailed and report_cost (agents/python.py).
+
+
+def checked_failure(code: Any, message: Any, retry_after: Any) -> Failure:
+    """The failure an agent reports, or MalformedControlLine when it cannot be taken as
+    one (an unknown reason code: the attempt then fails AGENT_FAILED)."""
     if not isinstance(code, str) or code not in _KNOWN_REASONS:
-        raise MalformedControlLine(f'"fail" needs a known "reason_code", got {code!r}')
-    message = obj.get("message")
+        raise MalformedControlLine(f"unknown reason code {code!r}")
     if message is not None and not isinstance(message, str):
         raise MalformedControlLine('"message" must be a string')
-    retry_after = obj.get("retry_after_seconds")
     if retry_after is not None:
         retry_after = _number(retry_after, "retry_after_seconds")
     return Failure(reason_code=code,
@@ -111,12 +141,12 @@ def _parse_fail(obj: dict[str, Any]) -> Failure:
                    retry_after_seconds=retry_after)
 
 
-def _parse_cost(obj: dict[str, Any]) -> CostReport:
-    if "usd" not in obj:
-        raise MalformedControlLine('"cost" needs "usd"')
-    return CostReport(usd=_number(obj["usd"], "usd"),
-                      input_tokens=_count(obj.get("input_tokens", 0), "input_tokens"),
-                      output_tokens=_count(obj.get("output_tokens", 0), "output_tokens"))
+def checked_cost(usd: Any, input_tokens: Any, output_tokens: Any) -> CostReport:
+    """A cost report, each figure clamped to what one report may count; raises
+    MalformedControlLine (a ValueError) for a negative, non-finite or non-number figure."""
+    return CostReport(usd=_number(usd, "usd"),
+                      input_tokens=_count(input_tokens, "input_tokens"),
+                      output_tokens=_count(output_tokens, "output_tokens"))
 
 
 # The largest figures one cost line counts for: more is taken as this much. A larger
@@ -330,7 +360,8 @@ class CommandRunner:
         started = time.monotonic()
         try:
             proc = subprocess.Popen(
-                ["/bin/sh", "-c", self.command], cwd=workspace, env={**os.environ, **env},
+                ["/bin/sh", "-c", self.command], cwd=workspace,
+                env={**agent_environment(os.environ), **env},
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, close_fds=True)
         except OSError as exc:

@@ -31,6 +31,13 @@ from runlane.agents.base import (
     Failure,
     StopReason,
 )
+from runlane.agents.command import (
+    MAX_MESSAGE_CHARS,
+    MalformedControlLine,
+    checked_cost,
+    checked_failure,
+)
+from runlane.domain.reasons import Reason
 
 
 class AgentStopped(Exception):
@@ -78,7 +85,11 @@ class AgentContext:
             raise AgentStopped(reason)
 
     def report_cost(self, usd: float, *, input_tokens: int = 0, output_tokens: int = 0) -> None:
-        self.control.report_cost(usd, input_tokens, output_tokens)
+        """Checked as a `cost` control line is: a negative or non-finite figure raises
+        ValueError (a negative cost would lower the run's cost limit and the budgets);
+        a huge one counts as at most what one line may."""
+        report = checked_cost(usd, input_tokens, output_tokens)
+        self.control.report_cost(report.usd, report.input_tokens, report.output_tokens)
 
     def progress(self, message: str) -> None:
         self.control.progress(message)
@@ -90,6 +101,19 @@ class AgentContext:
 
 
 PythonAgent = Callable[[AgentContext], None]
+
+
+def _classified(failure: Failure) -> Failure:
+    """The failure as a `fail` control line would be taken: one with an unknown reason
+    code (or a bad retry-after) is AGENT_FAILED, its message kept. (A code only runlane
+    may record is turned into AGENT_FAILED by the driver, for both kinds of agent.)"""
+    try:
+        return checked_failure(failure.reason_code, failure.message,
+                               failure.retry_after_seconds)
+    except MalformedControlLine as exc:
+        said = f": {failure.message}" if failure.message else ""
+        return Failure(Reason.AGENT_FAILED,
+                       f"agent failed with {exc}{said}"[:MAX_MESSAGE_CHARS])
 
 
 class PythonAgentRunner:
@@ -112,11 +136,14 @@ class PythonAgentRunner:
         except AgentStopped as stop:
             return AgentResult(exit_code=None, stopped=stop.reason, log_path=log_path)
         except AgentFailed as failed:
-            return AgentResult(exit_code=1, failure=failed.failure, log_path=log_path)
-        except Exception:
+            return AgentResult(exit_code=1, failure=_classified(failed.failure),
+                               log_path=log_path)
+        except Exception as exc:
             with log_path.open("a") as fh:
                 fh.write(traceback.format_exc())
-            return AgentResult(exit_code=1, log_path=log_path)
+            # The exception's message is the run's message, as a command's `fail` line is.
+            return AgentResult(exit_code=1, log_path=log_path, failure=Failure(
+                Reason.AGENT_FAILED, f"{type(exc).__name__}: {exc}"[:MAX_MESSAGE_CHARS]))
         finally:
             with log_path.open("a") as fh:
                 fh.write(f"[runlane] python agent ran {time.monotonic() - started:.3f}s\n")

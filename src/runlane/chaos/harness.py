@@ -250,10 +250,15 @@ class Harness:
             return [*base, "maintain"]
         script = shlex.quote(agent_module.__file__ or "agent.py")
         python = shlex.quote(sys.executable)
+        # The verify command lingers in VERIFYING itself; runlane gives no RUNLANE_*
+        # setting of the worker's to the commands it runs, so it is set here.
         return [*base, "worker", "--agent-command", f"{python} -I -S {script}",
-                "--verify-command", f"{python} -I -S {script} --verify",
+                "--verify-command", f"{DWELL_ENV}={self._dwell()} {python} -I -S {script} --verify",
                 "--concurrency", str(self.c.concurrency),
                 "--timeout-seconds", f"{self.c.agent_timeout:g}"]
+
+    def _dwell(self) -> str:
+        return f"{self.c.dwell:g}" if "cancel" in self.c.faults else "0"
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RUNLANE_")}
@@ -264,7 +269,7 @@ class Harness:
             "RUNLANE_WORKSPACE_DIR": str(self.workdir / "workspaces"),
             "RUNLANE_LOG_LEVEL": "WARNING",
             SUPERVISOR_ENV: str(os.getpid()),  # they drain if the harness dies
-            DWELL_ENV: f"{self.c.dwell:g}" if "cancel" in self.c.faults else "0",
+            DWELL_ENV: self._dwell(),
         })
         if self.c.plant:
             env[PLANT_ENV] = self.c.plant

@@ -6,6 +6,7 @@ after either."""
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from runlane.codehost.base import CodeHost, CodeHostError, PullRequestExists
 from runlane.domain.reasons import WORKER_ONLY, Reason
 from runlane.domain.states import RunStatus
 from runlane.errors import CancelRequested, CostLimitExceeded, LeaseLost, PolicyDenied
+from runlane.settings import SettingsInvalid
 from runlane.store.store import Lease, Store
 from runlane.worker.effects import perform_effect
 from runlane.worker.finalizer import Finalizer
@@ -115,6 +117,28 @@ class AttemptSettings:
     keep_failed_workspaces: bool = False
     clone_timeout_seconds: float = 300.0
 
+    def __post_init__(self) -> None:
+        # Absolute, from the worker's working directory: the agent runs in its
+        # workspace, where a relative RUNLANE_ARTIFACTS_DIR (the default is
+        # `runlane-artifacts`) named a directory inside the clone, committed and pushed.
+        self.workspace_root = Path(self.workspace_root).expanduser().absolute()
+        self.artifacts_root = Path(self.artifacts_root).expanduser().absolute()
+
+    def check_directories(self) -> None:
+        """Create both roots and prove them writable, at worker start-up: a worker that
+        cannot make a workspace or an artifacts directory would claim runs only to fail
+        each one (WORKER_ERROR, not retried), emptying the queue. Raises SettingsInvalid."""
+        for name, root in (("WORKSPACE_DIR", self.workspace_root),
+                           ("ARTIFACTS_DIR", self.artifacts_root)):
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryFile(dir=root):
+                    pass
+            except OSError as exc:
+                raise SettingsInvalid(
+                    f"{name} {root}: not a usable directory "
+                    f"({exc.strerror or type(exc).__name__}: {exc.filename or root})") from None
+
 
 class AttemptDriver:
     def __init__(self, store: Store, agent: AgentRunner, settings: AttemptSettings, *,
@@ -160,6 +184,12 @@ class AttemptDriver:
                           else Reason.TASK_CONTRACT_INVALID)
                 self.store.fail(lease, reason, message=str(exc))
                 return reason.value
+            if workspace.base_sha is None:  # an empty repository (`git init --bare`)
+                # Nothing to open a pull request against: refuse before the agent runs
+                # rather than push a root commit for a pull request that cannot be made.
+                return self._fail(state, Reason.TASK_CONTRACT_INVALID,
+                                  "the repository has no branch at all, so no default "
+                                  "branch to work on (push one first)")
             state.check()
             if self.finalizer.already_pushed(lease, workspace):
                 ended = self.finalizer.resume(lease, workspace, task)

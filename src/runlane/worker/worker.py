@@ -44,6 +44,10 @@ def holds_lease(lease: Lease) -> bool:
     return lease.stage in _HELD
 
 
+def _key(state: AttemptState) -> tuple[str, int]:
+    return state.lease.run_id, state.lease.fencing_token
+
+
 def new_worker_id() -> str:
     return f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4()}"
 
@@ -72,7 +76,10 @@ class Worker:
         self.draining = threading.Event()
         self._stopped = threading.Event()
         self._beat_now = threading.Event()
-        self._active: dict[str, tuple[threading.Thread, AttemptState]] = {}
+        # Keyed by attempt (run_id, fencing token), not by run: an attempt that gave its
+        # lease back may still be cleaning up when this worker claims the run again, and
+        # its thread must not drop the newer attempt (no more heartbeats) when it ends.
+        self._active: dict[tuple[str, int], tuple[threading.Thread, AttemptState]] = {}
         self._lock = threading.Lock()
         self._signal: str | None = None  # the signal that started the drain
         self.outcomes: list[str] = []
@@ -151,7 +158,7 @@ class Worker:
             for wake in woken:
                 if wake.channel == CANCEL_CHANNEL:
                     with self._lock:
-                        if wake.payload in self._active:
+                        if any(run_id == wake.payload for run_id, _ in self._active):
                             self._beat_now.set()  # deliver the cancel without waiting
 
     def _claim_once(self) -> int:
@@ -178,7 +185,7 @@ class Worker:
         thread = threading.Thread(target=self._drive, args=(state,), daemon=True,
                                   name=f"attempt-{state.lease.attempt_id}")
         with self._lock:
-            self._active[state.lease.run_id] = (thread, state)
+            self._active[_key(state)] = (thread, state)
         thread.start()
 
     def _drive(self, state: AttemptState) -> None:
@@ -186,7 +193,7 @@ class Worker:
             self.outcomes.append(self.driver.run(state))
         finally:
             with self._lock:
-                self._active.pop(state.lease.run_id, None)
+                self._active.pop(_key(state), None)
             self.listener.poke()  # a slot is free
 
     def _active_count(self) -> int:
@@ -205,8 +212,10 @@ class Worker:
             self._beat_now.wait(wait)
             self._beat_now.clear()
             with self._lock:  # not the attempts that have ended or are stopping for a loss
-                states = {run_id: s for run_id, (_, s) in self._active.items()
-                          if holds_lease(s.lease) and not s.lost.is_set()}
+                # (by run: of a run's attempts here, the newest, sorted last, wins)
+                states = {s.lease.run_id: s for _, (_, s) in sorted(
+                    self._active.items(), key=lambda entry: entry[0])
+                    if holds_lease(s.lease) and not s.lost.is_set()}
             sent_at = time.monotonic()
             try:
                 result = self.store.heartbeat(self.worker_id, [s.lease for s in states.values()],
