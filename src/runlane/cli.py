@@ -493,31 +493,30 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
 @click.option("--queue", "queues", multiple=True, callback=_queue_names)
 @click.option("--concurrency", type=click.IntRange(min=1, max=MAX_CONCURRENCY), default=1,
               show_default=True, help="Per worker process.")
+@click.option("--capability", "capabilities", multiple=True,
+              help="KEY=VALUE declared by every worker, as `runlane worker --capability` "
+              "(repeatable): runs that require it are served.")
 def up(workers: int, agent_command: str, verify_command: str | None, queues: tuple[str, ...],
-       concurrency: int) -> None:
+       concurrency: int, capabilities: tuple[str, ...]) -> None:
     """Everything on one machine: maintenance and N worker processes (restarted if they
     die); SIGTERM or Ctrl-C drains the workers and stops."""
-    import signal as signals
-
     from runlane.services.supervisor import WorkerPool
 
+    _capabilities(capabilities)  # bad input is refused here, not by each worker's restart
     with _lane() as lane:
         args = ["--agent-command", agent_command, "--concurrency", str(concurrency)]
         if verify_command:
             args += ["--verify-command", verify_command]
         for queue in queues:
             args += ["--queue", queue]
+        for capability in capabilities:
+            args += ["--capability", capability]
         # The settings given as flags reach the workers as their environment.
         pool = WorkerPool(args, workers, database_url=lane.settings.database_url,
                           env={f"RUNLANE_{name.upper()}": value
                                for name, value in state.settings.items()})
-        stop = threading.Event()
-        signals.signal(signals.SIGTERM, lambda *_: stop.set())
-        services = [lane.reaper(), lane.reconciler(), lane.scheduler(), lane.pruner()]
-        threads = [threading.Thread(target=svc.run_forever, args=(stop,), daemon=True)
-                   for svc in services if svc is not None]
-        for t in threads:
-            t.start()
+        stop = _stop_on_sigterm()
+        threads = _start_maintenance(lane, stop)
         pool.start()
         out.print(f"runlane up: {workers} worker(s) {pool.pids()}, maintenance running; "
                   "Ctrl-C to stop", soft_wrap=True)
@@ -527,6 +526,36 @@ def up(workers: int, agent_command: str, verify_command: str | None, queues: tup
         except KeyboardInterrupt:
             stop.set()
         pool.stop(lane.settings.drain_grace_seconds + lane.settings.agent_term_grace_seconds)
+        _join(threads)
+
+
+def _stop_on_sigterm() -> threading.Event:
+    """An event SIGTERM sets (a deploy's or a supervisor's stop), instead of killing the
+    process wherever it is."""
+    import signal as signals
+
+    stop = threading.Event()
+    signals.signal(signals.SIGTERM, lambda *_: stop.set())
+    return stop
+
+
+def _start_maintenance(lane: Runlane, stop: threading.Event) -> list[threading.Thread]:
+    """The maintenance services, each on a thread, until ``stop`` is set."""
+    services = [lane.reaper(), lane.reconciler(), lane.scheduler(), lane.pruner()]
+    threads = [threading.Thread(target=svc.run_forever, args=(stop,), daemon=True,
+                                name=f"runlane-{svc.name}")
+               for svc in services if svc is not None]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    """Let each service finish the pass it is in: a pass is a few short transactions,
+    and one cut short by the exit would only be redone by the next, but stopping
+    between passes leaves nothing to redo and the logs tell the truth."""
+    for t in threads:
+        t.join()
 
 
 @app.group("prs")
@@ -584,17 +613,16 @@ def maintain(once: bool, as_json: bool) -> None:
             else:
                 out.print(", ".join(f"{k}={v}" for k, v in counts.items()))
             return
-        stop = threading.Event()
-        services = [lane.reaper(), lane.reconciler(), lane.scheduler(), lane.pruner()]
-        threads = [threading.Thread(target=s.run_forever, args=(stop,), daemon=True)
-                   for s in services if s is not None]
-        for t in threads:
-            t.start()
+        # SIGTERM (a deploy, systemd, Kubernetes) stops it as Ctrl-C does: the passes in
+        # flight finish, then exit 0.
+        stop = _stop_on_sigterm()
+        threads = _start_maintenance(lane, stop)
         try:
             while not stop.wait(1.0):
                 pass
         except KeyboardInterrupt:
             stop.set()
+        _join(threads)
 
 
 @app.command()
