@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 from sqlalchemy.exc import DBAPIError
 
-from runlane.api import Runlane
+from runlane.api import MAX_CONCURRENCY, Runlane
 from runlane.domain.policy import MAX_COUNT, PolicyInvalid, load_policy
 from runlane.domain.routing import (
     canonical_capabilities,
@@ -422,10 +422,6 @@ def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
             raise TaskInvalid(flag, f"{value!r} is not KEY=VALUE")
         parsed[key.strip()] = val.strip()
     return parsed
-
-
-# Attempts one worker process runs at once (threads): more is a typo.
-MAX_CONCURRENCY = 1000
 
 
 def _finite(_ctx: click.Context, param: click.Parameter, value: float | None
