@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 from sqlalchemy.exc import DBAPIError
 
 from runlane.api import MAX_CONCURRENCY, Runlane
@@ -100,8 +100,15 @@ def _iso(value: Any) -> Any:
     return value
 
 
+# Fields holding a point in time (epoch seconds in the database) that are not named
+# *_at: an event's `at`, an admission's `retry_after`.
+TIME_FIELDS = frozenset({"at", "retry_after"})
+
+
 def _times(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: (_iso(v) if k.endswith("_at") else v) for k, v in row.items()}
+    """Every point in time of ``row`` as ISO 8601 UTC, one format for all of them."""
+    return {k: (_iso(v) if k.endswith("_at") or k in TIME_FIELDS else v)
+            for k, v in row.items()}
 
 
 RUN_FIELDS = ("run_id", "task_id", "tenant", "repo", "queue", "status", "priority",
@@ -283,26 +290,38 @@ def cancel(task_id: str, as_json: bool) -> None:
 @json_flag
 def runs_list(status: str | None, tenant: str | None, limit: int, unroutable: bool,
               as_json: bool) -> None:
-    """List runs, oldest first."""
+    """List runs, oldest first: at most --limit of them (a line on stderr says when
+    more exist)."""
     if tenant is not None and not valid_name(tenant):
         raise TaskInvalid("--tenant", f"{tenant!r} is not a tenant name")
     if status is not None:
         status = status.upper()
         if status not in RunStatus.__members__:
             raise TaskInvalid("--status", f"unknown status; one of {', '.join(RunStatus)}")
+    # One more than asked for tells whether the limit cut the list.
+    fetch = min(limit + 1, MAX_COUNT)
     with _lane() as lane:
         if unroutable:
-            rows = lane.store.unroutable_runs(tenant=tenant, limit=limit)
+            rows = lane.store.unroutable_runs(tenant=tenant, limit=fetch)
         else:
-            rows = lane.runs(status=status, tenant=tenant, limit=limit)
+            rows = lane.runs(status=status, tenant=tenant, limit=fetch)
+    if len(rows) > limit:
+        rows = rows[:limit]
+        sys.stderr.write(f"runlane: only the oldest {limit} matching runs are listed "
+                         "(--limit); more exist: raise --limit or narrow with --status "
+                         "or --tenant\n")
     documents = [run_document(r) | ({"unroutable_because": r["unroutable_because"]}
                                      if unroutable else {}) for r in rows]
     if as_json:
         _print_json(documents)
         return
-    table = Table("run", "tenant", "status", "prio", "attempts", "reason", "updated")
-    if unroutable:
-        table.add_column("why unroutable")
+    # Whole run ids, whatever the terminal's width (`runs show RUN_ID` takes them from
+    # here): the other columns fold onto more lines instead, losing nothing either.
+    run_column = Column("run", no_wrap=True,
+                        min_width=max((len(r["run_id"]) for r in documents), default=3))
+    table = Table(run_column, *(Column(name, overflow="fold") for name in (
+        "tenant", "status", "prio", "attempts", "reason", "updated",
+        *(["why unroutable"] if unroutable else []))))
     for r in documents:
         table.add_row(r["run_id"], r["tenant"], r["status"], str(r["priority"]),
                       f"{r['attempt_count']}/{r['max_attempts']}", r["reason_code"] or "",
@@ -323,7 +342,7 @@ def runs_show(run_id: str, as_json: bool) -> None:
     document["truncated_sections"] = run["task"]["truncated_sections"]
     document["parent_task_id"] = run["task"]["parent_task_id"]
     document["depends_on"] = run["depends_on"]
-    document["admission"] = run["admission"]
+    document["admission"] = _times(run["admission"]) if run["admission"] else run["admission"]
     document["limits"] = run["limits"]
     if "unroutable_because" in run:
         document["unroutable_because"] = run["unroutable_because"]
@@ -345,7 +364,9 @@ def runs_show(run_id: str, as_json: bool) -> None:
                   f"v{admission.get('policy_version')}"
                   + (f", first admitted under v{first}" if first is not None else "")
                   + (f" ({admission.get('reason_code')}: {admission.get('message')})"
-                     if admission.get("reason_code") else ""))
+                     if admission.get("reason_code") else "")
+                  + (f", retry after {admission['retry_after']}"
+                     if admission.get("retry_after") else ""))
     attempts = Table("#", "status", "reason", "worker", "token", "lease", "started", "ended")
     for a in document["attempts"]:
         attempts.add_row(str(a["attempt_no"]), a["status"], a["reason_code"] or "",
