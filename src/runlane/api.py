@@ -14,6 +14,7 @@ from runlane.agents.base import AttemptLimits
 from runlane.clock import Clock
 from runlane.codehost.base import CodeHost
 from runlane.domain.policy import MAX_COUNT
+from runlane.domain.routing import parse_requirements, requirements_to_mapping
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskInvalid, TaskSpec, parse_task, valid_name
 from runlane.errors import DatabaseUnavailable, RunlaneError, SchemaOutdated
@@ -138,7 +139,8 @@ class Runlane:
         for number, row in enumerate(rows, start=1):
             if not isinstance(row, dict):
                 raise TaskInvalid(f"line {number}", "is not a JSON object")
-            specs.append(parse_task(row, where=f"line {number}: "))
+            where = f"line {number}: "
+            specs.append(parse_task(_flag_names(row, where), where=where))
         return self.store.submit(specs, default_max_attempts=self.settings.max_attempts)
 
     @_on_the_database
@@ -232,6 +234,36 @@ class Runlane:
         pruner = self.pruner()
         return {**self.reaper().run_once(), **self.reconciler().run_once(),
                 **self.scheduler().run_once(), **(pruner.run_once() if pruner else {})}
+
+
+# A batch line may also use the names of `runlane submit`'s flags (CONTRACT.md: "the
+# same fields as the flags, snake_case"): `require` is a list of the flag's KEY=VALUE
+# strings, the others take the field's value.
+FLAG_NAMES = {"require": "requires", "estimated_cost": "estimated_cost_usd",
+              "parent": "parent_task_id"}
+
+
+def _flag_names(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """``row`` with the flags' names of fields replaced by the fields' own names."""
+    if not FLAG_NAMES.keys() & row.keys():
+        return row
+    row = dict(row)
+    for flag, field in FLAG_NAMES.items():
+        if flag not in row:
+            continue
+        if field in row:
+            raise TaskInvalid(f"{where}{flag}", f"is {field} by another name: give one")
+        value = row.pop(flag)
+        if flag == "require":
+            values = [value] if isinstance(value, str) else value
+            if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+                raise TaskInvalid(f"{where}require", "is a list of KEY=VALUE strings")
+            try:
+                value = requirements_to_mapping(parse_requirements(values))
+            except ValueError as exc:
+                raise TaskInvalid(f"{where}require", str(exc)) from None
+        row[field] = value
+    return row
 
 
 def _check_worker_arguments(queues: Any, concurrency: Any) -> None:
