@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from runlane.agents.base import AttemptLimits
 from runlane.clock import Clock
 from runlane.codehost.base import CodeHost
-from runlane.domain.tasks import TaskInvalid, TaskSpec, parse_task
+from runlane.domain.policy import MAX_COUNT
+from runlane.domain.routing import parse_requirements, requirements_to_mapping
+from runlane.domain.states import RunStatus
+from runlane.domain.tasks import TaskInvalid, TaskSpec, parse_task, valid_name
 from runlane.errors import DatabaseUnavailable, RunlaneError, SchemaOutdated
 from runlane.services.maintenance import Reaper, ReaperConfig, Reconciler, ReconcilerConfig
 from runlane.services.retention import Pruner, RetentionConfig
@@ -23,6 +27,39 @@ from runlane.store.engine import build_engine
 from runlane.store.store import CancelResult, Store, Submission, Violation
 from runlane.worker.attempt import AgentRunner, AttemptDriver, AttemptSettings, Judge
 from runlane.worker.worker import Worker, WorkerConfig
+
+# Attempts one worker process runs at once (threads): more is a typo.
+MAX_CONCURRENCY = 1000
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class InvalidArgument(RunlaneError, ValueError):
+    """A call's argument that the CLI would refuse as bad input (exit 2)."""
+
+    exit_code = 2
+
+
+def _first_line(exc: DBAPIError) -> str:
+    return (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0]
+
+
+def _on_the_database(method: F) -> F:
+    """Check the schema on a lane's first use, and report a database that is down or
+    unusable as runlane's DatabaseUnavailable (as the CLI does), not a driver error
+    with the SQL in it. Errors of the data itself (a constraint, a bad value) pass."""
+
+    @functools.wraps(method)
+    def wrapper(self: Runlane, *args: Any, **kwargs: Any) -> Any:
+        if not self._schema_checked:
+            self.check_schema()
+        try:
+            return method(self, *args, **kwargs)
+        except (OperationalError, InterfaceError) as exc:
+            raise DatabaseUnavailable(
+                f"database {self.store.engine.url!r}: {_first_line(exc)}") from exc
+
+    return cast(F, wrapper)
 
 
 class Runlane:
@@ -45,6 +82,9 @@ class Runlane:
                 self.settings.database_url,
                 idle_in_transaction_timeout=self.settings.idle_in_transaction_timeout_seconds),
         )
+        # Checked on first use (every call that reads or writes runs): a database never
+        # upgraded otherwise fails with "no such table" deep in the first query.
+        self._schema_checked = False
 
     def close(self) -> None:
         self.store.close()
@@ -58,10 +98,13 @@ class Runlane:
     # --- schema ---------------------------------------------------------------------
 
     def upgrade_schema(self) -> tuple[str | None, str | None]:
-        return migrate.upgrade(self.store.engine)
+        before_after = migrate.upgrade(self.store.engine)
+        self._schema_checked = before_after[1] == migrate.head_revision()
+        return before_after
 
     def check_schema(self) -> None:
-        """Refuse to work on a database that is missing or behind, with the fix."""
+        """Refuse to work on a database that is missing or behind, with the fix. Every
+        other call runs it once itself; calling it up front fails earlier."""
         url = self.store.engine.url
         if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:") \
                 and not Path(url.database).exists():
@@ -70,8 +113,7 @@ class Runlane:
             current = migrate.current_revision(self.store.reads)
         except DBAPIError as exc:
             raise DatabaseUnavailable(
-                f"cannot reach the database {self.store.engine.url!r}: "
-                f"{str(exc.orig).strip().splitlines()[0]}"
+                f"cannot reach the database {self.store.engine.url!r}: {_first_line(exc)}"
             ) from None
         migrate.refuse_newer(current)
         if current != migrate.head_revision():
@@ -79,34 +121,53 @@ class Runlane:
                 f"database schema is at {current or 'nothing'}, runlane needs "
                 f"{migrate.head_revision()}: run `runlane db upgrade`"
             )
+        self._schema_checked = True
 
     # --- tasks and runs ------------------------------------------------------------
 
+    @_on_the_database
     def submit(self, tenant: str, repo: str, prompt: str, **fields: Any) -> Submission:
         raw = {"tenant": tenant, "repo": repo, "prompt": prompt,
                **{k: v for k, v in fields.items() if v is not None}}
         return self.store.submit([parse_task(raw)],
                                  default_max_attempts=self.settings.max_attempts)[0]
 
+    @_on_the_database
     def submit_batch(self, rows: Iterable[dict[str, Any]]) -> list[Submission]:
         """All or nothing: every row is validated before anything is written."""
         specs: list[TaskSpec] = []
         for number, row in enumerate(rows, start=1):
             if not isinstance(row, dict):
                 raise TaskInvalid(f"line {number}", "is not a JSON object")
-            specs.append(parse_task(row, where=f"line {number}: "))
+            where = f"line {number}: "
+            specs.append(parse_task(_flag_names(row, where), where=where))
         return self.store.submit(specs, default_max_attempts=self.settings.max_attempts)
 
+    @_on_the_database
     def cancel(self, task_id: str) -> CancelResult:
         return self.store.cancel(task_id)
 
+    @_on_the_database
     def runs(self, *, status: str | None = None, tenant: str | None = None,
              limit: int = 1000) -> list[dict[str, Any]]:
+        """Runs oldest first, at most ``limit`` (1..2**31-1); ``status`` in any case, as
+        the CLI takes it. Bad arguments raise InvalidArgument (a ValueError)."""
+        if status is not None:
+            if not isinstance(status, str) or status.upper() not in RunStatus.__members__:
+                raise InvalidArgument(f"status {status!r} is unknown; one of "
+                                      f"{', '.join(RunStatus)}")
+            status = status.upper()
+        if tenant is not None and not (isinstance(tenant, str) and valid_name(tenant)):
+            raise InvalidArgument(f"tenant {tenant!r} is not a tenant name")
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_COUNT:
+            raise InvalidArgument(f"limit {limit!r} is not an integer in 1..{MAX_COUNT}")
         return self.store.list_runs(status=status, tenant=tenant, limit=limit)
 
+    @_on_the_database
     def run(self, run_id: str) -> dict[str, Any]:
         return self.store.get_run(run_id)
 
+    @_on_the_database
     def audit(self) -> list[Violation]:
         return self.store.audit()
 
@@ -130,9 +191,11 @@ class Runlane:
         days = self.settings.retention_days
         return Pruner(self.store, RetentionConfig(keep_days=days)) if days > 0 else None
 
+    @_on_the_database
     def pull_requests(self) -> list[dict[str, Any]]:
         return self.store.pull_requests()
 
+    @_on_the_database
     def worker(self, *, agent: AgentRunner | None = None, agent_command: str | None = None,
                verify_command: str | None = None, judge: Judge | None = None,
                queues: list[str] | None = None, concurrency: int = 1,
@@ -144,6 +207,7 @@ class Runlane:
         from runlane.agents.command import CommandRunner
         from runlane.codehost.factory import code_host_for as default_code_host_for
 
+        _check_worker_arguments(queues, concurrency)
         s = self.settings
         if agent is None:
             if not agent_command:
@@ -166,7 +230,59 @@ class Runlane:
             agent_term_grace_seconds=s.agent_term_grace_seconds,
             exit_when_idle=exit_when_idle))
 
+    @_on_the_database
     def maintain_once(self) -> dict[str, int]:
         pruner = self.pruner()
         return {**self.reaper().run_once(), **self.reconciler().run_once(),
                 **self.scheduler().run_once(), **(pruner.run_once() if pruner else {})}
+
+
+# A batch line may also use the names of `runlane submit`'s flags (CONTRACT.md: "the
+# same fields as the flags, snake_case"): `require` is a list of the flag's KEY=VALUE
+# strings, the others take the field's value.
+FLAG_NAMES = {"require": "requires", "estimated_cost": "estimated_cost_usd",
+              "parent": "parent_task_id"}
+
+
+def _flag_names(row: dict[str, Any], where: str) -> dict[str, Any]:
+    """``row`` with the flags' names of fields replaced by the fields' own names."""
+    if not FLAG_NAMES.keys() & row.keys():
+        return row
+    row = dict(row)
+    for flag, field in FLAG_NAMES.items():
+        if flag not in row:
+            continue
+        if field in row:
+            raise TaskInvalid(f"{where}{flag}", f"is {field} by another name: give one")
+        value = row.pop(flag)
+        if flag == "require":
+            values = [value] if isinstance(value, str) else value
+            if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+                raise TaskInvalid(f"{where}require", "is a list of KEY=VALUE strings")
+            try:
+                value = requirements_to_mapping(parse_requirements(values))
+            except ValueError as exc:
+                raise TaskInvalid(f"{where}require", str(exc)) from None
+        row[field] = value
+    return row
+
+
+def _check_worker_arguments(queues: Any, concurrency: Any) -> None:
+    """What `runlane worker` refuses as bad input: a worker on no queue, a malformed
+    queue name or no slot would serve nothing, silently (``queues="default"`` is seven
+    one-letter queues)."""
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) \
+            or not 1 <= concurrency <= MAX_CONCURRENCY:
+        raise InvalidArgument(f"concurrency {concurrency!r} is not an integer in "
+                              f"1..{MAX_CONCURRENCY}")
+    if queues is None:
+        return
+    if isinstance(queues, str) or not isinstance(queues, (list, tuple)):
+        raise InvalidArgument(f"queues must be a list of queue names, not {queues!r}")
+    if not queues:
+        raise InvalidArgument("queues is empty: give at least one queue, or None for "
+                              "'default'")
+    for queue in queues:
+        if not (isinstance(queue, str) and valid_name(queue)):
+            raise InvalidArgument(f"{queue!r} is not a queue name (1-128 characters of "
+                                  "letters, digits and ._:@/-)")

@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 from sqlalchemy.exc import DBAPIError
 
-from runlane.api import Runlane
+from runlane.api import MAX_CONCURRENCY, Runlane
 from runlane.domain.policy import MAX_COUNT, PolicyInvalid, load_policy
 from runlane.domain.routing import (
     canonical_capabilities,
@@ -100,8 +100,15 @@ def _iso(value: Any) -> Any:
     return value
 
 
+# Fields holding a point in time (epoch seconds in the database) that are not named
+# *_at: an event's `at`, an admission's `retry_after`.
+TIME_FIELDS = frozenset({"at", "retry_after"})
+
+
 def _times(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: (_iso(v) if k.endswith("_at") else v) for k, v in row.items()}
+    """Every point in time of ``row`` as ISO 8601 UTC, one format for all of them."""
+    return {k: (_iso(v) if k.endswith("_at") or k in TIME_FIELDS else v)
+            for k, v in row.items()}
 
 
 RUN_FIELDS = ("run_id", "task_id", "tenant", "repo", "queue", "status", "priority",
@@ -283,26 +290,38 @@ def cancel(task_id: str, as_json: bool) -> None:
 @json_flag
 def runs_list(status: str | None, tenant: str | None, limit: int, unroutable: bool,
               as_json: bool) -> None:
-    """List runs, oldest first."""
+    """List runs, oldest first: at most --limit of them (a line on stderr says when
+    more exist)."""
     if tenant is not None and not valid_name(tenant):
         raise TaskInvalid("--tenant", f"{tenant!r} is not a tenant name")
     if status is not None:
         status = status.upper()
         if status not in RunStatus.__members__:
             raise TaskInvalid("--status", f"unknown status; one of {', '.join(RunStatus)}")
+    # One more than asked for tells whether the limit cut the list.
+    fetch = min(limit + 1, MAX_COUNT)
     with _lane() as lane:
         if unroutable:
-            rows = lane.store.unroutable_runs(tenant=tenant, limit=limit)
+            rows = lane.store.unroutable_runs(tenant=tenant, limit=fetch)
         else:
-            rows = lane.runs(status=status, tenant=tenant, limit=limit)
+            rows = lane.runs(status=status, tenant=tenant, limit=fetch)
+    if len(rows) > limit:
+        rows = rows[:limit]
+        sys.stderr.write(f"runlane: only the oldest {limit} matching runs are listed "
+                         "(--limit); more exist: raise --limit or narrow with --status "
+                         "or --tenant\n")
     documents = [run_document(r) | ({"unroutable_because": r["unroutable_because"]}
                                      if unroutable else {}) for r in rows]
     if as_json:
         _print_json(documents)
         return
-    table = Table("run", "tenant", "status", "prio", "attempts", "reason", "updated")
-    if unroutable:
-        table.add_column("why unroutable")
+    # Whole run ids, whatever the terminal's width (`runs show RUN_ID` takes them from
+    # here): the other columns fold onto more lines instead, losing nothing either.
+    run_column = Column("run", no_wrap=True,
+                        min_width=max((len(r["run_id"]) for r in documents), default=3))
+    table = Table(run_column, *(Column(name, overflow="fold") for name in (
+        "tenant", "status", "prio", "attempts", "reason", "updated",
+        *(["why unroutable"] if unroutable else []))))
     for r in documents:
         table.add_row(r["run_id"], r["tenant"], r["status"], str(r["priority"]),
                       f"{r['attempt_count']}/{r['max_attempts']}", r["reason_code"] or "",
@@ -323,7 +342,7 @@ def runs_show(run_id: str, as_json: bool) -> None:
     document["truncated_sections"] = run["task"]["truncated_sections"]
     document["parent_task_id"] = run["task"]["parent_task_id"]
     document["depends_on"] = run["depends_on"]
-    document["admission"] = run["admission"]
+    document["admission"] = _times(run["admission"]) if run["admission"] else run["admission"]
     document["limits"] = run["limits"]
     if "unroutable_because" in run:
         document["unroutable_because"] = run["unroutable_because"]
@@ -345,7 +364,9 @@ def runs_show(run_id: str, as_json: bool) -> None:
                   f"v{admission.get('policy_version')}"
                   + (f", first admitted under v{first}" if first is not None else "")
                   + (f" ({admission.get('reason_code')}: {admission.get('message')})"
-                     if admission.get("reason_code") else ""))
+                     if admission.get("reason_code") else "")
+                  + (f", retry after {admission['retry_after']}"
+                     if admission.get("retry_after") else ""))
     attempts = Table("#", "status", "reason", "worker", "token", "lease", "started", "ended")
     for a in document["attempts"]:
         attempts.add_row(str(a["attempt_no"]), a["status"], a["reason_code"] or "",
@@ -424,10 +445,6 @@ def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
     return parsed
 
 
-# Attempts one worker process runs at once (threads): more is a typo.
-MAX_CONCURRENCY = 1000
-
-
 def _finite(_ctx: click.Context, param: click.Parameter, value: float | None
             ) -> float | None:
     """click's FloatRange lets NaN through (every comparison with it is false)."""
@@ -493,31 +510,30 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
 @click.option("--queue", "queues", multiple=True, callback=_queue_names)
 @click.option("--concurrency", type=click.IntRange(min=1, max=MAX_CONCURRENCY), default=1,
               show_default=True, help="Per worker process.")
+@click.option("--capability", "capabilities", multiple=True,
+              help="KEY=VALUE declared by every worker, as `runlane worker --capability` "
+              "(repeatable): runs that require it are served.")
 def up(workers: int, agent_command: str, verify_command: str | None, queues: tuple[str, ...],
-       concurrency: int) -> None:
+       concurrency: int, capabilities: tuple[str, ...]) -> None:
     """Everything on one machine: maintenance and N worker processes (restarted if they
     die); SIGTERM or Ctrl-C drains the workers and stops."""
-    import signal as signals
-
     from runlane.services.supervisor import WorkerPool
 
+    _capabilities(capabilities)  # bad input is refused here, not by each worker's restart
     with _lane() as lane:
         args = ["--agent-command", agent_command, "--concurrency", str(concurrency)]
         if verify_command:
             args += ["--verify-command", verify_command]
         for queue in queues:
             args += ["--queue", queue]
+        for capability in capabilities:
+            args += ["--capability", capability]
         # The settings given as flags reach the workers as their environment.
         pool = WorkerPool(args, workers, database_url=lane.settings.database_url,
                           env={f"RUNLANE_{name.upper()}": value
                                for name, value in state.settings.items()})
-        stop = threading.Event()
-        signals.signal(signals.SIGTERM, lambda *_: stop.set())
-        services = [lane.reaper(), lane.reconciler(), lane.scheduler(), lane.pruner()]
-        threads = [threading.Thread(target=svc.run_forever, args=(stop,), daemon=True)
-                   for svc in services if svc is not None]
-        for t in threads:
-            t.start()
+        stop = _stop_on_sigterm()
+        threads = _start_maintenance(lane, stop)
         pool.start()
         out.print(f"runlane up: {workers} worker(s) {pool.pids()}, maintenance running; "
                   "Ctrl-C to stop", soft_wrap=True)
@@ -527,6 +543,36 @@ def up(workers: int, agent_command: str, verify_command: str | None, queues: tup
         except KeyboardInterrupt:
             stop.set()
         pool.stop(lane.settings.drain_grace_seconds + lane.settings.agent_term_grace_seconds)
+        _join(threads)
+
+
+def _stop_on_sigterm() -> threading.Event:
+    """An event SIGTERM sets (a deploy's or a supervisor's stop), instead of killing the
+    process wherever it is."""
+    import signal as signals
+
+    stop = threading.Event()
+    signals.signal(signals.SIGTERM, lambda *_: stop.set())
+    return stop
+
+
+def _start_maintenance(lane: Runlane, stop: threading.Event) -> list[threading.Thread]:
+    """The maintenance services, each on a thread, until ``stop`` is set."""
+    services = [lane.reaper(), lane.reconciler(), lane.scheduler(), lane.pruner()]
+    threads = [threading.Thread(target=svc.run_forever, args=(stop,), daemon=True,
+                                name=f"runlane-{svc.name}")
+               for svc in services if svc is not None]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    """Let each service finish the pass it is in: a pass is a few short transactions,
+    and one cut short by the exit would only be redone by the next, but stopping
+    between passes leaves nothing to redo and the logs tell the truth."""
+    for t in threads:
+        t.join()
 
 
 @app.group("prs")
@@ -584,17 +630,16 @@ def maintain(once: bool, as_json: bool) -> None:
             else:
                 out.print(", ".join(f"{k}={v}" for k, v in counts.items()))
             return
-        stop = threading.Event()
-        services = [lane.reaper(), lane.reconciler(), lane.scheduler(), lane.pruner()]
-        threads = [threading.Thread(target=s.run_forever, args=(stop,), daemon=True)
-                   for s in services if s is not None]
-        for t in threads:
-            t.start()
+        # SIGTERM (a deploy, systemd, Kubernetes) stops it as Ctrl-C does: the passes in
+        # flight finish, then exit 0.
+        stop = _stop_on_sigterm()
+        threads = _start_maintenance(lane, stop)
         try:
             while not stop.wait(1.0):
                 pass
         except KeyboardInterrupt:
             stop.set()
+        _join(threads)
 
 
 @app.command()

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import structlog
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, text
 
 from runlane.errors import SchemaTooNew
 
 MIGRATIONS = Path(__file__).parent / "migrations"
+# The key of the PostgreSQL advisory lock every `runlane db upgrade` (and downgrade)
+# holds while it migrates: "runlane" in ASCII. Never change it: runlanes of different
+# versions in one rolling deploy must exclude each other.
+MIGRATION_LOCK_KEY = 0x72756E6C616E65
+LOCK_POLL_SECONDS = 0.5
+
+log = structlog.get_logger("runlane.migrations")
 
 
 def _config() -> Config:
@@ -46,21 +55,67 @@ def refuse_newer(revision: str | None) -> None:
 
 
 def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str | None]:
-    """Migrate to ``revision``; safe to repeat. Returns (before, after)."""
-    before = current_revision(engine)
-    refuse_newer(before)
-    with _migrating(engine) as config:
-        command.upgrade(config, revision)
-    return before, current_revision(engine)
+    """Migrate to ``revision``; safe to repeat, also from several hosts at once (a
+    deploy's pods): they take turns, and each reads the version only once it is its
+    turn. Returns (before, after)."""
+    with migration_lock(engine):
+        before = current_revision(engine)
+        refuse_newer(before)
+        with _migrating(engine) as config:
+            command.upgrade(config, revision)
+        return before, current_revision(engine)
 
 
 def downgrade(engine: Engine, revision: str) -> tuple[str | None, str | None]:
     """Migrate back to ``revision`` (an operator's way out of a release). Returns
     (before, after)."""
-    before = current_revision(engine)
-    with _migrating(engine) as config:
-        command.downgrade(config, revision)
-    return before, current_revision(engine)
+    with migration_lock(engine):
+        before = current_revision(engine)
+        with _migrating(engine) as config:
+            command.downgrade(config, revision)
+        return before, current_revision(engine)
+
+
+@contextmanager
+def migration_lock(engine: Engine) -> Iterator[None]:
+    """On PostgreSQL, hold runlane's migration lock until the block ends; waits while
+    another migration holds it. Two upgrades at once otherwise both create the same
+    tables and columns, and one drops the index the other is building online.
+
+    A session-level advisory lock on a connection of its own, not a transaction lock:
+    an online index build commits part-way through a migration (online_index), which
+    would release a transaction-level lock in the middle. The connection sits outside
+    any transaction while it holds the lock, so idle_in_transaction_session_timeout
+    never ends it; if the process dies the server drops the lock with its session.
+    It is polled for, not waited on with pg_advisory_lock: a statement waiting holds
+    a snapshot, and the holder's ``CREATE INDEX CONCURRENTLY`` waits for every older
+    snapshot to go, so each would wait for the other forever, unseen by the
+    deadlock detector. SQLite needs none: a migration is one write transaction on the file."""
+    if engine.dialect.name != "postgresql":
+        yield
+        return
+    key = {"key": MIGRATION_LOCK_KEY}
+    conn = engine.connect()
+    try:
+        waiting = False
+        while not conn.execute(text("SELECT pg_try_advisory_lock(:key)"), key).scalar():
+            conn.commit()
+            if not waiting:
+                log.warning("migration_waiting",
+                            message="another runlane is migrating this database; waiting")
+                waiting = True
+            time.sleep(LOCK_POLL_SECONDS)
+        conn.commit()
+        yield
+        conn.execute(text("SELECT pg_advisory_unlock(:key)"), key)
+        conn.commit()
+    except BaseException:
+        # The lock may still be held (an error after taking it, an interrupted wait):
+        # never hand such a session back to the pool.
+        conn.invalidate()
+        raise
+    finally:
+        conn.close()
 
 
 @contextmanager

@@ -5,12 +5,16 @@ populated table it is built ``CONCURRENTLY`` outside the migration's
 transaction. An index that already exists under the name is accepted only if
 its definition is exactly the expected one (a stale pre-created index is
 refused, with the commands that fix it); a build that failed half-way (an
-INVALID index) is dropped and rebuilt concurrently. SQLite has no concurrent
+INVALID index) is dropped and rebuilt concurrently, unless another session is
+building it right now (an operator's own ``CREATE INDEX CONCURRENTLY``, or a runlane
+too old to take the migration lock): then the migration waits for that build and
+keeps what it made. SQLite has no concurrent
 build and no concurrent readers to starve: the index is simply created.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -114,9 +118,52 @@ def ensure_index(op: Any, spec: IndexSpec) -> Plan:
     elif plan in (Plan.CREATE_CONCURRENTLY, Plan.REBUILD_INVALID):
         with op.get_context().autocommit_block():
             if plan is Plan.REBUILD_INVALID:
+                # Outside the migration's transaction: a concurrent build waits for
+                # older transactions, so waiting for it inside one could wait forever.
+                plan = _await_other_build(op.get_bind(), spec)
+            if plan is Plan.REBUILD_INVALID:
                 op.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {spec.name}")
-            op.execute(spec.create_sql(concurrently=True))
+            if plan is not Plan.KEEP:
+                op.execute(spec.create_sql(concurrently=True))
     return plan
+
+
+# How often a migration looks again at another session's index build it waits for.
+BUILD_POLL_SECONDS = 1.0
+
+
+def _builder(conn: Connection, name: str) -> int | None:
+    """The pid of another session building index ``name`` in this database now, if any.
+
+    An INVALID index is also what a concurrent build in progress looks like; dropping
+    it would make that build fail (or deadlock with it)."""
+    pid = conn.execute(
+        text("SELECT p.pid FROM pg_stat_progress_create_index p "
+             "JOIN pg_class c ON c.oid = p.index_relid "
+             "WHERE c.relname = :name AND pg_table_is_visible(c.oid) "
+             "AND p.datid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+             "AND p.pid <> pg_backend_pid() LIMIT 1"),
+        {"name": name},
+    ).scalar()
+    return None if pid is None else int(pid)
+
+
+def _await_other_build(conn: Connection, spec: IndexSpec) -> Plan:
+    """Wait while another session builds ``spec``'s INVALID index, then plan again: KEEP
+    if its build succeeded, CREATE_CONCURRENTLY if it dropped it, REBUILD_INVALID if it
+    failed (or if nobody was building it: an interrupted build)."""
+    waited_since: float | None = None
+    while (pid := _builder(conn, spec.name)) is not None:
+        if waited_since is None or time.monotonic() - waited_since >= 60:
+            log.warning("index_build_in_progress", index=spec.name, pid=pid,
+                        message="another session is building this index; waiting for it")
+            waited_since = time.monotonic()
+        time.sleep(BUILD_POLL_SECONDS)
+    if waited_since is None:
+        return Plan.REBUILD_INVALID
+    plan = plan_index(conn, spec)
+    log.info("index_migration", index=spec.name, plan=plan.value, after_waiting=True)
+    return plan if plan in (Plan.KEEP, Plan.REBUILD_INVALID) else Plan.CREATE_CONCURRENTLY
 
 
 def _squash(sql: str) -> str:
