@@ -949,9 +949,13 @@ class Report:
         add("")
         add(f"Produced by `{self.command}` on {self.started:%Y-%m-%d %H:%M} UTC; the whole run "
             f"took {self.wall_seconds / 60:.1f} min of wall time. Regenerate with "
-            "`make bench` (or the command above); every figure and ratio below comes from "
-            "that one run." + (" **Quick mode: smoke-test sizes, not a measurement.**"
-                               if self.quick else ""))
+            "`make bench` (or the command above); every figure and ratio of this part (up "
+            "to and including Method and caveats) comes from that one run. Each later "
+            "section names the command that wrote it: `make bench` also runs "
+            "`bench/peers.py` (Peer comparison) and `bench/sizes.py` (Table and index "
+            "sizes); `bench/scheduler.py --write docs/benchmarks.md` and "
+            "`bench/claim_parts.py --write docs/benchmarks.md` write their own sections."
+            + (" **Quick mode: smoke-test sizes, not a measurement.**" if self.quick else ""))
         add("")
         add(table(["", ""], [[k, v] for k, v in self.environment], "ll"))
         add("")

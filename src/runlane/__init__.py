@@ -1,6 +1,6 @@
 """runlane: a durable run scheduler for background AI coding agents."""
 
-from runlane.api import Runlane
+from runlane.api import InvalidArgument, Runlane
 from runlane.clock import DatabaseClock, ManualClock
 from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
@@ -11,6 +11,7 @@ from runlane.version import __version__
 __all__ = [
     "CancelRequested",
     "DatabaseClock",
+    "InvalidArgument",
     "Lease",
     "LeaseLost",
     "ManualClock",
