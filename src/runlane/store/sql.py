@@ -831,31 +831,49 @@ clock AS MATERIALIZED (SELECT {now} AS now),  -- see "Time" above
 -- (before the decisions' records: this statement's first 1 kB, all that
 -- pg_stat_activity shows of it, names new_tasks).
 items AS MATERIALIZED (
-    SELECT * FROM json_to_recordset(CAST(:items AS json)) AS i(
+    SELECT i.*, d.queue, d.priority, d.max_attempts, d.requires
+    FROM json_to_recordset(CAST(:items AS json)) AS i(
         task_id text, run_id text, tenant text, repo text, prompt text,
         idempotency_key text, context json, truncated_sections json,
         payload_bytes integer, user_id text, parent_task_id text,
-        estimated_cost_usd double precision, decision_no integer, status text)),
-new_tasks AS (
-    INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
-                       max_attempts, context, truncated_sections, payload_bytes,
-                       cancel_requested_at, created_at, user_id, requires, parent_task_id,
-                       estimated_cost_usd)
-    SELECT i.task_id, i.tenant, i.repo, i.prompt, d.queue, d.priority, i.idempotency_key,
-           d.max_attempts, COALESCE(i.context, CAST('{{}}' AS json)),
-           COALESCE(i.truncated_sections, CAST('[]' AS json)), i.payload_bytes,
-           NULL, (SELECT now FROM clock), i.user_id, d.requires, i.parent_task_id,
-           i.estimated_cost_usd
-    FROM items i
+        estimated_cost_usd double precision, decision_no integer, status text)
     JOIN unnest(CAST(:decision_queues AS text[]), CAST(:decision_priorities AS integer[]),
                 CAST(:decision_max_attempts AS integer[]),
                 CAST(:decision_requires AS text[]))
          WITH ORDINALITY AS d(queue, priority, max_attempts, requires, n)
-      ON d.n = i.decision_no + 1
-    WHERE (SELECT version FROM policy) = CAST(:version AS integer)  -- see "Policy" above
-    ORDER BY i.tenant, i.idempotency_key  -- the key order: see "Lock order" above
+      ON d.n = i.decision_no + 1),
+new_tasks AS (  -- the tasks with an idempotency key (the others: unkeyed_tasks)
+    INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
+                       max_attempts, context, truncated_sections, payload_bytes,
+                       cancel_requested_at, created_at, user_id, requires, parent_task_id,
+                       estimated_cost_usd)
+    SELECT task_id, tenant, repo, prompt, queue, priority, idempotency_key, max_attempts,
+           COALESCE(context, CAST('{{}}' AS json)),
+           COALESCE(truncated_sections, CAST('[]' AS json)), payload_bytes, NULL,
+           (SELECT now FROM clock), user_id, requires, parent_task_id, estimated_cost_usd
+    FROM items
+    WHERE idempotency_key IS NOT NULL
+      AND (SELECT version FROM policy) = CAST(:version AS integer)  -- see "Policy" above
+    ORDER BY tenant, idempotency_key  -- the key order: see "Lock order" above
     ON CONFLICT (tenant, idempotency_key) DO NOTHING
     RETURNING task_id),
+-- Without a key a task cannot conflict: a plain insert (no speculative insertion, no
+-- look into the key's index first, no confirmation record in the WAL).
+unkeyed_tasks AS (
+    INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
+                       max_attempts, context, truncated_sections, payload_bytes,
+                       cancel_requested_at, created_at, user_id, requires, parent_task_id,
+                       estimated_cost_usd)
+    SELECT task_id, tenant, repo, prompt, queue, priority, idempotency_key, max_attempts,
+           COALESCE(context, CAST('{{}}' AS json)),
+           COALESCE(truncated_sections, CAST('[]' AS json)), payload_bytes, NULL,
+           (SELECT now FROM clock), user_id, requires, parent_task_id, estimated_cost_usd
+    FROM items
+    WHERE idempotency_key IS NULL
+      AND (SELECT version FROM policy) = CAST(:version AS integer)
+    RETURNING task_id),
+inserted_tasks AS (
+    SELECT task_id FROM new_tasks UNION ALL SELECT task_id FROM unkeyed_tasks),
 -- Materialized: each decision's record is read from the JSON once, not once per run.
 decisions AS MATERIALIZED (
     SELECT CAST(d.n AS integer) - 1 AS decision_no,
@@ -878,7 +896,7 @@ new_runs AS (
            d.risk_class, d.route_key, d.policy_version, d.reason_code, d.message,
            d.weight, d.event_message, d.admission, d.limits
     FROM items i
-    JOIN new_tasks t ON t.task_id = i.task_id
+    JOIN inserted_tasks t ON t.task_id = i.task_id
     JOIN decisions d ON d.decision_no = i.decision_no),
 lane_plan AS (
     SELECT queue, route_key, priority, tenant, MAX(weight) AS weight,
@@ -926,12 +944,18 @@ events AS (
     SELECT r.run_id, NULL, (SELECT now FROM clock), :actor, NULL, r.status,
            r.reason_code, NULL, r.event_message
     FROM new_runs r JOIN inserted_runs i ON i.run_id = r.run_id),
+-- The queues that got QUEUED runs: every run of new_runs is inserted (its lane is
+-- upserted above), so lane_plan names them without reading the inserted runs again.
 woken AS (
     SELECT pg_notify(:channel, q.queue)
-    FROM (SELECT DISTINCT queue FROM inserted_runs WHERE status = 'QUEUED'
-          ORDER BY queue) q)
+    FROM (SELECT DISTINCT queue FROM lane_plan WHERE entering > 0 ORDER BY queue) q)
 SELECT (SELECT version FROM policy) AS policy_version,
-       ARRAY(SELECT task_id FROM new_tasks) AS task_ids,
+       -- the tasks not inserted (a key taken before): usually none, so the answer is
+       -- short however large the batch
+       ARRAY(SELECT i.task_id FROM items i
+             WHERE NOT EXISTS (SELECT 1 FROM inserted_tasks t
+                               WHERE t.task_id = i.task_id)) AS skipped_task_ids,
+       (SELECT COUNT(*) FROM inserted_runs) AS runs_inserted,
        (SELECT COUNT(*) FROM woken) AS queues_woken
 """
 # An idempotency key already taken: the task and run it names.

@@ -605,8 +605,8 @@ class Store(SchedulingMixin):
                 batch, planned, aliases = self._plan_submission(
                     conn, fitted, default_max_attempts=default_max_attempts, actor=actor,
                     presumed=presumed)
-                inserted = self._write_submission(conn, batch) if planned else set()
-                if inserted is not None:
+                skipped = self._write_submission(conn, batch) if planned else set()
+                if skipped is not None:
                     break
                 # A newer policy version is in force than the one decided under: nothing
                 # was written; decide again under it, so the runs record the version in
@@ -616,7 +616,7 @@ class Store(SchedulingMixin):
             results: list[Submission | None] = [None] * len(fitted)
             dependencies = [{"task_id": item["task_id"], "depends_on": dep}
                             for i, item in zip(planned, batch.items, strict=True)
-                            if fitted[i][0].depends_on and item["task_id"] in inserted
+                            if fitted[i][0].depends_on and item["task_id"] not in skipped
                             for dep in fitted[i][0].depends_on]
             if dependencies:
                 conn.execute(insert(task_dependencies), dependencies)
@@ -625,7 +625,7 @@ class Store(SchedulingMixin):
                                            strict=True):
                     report = fitted[i][1]
                     task_id = item["task_id"]
-                    if task_id not in inserted:  # the key was taken before
+                    if task_id in skipped:  # the key was taken before
                         existing = conn.execute(self._q(sql.EXISTING_RUN), {
                             "tenant": item["tenant"],
                             "key": item.get("idempotency_key")}).first()
@@ -756,7 +756,8 @@ class Store(SchedulingMixin):
     def _write_submission(self, conn: Connection, batch: _SubmitBatch) -> set[str] | None:
         """Insert the batch's tasks; for those really inserted (an idempotency key
         already taken inserts nothing), their routes, lanes, runs and admission events,
-        and wake the queues that got QUEUED runs. Returns the inserted task ids.
+        and wake the queues that got QUEUED runs. Returns the ids of the tasks not
+        inserted (their key was taken before).
         PostgreSQL: one statement (SUBMIT_WRITE_PG), which writes nothing and returns
         None when the newest policy version is no longer the batch's (the submit
         decides again); SQLite: one per table, in a transaction that began with the
@@ -773,14 +774,16 @@ class Store(SchedulingMixin):
                 "version": batch.policy_version,
             })
             self._submit_policy_seen = row.policy_version
-            return set(row.task_ids) if row.policy_version == batch.policy_version else None
+            return set(row.skipped_task_ids) \
+                if row.policy_version == batch.policy_version else None
         assert batch.now is not None  # SQLite always reads the time first (no presumed version)
         insert_task = sqlite_dialect.insert(tasks).on_conflict_do_nothing(
             index_elements=["tenant", "idempotency_key"]).returning(tasks.c.task_id)
         inserted = set(conn.execute(insert_task, batch.task_rows()).scalars().all())
         created = batch.run_rows(inserted)
+        skipped = {item["task_id"] for item in batch.items} - inserted
         if not created:
-            return inserted
+            return skipped
         lane_plan: dict[tuple[str, str, int, str], tuple[int, float]] = {}
         for run in created:
             key = (run["queue"], run["route_key"], run["priority"], run["tenant"])
@@ -802,7 +805,7 @@ class Store(SchedulingMixin):
              "reason_code": run["reason_code"], "fencing_token": None,
              "message": run["event_message"]}
             for run in created])
-        return inserted
+        return skipped
 
     # --- claim --------------------------------------------------------------------
 
