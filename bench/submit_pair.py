@@ -4,7 +4,9 @@ bench/peers.py (20,000 jobs, batches of 1,000, 8 tenants, no idempotency key).
 
     PYTHONPATH=src .venv/bin/python bench/submit_pair.py --rounds 5 [--peers-python P]
 
-Prints per round the rates and the ratio runlane / PgQueuer of that round, then medians.
+Prints per round the rates, the CPU per batch of the client process and of its
+PostgreSQL backend (/proc; the server must run on this machine), and the ratio
+runlane / PgQueuer of that round, then medians. ``--runlane-src T`` adds another tree.
 Modes --one runlane|pgqueuer --dsn D run one side (the orchestrator spawns them).
 """
 from __future__ import annotations
@@ -19,29 +21,41 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def backend_cpu(pid: int) -> float:
+    """User + system CPU seconds of one PostgreSQL backend (same machine)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
 BASE = os.environ.get("RUNLANE_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 
 def run_runlane(dsn: str, jobs: int, batch: int, profile: str | None) -> dict:
+    from sqlalchemy import text
+
     from runlane.domain.tasks import parse_task
     from runlane.logs import configure_logging
     from runlane.store.engine import build_engine
     from runlane.store.migrate import upgrade
     from runlane.store.store import Store
-    from sqlalchemy import text
     configure_logging("WARNING")
     engine = build_engine(dsn)
     upgrade(engine)
     engine.dispose()
     store = Store(dsn)
     REPO = "https://git.example.com/acme/app.git"
-    mk = lambda n, tag: [parse_task({"tenant": f"tenant-{i % 8}", "repo": REPO,
-                                     "prompt": f"no-op {tag}"}) for i in range(n)]
+    def mk(n: int, tag: str) -> list:
+        return [parse_task({"tenant": f"tenant-{i % 8}", "repo": REPO,
+                            "prompt": f"no-op {tag}"}) for i in range(n)]
     store.submit(mk(10, "warm-up"))
     with store.engine.begin() as conn:
         for table in ("run_events", "runs", "tasks", "lanes"):
             conn.execute(text(f"DELETE FROM {table}"))
     todo = mk(jobs, "drain")
+    with store.engine.connect() as conn:  # the pooled session every submit below uses
+        pid = conn.execute(text("SELECT pg_backend_pid()")).scalar()
+    server0 = backend_cpu(pid)
     prof = None
     if profile:
         import cProfile
@@ -57,6 +71,9 @@ def run_runlane(dsn: str, jobs: int, batch: int, profile: str | None) -> dict:
             prof.disable()
         times.append(time.perf_counter() - t)
     cpu = time.process_time() - cpu0
+    server = backend_cpu(pid) - server0
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT pg_backend_pid()")).scalar() == pid
     if prof:
         prof.dump_stats(profile)
     with store.engine.connect() as conn:
@@ -64,7 +81,8 @@ def run_runlane(dsn: str, jobs: int, batch: int, profile: str | None) -> dict:
                   for t in ("tasks", "runs", "run_events")}
     store.close()
     return {"rate": jobs / sum(times), "p50_ms": statistics.median(times) * 1000,
-            "client_cpu_ms_per_batch": cpu * 1000 / len(times), "counts": counts}
+            "client_cpu_ms_per_batch": cpu * 1000 / len(times),
+            "server_cpu_ms_per_batch": server * 1000 / len(times), "counts": counts}
 
 
 def run_pgqueuer(dsn: str, jobs: int, batch: int) -> dict:
@@ -79,6 +97,8 @@ def run_pgqueuer(dsn: str, jobs: int, batch: int) -> dict:
         await q.install()
         await q.enqueue(["noop"] * 10, [None] * 10, [0] * 10)
         await q.clear_queue()
+        pid = await conn.fetchval("SELECT pg_backend_pid()")
+        server0 = backend_cpu(pid)
         times = []
         cpu0 = time.process_time()
         for lo in range(0, jobs, batch):
@@ -87,9 +107,11 @@ def run_pgqueuer(dsn: str, jobs: int, batch: int) -> dict:
             await q.enqueue(["noop"] * n, [None] * n, [0] * n)
             times.append(time.perf_counter() - t)
         cpu = time.process_time() - cpu0
+        server = backend_cpu(pid) - server0
         await conn.close()
         return {"rate": jobs / sum(times), "p50_ms": statistics.median(times) * 1000,
-                "client_cpu_ms_per_batch": cpu * 1000 / len(times)}
+                "client_cpu_ms_per_batch": cpu * 1000 / len(times),
+                "server_cpu_ms_per_batch": server * 1000 / len(times)}
     return asyncio.run(go())
 
 
@@ -115,7 +137,7 @@ def main() -> int:
     if a.one == "pgqueuer":
         print(json.dumps(run_pgqueuer(a.dsn, a.jobs, a.batch)))
         return 0
-    trees = [os.environ.get("PYTHONPATH", "")] + a.runlane_src
+    trees = [os.environ.get("PYTHONPATH", ""), *a.runlane_src]
     rows: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
     for r in range(a.rounds):
@@ -142,7 +164,8 @@ def main() -> int:
             if label != "pgqueuer":
                 ratios.setdefault(label, []).append(ratio)
             line.append(f"{label} {res['rate']:,.0f}/s p50 {res['p50_ms']:.1f} ms "
-                        f"cpu/batch {res['client_cpu_ms_per_batch']:.1f} ms ({ratio:.2f}x)")
+                        f"CPU/batch client {res['client_cpu_ms_per_batch']:.1f} + server "
+                        f"{res['server_cpu_ms_per_batch']:.1f} ms ({ratio:.2f}x)")
         print("  ".join(line), flush=True)
     for label, vals in rows.items():
         extra = f" ratio median {statistics.median(ratios[label]):.2f}x " \
