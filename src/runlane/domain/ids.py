@@ -13,14 +13,39 @@ import os
 import time
 
 _MILLIS = (1 << 48) - 1
-_CLEAR = ~((0xF << 76) | (0x3 << 62))
-_VERSION_VARIANT = (0x7 << 76) | (0x2 << 62)  # version 7, RFC 4122 variant
+# The variant's hex digit: RFC 4122 (0b10) in its two high bits, two random low bits.
+_VARIANT = {c: "89ab"[int(c, 16) & 3] for c in "0123456789abcdef"}
+# Random tails, 20 hex digits each (80 bits drawn, 74 used), drawn from os.urandom
+# 256 at a time: one system call per 256 ids instead of one per id. A forked child
+# drops the parent's (it must not hand out the same tails).
+_tails: list[str] = []
+# The last millisecond seen and its formatted prefix ("xxxxxxxx-xxxx-7"), one tuple
+# (read and replaced whole).
+_last: tuple[int, str] = (-1, "")
+
+
+def _refill() -> None:
+    drawn = os.urandom(10 * 256).hex()
+    _tails.extend([drawn[i:i + 20] for i in range(0, len(drawn), 20)])
+
+
+os.register_at_fork(after_in_child=_tails.clear)
 
 
 def new_id() -> str:
-    """A UUIDv7 text, formatted directly: half the time of building a ``uuid.UUID``
-    (a submit takes two ids per run)."""
-    value = ((time.time_ns() // 1_000_000 & _MILLIS) << 80
-             | int.from_bytes(os.urandom(10), "big")) & _CLEAR | _VERSION_VARIANT
-    h = f"{value:032x}"
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    """A UUIDv7 text (version 7, RFC 4122 variant, 74 random bits), formatted
+    directly: a submit takes two ids per run, and this is a third of the time of
+    formatting a 128-bit integer per id."""
+    try:
+        tail = _tails.pop()  # atomic under the GIL: no two threads get the same tail
+    except IndexError:
+        _refill()
+        tail = _tails.pop()
+    millis = time.time_ns() // 1_000_000 & _MILLIS
+    global _last
+    seen, prefix = _last
+    if seen != millis:
+        h = f"{millis:012x}"
+        prefix = f"{h[:8]}-{h[8:]}-7"
+        _last = (millis, prefix)
+    return f"{prefix}{tail[1:4]}-{_VARIANT[tail[4]]}{tail[5:8]}-{tail[8:]}"

@@ -901,40 +901,79 @@ SUBMIT_WRITE_PG = """
 WITH policy AS MATERIALIZED (
     SELECT COALESCE(MAX(version), 0) AS version FROM policy_versions),
 clock AS MATERIALIZED (SELECT {now} AS now),  -- see "Time" above
-new_tasks AS (
+-- One item per task and its run: what is the task's own, only the keys that are set
+-- (a missing key reads NULL); the rest is its decision's (_SubmitBatch). What the task
+-- row takes of its decision comes as four short arrays indexed by decision number
+-- (before the decisions' records: this statement's first 1 kB, all that
+-- pg_stat_activity shows of it, names new_tasks).
+items AS MATERIALIZED (
+    SELECT i.*, d.queue, d.priority, d.max_attempts, d.requires
+    FROM json_to_recordset(CAST(:items AS json)) AS i(
+        task_id text, run_id text, tenant text, repo text, prompt text,
+        idempotency_key text, context json, truncated_sections json,
+        payload_bytes integer, user_id text, parent_task_id text,
+        estimated_cost_usd double precision, decision_no integer, status text)
+    JOIN unnest(CAST(:decision_queues AS text[]), CAST(:decision_priorities AS integer[]),
+                CAST(:decision_max_attempts AS integer[]),
+                CAST(:decision_requires AS text[]))
+         WITH ORDINALITY AS d(queue, priority, max_attempts, requires, n)
+      ON d.n = i.decision_no + 1),
+new_tasks AS (  -- the tasks with an idempotency key (the others: unkeyed_tasks)
     INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
                        max_attempts, context, truncated_sections, payload_bytes,
                        cancel_requested_at, created_at, user_id, requires, parent_task_id,
                        estimated_cost_usd)
-    SELECT task_id, tenant, repo, prompt, queue, priority, idempotency_key,
-           max_attempts, context, truncated_sections, payload_bytes,
-           cancel_requested_at, COALESCE(created_at, (SELECT now FROM clock)), user_id,
-           requires, parent_task_id, estimated_cost_usd
-    FROM json_populate_recordset(NULL::tasks, CAST(:tasks AS json))
-    WHERE (SELECT version FROM policy) = CAST(:version AS integer)  -- see "Policy" above
+    SELECT task_id, tenant, repo, prompt, queue, priority, idempotency_key, max_attempts,
+           COALESCE(context, CAST('{{}}' AS json)),
+           COALESCE(truncated_sections, CAST('[]' AS json)), payload_bytes, NULL,
+           (SELECT now FROM clock), user_id, requires, parent_task_id, estimated_cost_usd
+    FROM items
+    WHERE idempotency_key IS NOT NULL
+      AND (SELECT version FROM policy) = CAST(:version AS integer)  -- see "Policy" above
     ORDER BY tenant, idempotency_key  -- the key order: see "Lock order" above
     ON CONFLICT (tenant, idempotency_key) DO NOTHING
     RETURNING task_id),
+-- Without a key a task cannot conflict: a plain insert (no speculative insertion, no
+-- look into the key's index first, no confirmation record in the WAL).
+unkeyed_tasks AS (
+    INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
+                       max_attempts, context, truncated_sections, payload_bytes,
+                       cancel_requested_at, created_at, user_id, requires, parent_task_id,
+                       estimated_cost_usd)
+    SELECT task_id, tenant, repo, prompt, queue, priority, idempotency_key, max_attempts,
+           COALESCE(context, CAST('{{}}' AS json)),
+           COALESCE(truncated_sections, CAST('[]' AS json)), payload_bytes, NULL,
+           (SELECT now FROM clock), user_id, requires, parent_task_id, estimated_cost_usd
+    FROM items
+    WHERE idempotency_key IS NULL
+      AND (SELECT version FROM policy) = CAST(:version AS integer)
+    RETURNING task_id),
+inserted_tasks AS (
+    SELECT task_id FROM new_tasks UNION ALL SELECT task_id FROM unkeyed_tasks),
 -- Materialized: each decision's record is read from the JSON once, not once per run.
 decisions AS MATERIALIZED (
     SELECT CAST(d.n AS integer) - 1 AS decision_no,
            x.queue, x.priority, x.max_attempts, x.risk_class, x.route_key,
            x.policy_version, x.reason_code, x.message, x.weight, x.event_message,
+           x.status, x.visible_at,
            d.value -> 'admission' AS admission, d.value -> 'limits' AS limits
     FROM json_array_elements(CAST(:decisions AS json)) WITH ORDINALITY AS d(value, n)
     CROSS JOIN LATERAL json_to_record(d.value) AS x(
         queue text, priority integer, max_attempts integer, risk_class text,
         route_key text, policy_version integer, reason_code text, message text,
-        weight double precision, event_message text)),
+        weight double precision, event_message text, status text,
+        visible_at double precision)),
 new_runs AS (
-    SELECT r.run_id, r.task_id, r.tenant, r.repo, r.user_id, r.status, r.visible_at,
-           r.ended_at, r.estimated_cost_usd, d.*
-    FROM json_to_recordset(CAST(:runs AS json)) AS r(
-        run_id text, task_id text, tenant text, repo text, user_id text, status text,
-        visible_at double precision, ended_at double precision,
-        estimated_cost_usd double precision, decision_no integer)
-    JOIN new_tasks t ON t.task_id = r.task_id
-    JOIN decisions d ON d.decision_no = r.decision_no),
+    SELECT i.run_id, i.task_id, i.tenant, i.repo, i.user_id,
+           COALESCE(i.status, d.status) AS status,
+           d.visible_at,  -- a DEFER's retry-after; else the time (below)
+           CAST(NULL AS double precision) AS ended_at,  -- a DENY's: the time (below)
+           i.estimated_cost_usd, d.decision_no, d.queue, d.priority, d.max_attempts,
+           d.risk_class, d.route_key, d.policy_version, d.reason_code, d.message,
+           d.weight, d.event_message, d.admission, d.limits
+    FROM items i
+    JOIN inserted_tasks t ON t.task_id = i.task_id
+    JOIN decisions d ON d.decision_no = i.decision_no),
 lane_plan AS (
     SELECT queue, route_key, priority, tenant, MAX(weight) AS weight,
            COUNT(*) FILTER (WHERE status = 'QUEUED') AS entering
@@ -983,12 +1022,18 @@ events AS (
     SELECT r.run_id, NULL, (SELECT now FROM clock), :actor, NULL, r.status,
            r.reason_code, NULL, r.event_message
     FROM new_runs r JOIN inserted_runs i ON i.run_id = r.run_id),
+-- The queues that got QUEUED runs: every run of new_runs is inserted (its lane is
+-- upserted above), so lane_plan names them without reading the inserted runs again.
 woken AS (
     SELECT pg_notify(:channel, q.queue)
-    FROM (SELECT DISTINCT queue FROM inserted_runs WHERE status = 'QUEUED'
-          ORDER BY queue) q)
+    FROM (SELECT DISTINCT queue FROM lane_plan WHERE entering > 0 ORDER BY queue) q)
 SELECT (SELECT version FROM policy) AS policy_version,
-       ARRAY(SELECT task_id FROM new_tasks) AS task_ids,
+       -- the tasks not inserted (a key taken before): usually none, so the answer is
+       -- short however large the batch
+       ARRAY(SELECT i.task_id FROM items i
+             WHERE NOT EXISTS (SELECT 1 FROM inserted_tasks t
+                               WHERE t.task_id = i.task_id)) AS skipped_task_ids,
+       (SELECT COUNT(*) FROM inserted_runs) AS runs_inserted,
        (SELECT COUNT(*) FROM woken) AS queues_woken
 """
 # An idempotency key already taken: the task and run it names.

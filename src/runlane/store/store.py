@@ -243,14 +243,21 @@ CLAIM_ROUNDS = 3
 
 @dataclass
 class _SubmitBatch:
-    """The rows one submit writes: tasks, runs and the distinct admission decisions
-    the runs name by number (a decision shared by many runs is serialised once)."""
+    """The rows one submit writes: one item per task and its run, and the distinct
+    admission decisions the items name by number (a decision shared by many runs is
+    serialised once, and so is all that the task and run take from it: queue,
+    priority, attempts, route, the run's status).
+
+    An item holds what is the task's own (ids, tenant, repo, prompt, ...), and only
+    the keys that are set: a missing key is NULL (or the column's empty value) to
+    SUBMIT_WRITE_PG, which fills in the rest from the item's decision and the time.
+    SQLite writes the full rows (``task_rows``, ``run_rows``)."""
 
     now: float | None  # None: decided without the time; the write stamps its own
     actor: str
     policy_version: int  # the version the batch was decided under
-    tasks: list[dict[str, Any]] = field(default_factory=list)
-    runs: list[dict[str, Any]] = field(default_factory=list)
+    items: list[dict[str, Any]] = field(default_factory=list)
+    run_statuses: list[RunStatus] = field(default_factory=list)  # each item's new run's
     decisions: list[Decision] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     statuses: list[RunStatus] = field(default_factory=list)  # a decision's new run's
@@ -266,7 +273,8 @@ class _SubmitBatch:
             "risk_class": d.risk_class, "route_key": d.requires,
             "policy_version": d.policy_version, "reason_code": d.reason_code,
             "message": d.message, "weight": d.weight, "admission": d.to_json(),
-            "limits": d.limits,
+            "limits": d.limits, "status": status.value,
+            "visible_at": d.retry_after if status is S.WAITING_CAPACITY else None,
             "event_message": f"admitted under policy v{d.policy_version}"
             if d.decision == "ADMIT"
             else f"{d.decision} under policy v{d.policy_version}: {d.message}"})
@@ -274,26 +282,62 @@ class _SubmitBatch:
 
     def add(self, spec: TaskSpec, report: PayloadReport, number: int) -> None:
         """One task and its run, under decision ``number``."""
-        d, status = self.decisions[number], self.statuses[number]
+        status = self.statuses[number]
+        item = {"task_id": new_id(), "run_id": new_id(), "tenant": spec.tenant,
+                "repo": spec.repo, "prompt": spec.prompt,
+                "payload_bytes": report.size_bytes, "decision_no": number}
+        if spec.idempotency_key is not None:
+            item["idempotency_key"] = spec.idempotency_key
+        if spec.context:
+            item["context"] = spec.context
+        if report.truncated_sections:
+            item["truncated_sections"] = list(report.truncated_sections)
+        if spec.user is not None:
+            item["user_id"] = spec.user
+        if spec.parent_task_id is not None:
+            item["parent_task_id"] = spec.parent_task_id
+        if spec.estimated_cost_usd is not None:
+            item["estimated_cost_usd"] = spec.estimated_cost_usd
         if status is S.QUEUED and spec.depends_on:
             status = S.ADMITTED  # released (or cancelled) when they end
-        task_id = new_id()
-        self.tasks.append({
-            "task_id": task_id, "tenant": spec.tenant, "repo": spec.repo,
-            "prompt": spec.prompt, "queue": d.queue, "priority": d.priority,
-            "idempotency_key": spec.idempotency_key, "max_attempts": d.max_attempts,
-            "context": spec.context, "truncated_sections": list(report.truncated_sections),
-            "payload_bytes": report.size_bytes, "cancel_requested_at": None,
-            "created_at": self.now, "user_id": spec.user, "requires": d.requires,
-            "parent_task_id": spec.parent_task_id,
-            "estimated_cost_usd": spec.estimated_cost_usd})
-        self.runs.append({
-            "run_id": new_id(), "task_id": task_id, "tenant": spec.tenant,
-            "repo": spec.repo, "user_id": spec.user, "status": status.value,
-            "visible_at": d.retry_after if status is S.WAITING_CAPACITY
-            and d.retry_after is not None else self.now,
-            "ended_at": self.now if status is S.POLICY_DENIED else None,
-            "estimated_cost_usd": spec.estimated_cost_usd, "decision_no": number})
+            item["status"] = status.value
+        self.items.append(item)
+        self.run_statuses.append(status)
+
+    def task_rows(self) -> list[dict[str, Any]]:
+        """Every column of each item's task (SQLite)."""
+        rows = []
+        for item in self.items:
+            d = self.decisions[item["decision_no"]]
+            rows.append({
+                "task_id": item["task_id"], "tenant": item["tenant"], "repo": item["repo"],
+                "prompt": item["prompt"], "queue": d.queue, "priority": d.priority,
+                "idempotency_key": item.get("idempotency_key"),
+                "max_attempts": d.max_attempts, "context": item.get("context", {}),
+                "truncated_sections": item.get("truncated_sections", []),
+                "payload_bytes": item["payload_bytes"], "cancel_requested_at": None,
+                "created_at": self.now, "user_id": item.get("user_id"),
+                "requires": d.requires, "parent_task_id": item.get("parent_task_id"),
+                "estimated_cost_usd": item.get("estimated_cost_usd")})
+        return rows
+
+    def run_rows(self, inserted: set[str]) -> list[dict[str, Any]]:
+        """Each inserted task's run: its decision's record, then its own columns
+        (SQLite)."""
+        rows = []
+        for item, status in zip(self.items, self.run_statuses, strict=True):
+            if item["task_id"] not in inserted:
+                continue
+            record = self.records[item["decision_no"]]
+            rows.append({
+                **record, "run_id": item["run_id"], "task_id": item["task_id"],
+                "tenant": item["tenant"], "repo": item["repo"],
+                "user_id": item.get("user_id"), "status": status.value,
+                "visible_at": record["visible_at"] if status is S.WAITING_CAPACITY
+                and record["visible_at"] is not None else self.now,
+                "ended_at": self.now if status is S.POLICY_DENIED else None,
+                "estimated_cost_usd": item.get("estimated_cost_usd")})
+        return rows
 
 
 class Store(SchedulingMixin):
@@ -561,8 +605,8 @@ class Store(SchedulingMixin):
                 batch, planned, aliases = self._plan_submission(
                     conn, fitted, default_max_attempts=default_max_attempts, actor=actor,
                     presumed=presumed)
-                inserted = self._write_submission(conn, batch) if planned else set()
-                if inserted is not None:
+                skipped = self._write_submission(conn, batch) if planned else set()
+                if skipped is not None:
                     break
                 # A newer policy version is in force than the one decided under: nothing
                 # was written; decide again under it, so the runs record the version in
@@ -570,43 +614,45 @@ class Store(SchedulingMixin):
                 log.info("submit_policy_changed", decided_under=batch.policy_version)
                 presumed = None
             results: list[Submission | None] = [None] * len(fitted)
-            dependencies = [{"task_id": task["task_id"], "depends_on": dep}
-                            for i, task in zip(planned, batch.tasks, strict=True)
-                            if task["task_id"] in inserted
+            dependencies = [{"task_id": item["task_id"], "depends_on": dep}
+                            for i, item in zip(planned, batch.items, strict=True)
+                            if fitted[i][0].depends_on and item["task_id"] not in skipped
                             for dep in fitted[i][0].depends_on]
             if dependencies:
                 conn.execute(insert(task_dependencies), dependencies)
             with self._lane_moves_in_order(conn):  # released runs' lanes: lane_id order
-                for i, task, run in zip(planned, batch.tasks, batch.runs, strict=True):
+                for i, item, status in zip(planned, batch.items, batch.run_statuses,
+                                           strict=True):
                     report = fitted[i][1]
-                    if task["task_id"] not in inserted:  # the key was taken before
+                    task_id = item["task_id"]
+                    if task_id in skipped:  # the key was taken before
                         existing = conn.execute(self._q(sql.EXISTING_RUN), {
-                            "tenant": task["tenant"], "key": task["idempotency_key"]}).first()
+                            "tenant": item["tenant"],
+                            "key": item.get("idempotency_key")}).first()
                         if existing is None:
                             # A task an earlier retention kept without its run (it
                             # now keeps both while another task names it), or one
                             # deleted since the insert met its key.
                             raise TaskInvalid("idempotency_key", (
-                                f"{task['idempotency_key']!r} names a task whose run "
+                                f"{item.get('idempotency_key')!r} names a task whose run "
                                 "retention deleted; submit with another key"))
                         results[i] = Submission(existing.task_id, existing.run_id,
                                                 existing.status, False)
                         continue
-                    status = S(run["status"])
                     if status is S.ADMITTED:  # dependencies may all have ended already
-                        outcome = self._dependency_outcome(conn, task["task_id"])
+                        outcome = self._dependency_outcome(conn, task_id)
                         if outcome is not S.ADMITTED:
                             self._set_status(
-                                conn, run_id=run["run_id"], source=S.ADMITTED, path=[outcome],
+                                conn, run_id=item["run_id"], source=S.ADMITTED, path=[outcome],
                                 run_token=0, actor=actor, now=batch.now,
                                 reason_code=(Reason.DEPENDENCY_FAILED
                                              if outcome is S.CANCELLED else None),
                                 message=("a dependency ended without success"
                                          if outcome is S.CANCELLED else "dependencies succeeded"))
                             status = outcome
-                    results[i] = Submission(task["task_id"], run["run_id"], status.value, True,
+                    results[i] = Submission(task_id, item["run_id"], status.value, True,
                                             report.truncated_sections, report.size_bytes,
-                                            batch.decisions[run["decision_no"]].reason_code)
+                                            batch.decisions[item["decision_no"]].reason_code)
             for i, first in aliases.items():  # a repeat inside the batch creates nothing
                 original = results[first]
                 assert original is not None
@@ -669,7 +715,8 @@ class Store(SchedulingMixin):
         decided: dict[tuple[Any, ...], int] = {}  # request key -> decision number
         for i, (spec, report) in enumerate(fitted):
             for field_name, task_id in [*(("depends_on", t) for t in spec.depends_on),
-                                        ("parent_task_id", spec.parent_task_id)]:
+                                        ("parent_task_id", spec.parent_task_id)
+                                        ] if spec.depends_on or spec.parent_task_id else ():
                 # Another tenant's task is answered as one that does not exist: a
                 # tenant neither learns of it nor ties its runs to it (a cancel of
                 # theirs would cancel ours).
@@ -709,29 +756,34 @@ class Store(SchedulingMixin):
     def _write_submission(self, conn: Connection, batch: _SubmitBatch) -> set[str] | None:
         """Insert the batch's tasks; for those really inserted (an idempotency key
         already taken inserts nothing), their routes, lanes, runs and admission events,
-        and wake the queues that got QUEUED runs. Returns the inserted task ids.
+        and wake the queues that got QUEUED runs. Returns the ids of the tasks not
+        inserted (their key was taken before).
         PostgreSQL: one statement (SUBMIT_WRITE_PG), which writes nothing and returns
         None when the newest policy version is no longer the batch's (the submit
         decides again); SQLite: one per table, in a transaction that began with the
         write lock (BEGIN IMMEDIATE), so the policy cannot change meanwhile."""
         if self.is_postgres:
             [row] = self._driver_rows(conn, sql.SUBMIT_WRITE_PG, {
-                "tasks": json.dumps(batch.tasks), "runs": json.dumps(batch.runs),
-                "decisions": json.dumps(batch.records),
+                "items": json.dumps(batch.items), "decisions": json.dumps(batch.records),
+                "decision_queues": [d.queue for d in batch.decisions],
+                "decision_priorities": [d.priority for d in batch.decisions],
+                "decision_max_attempts": [d.max_attempts for d in batch.decisions],
+                "decision_requires": [d.requires for d in batch.decisions],
                 "now": self.clock.now() if batch.now is None else batch.now,
                 "actor": batch.actor, "ahead": JOIN_AHEAD, "channel": WAKEUP_CHANNEL,
                 "version": batch.policy_version,
             })
             self._submit_policy_seen = row.policy_version
-            return set(row.task_ids) if row.policy_version == batch.policy_version else None
+            return set(row.skipped_task_ids) \
+                if row.policy_version == batch.policy_version else None
         assert batch.now is not None  # SQLite always reads the time first (no presumed version)
         insert_task = sqlite_dialect.insert(tasks).on_conflict_do_nothing(
             index_elements=["tenant", "idempotency_key"]).returning(tasks.c.task_id)
-        inserted = set(conn.execute(insert_task, batch.tasks).scalars().all())
-        created = [{**batch.records[run["decision_no"]], **run}
-                   for run in batch.runs if run["task_id"] in inserted]
+        inserted = set(conn.execute(insert_task, batch.task_rows()).scalars().all())
+        created = batch.run_rows(inserted)
+        skipped = {item["task_id"] for item in batch.items} - inserted
         if not created:
-            return inserted
+            return skipped
         lane_plan: dict[tuple[str, str, int, str], tuple[int, float]] = {}
         for run in created:
             key = (run["queue"], run["route_key"], run["priority"], run["tenant"])
@@ -753,7 +805,7 @@ class Store(SchedulingMixin):
              "reason_code": run["reason_code"], "fencing_token": None,
              "message": run["event_message"]}
             for run in created])
-        return inserted
+        return skipped
 
     # --- claim --------------------------------------------------------------------
 
