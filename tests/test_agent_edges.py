@@ -184,6 +184,7 @@ def test_the_python_api_refuses_a_worker_whose_directories_are_unusable(tmp_path
     ok = Settings(database_url=f"sqlite:///{tmp_path / 'api.db'}",
                   workspace_dir=tmp_path / "new" / "ws", artifacts_dir=tmp_path / "new" / "art")
     with Runlane(settings=ok) as lane:
+        lane.upgrade_schema()  # a lane checks the schema on first use
         lane.worker(agent_command="true")
     assert (tmp_path / "new" / "ws").is_dir() and (tmp_path / "new" / "art").is_dir()
 
