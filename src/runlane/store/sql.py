@@ -1139,14 +1139,18 @@ VALUES (:run_id, :attempt_no, :fencing_token, :worker_id, 'RUNNING', 'ACTIVE',
 # --- heartbeat ---------------------------------------------------------------------
 
 # Extend every lease a worker still holds, in one statement: only where the lease is
-# ACTIVE, not yet expired, and still the run's newest (its token is the run's token).
-# The run's status rides along as the control signal (CANCEL_REQUESTED).
+# ACTIVE, not yet expired, still the run's newest (its token is the run's token), and
+# the very lease the worker names (``lease_keys``: "run_id token"). Matching the run's
+# token alone let a beat carrying a stale token extend the same worker's newer lease
+# of the run (invariant 3). The run's status rides along as the control signal
+# (CANCEL_REQUESTED).
 HEARTBEAT = """
 UPDATE attempts
 SET lease_expires_at = {now} + :ttl,
     heartbeat_at = {now}
 WHERE attempts.worker_id = :worker_id
   AND attempts.run_id IN :run_ids
+  AND attempts.run_id || ' ' || CAST(attempts.fencing_token AS TEXT) IN :lease_keys
   AND attempts.lease_status = 'ACTIVE'
   AND attempts.lease_expires_at > {now}
   AND attempts.fencing_token = (SELECT r.fencing_token FROM runs r

@@ -876,9 +876,11 @@ class Store(SchedulingMixin):
 
         def work(conn: Connection) -> HeartbeatResult:
             rows = conn.execute(
-                self._q(sql.HEARTBEAT, "run_ids"),
-                {"worker_id": worker_id, "run_ids": list(held), "ttl": lease_ttl,
-                 "now": self.clock.now()},
+                self._q(sql.HEARTBEAT, "run_ids", "lease_keys"),
+                {"worker_id": worker_id, "run_ids": list(held),
+                 "lease_keys": [f"{lease.run_id} {lease.fencing_token}"
+                                for lease in held.values()],
+                 "ttl": lease_ttl, "now": self.clock.now()},
             ).all()
             extended: dict[str, float] = {}
             cancel: set[str] = set()
