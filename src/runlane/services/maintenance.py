@@ -67,9 +67,11 @@ class Reaper(MaintenanceService):
     def run_once(self) -> dict[str, int]:
         total = 0
         for _ in range(self.config.max_batches_per_pass):
-            reaped = self.store.reap_expired_leases(limit=self.config.batch_size)
+            listed, reaped = self.store.reap_expired_batch(limit=self.config.batch_size)
             total += reaped
-            if reaped < self.config.batch_size:
+            # Not ``reaped < batch_size``: with several reapers, one that finds its
+            # batch taken by another (reaped 0) would end its pass with more waiting.
+            if listed < self.config.batch_size:
                 break
         return {"expired_leases": total}
 

@@ -1320,7 +1320,14 @@ class Store(SchedulingMixin):
     # --- maintenance: reaper and reconciler -----------------------------------------
 
     def reap_expired_leases(self, *, limit: int = 100) -> int:
-        """Expire leases past their expiry (database clock) and recover their runs.
+        """Expire up to ``limit`` leases past their expiry and recover their runs: how
+        many this call recovered (:meth:`reap_expired_batch`)."""
+        return self.reap_expired_batch(limit=limit)[1]
+
+    def reap_expired_batch(self, *, limit: int = 100) -> tuple[int, int]:
+        """Expire leases past their expiry (database clock) and recover their runs:
+        ``(listed, reaped)``. A batch listed full may have more behind it even when
+        another reaper took all of it (reaped 0).
 
         One short transaction lists the expired leases; then each is ended in its own
         transaction, which locks that run (and attempt) first, then its limit counters,
@@ -1348,9 +1355,10 @@ class Store(SchedulingMixin):
                 self._notify(conn, WAKEUP_CHANNEL, queue)
             return True
 
-        return sum(self._transaction(functools.partial(
+        reaped = sum(self._transaction(functools.partial(
             reap_one, run_id=r.run_id, token=r.fencing_token, worker_id=r.worker_id))
             for r in expired)
+        return len(expired), reaped
 
     def reconcile(self, *, admitted_grace: float = 60.0, active_grace: float = 60.0,
                   worker_grace: float = 180.0, max_attempt_seconds: float = 7200.0,
