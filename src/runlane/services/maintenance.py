@@ -31,6 +31,15 @@ class ReconcilerConfig:
     max_attempt_seconds: float = 7200.0
 
 
+def worker_grace_seconds(heartbeat_seconds: float, lease_ttl_seconds: float) -> float:
+    """How long a worker's row may go without a beat before the reconciler marks it
+    DEAD: never less than the default, and longer than a few of its beats and than a
+    lease (settings allow a beat every third of the TTL: a fixed grace marked healthy
+    workers dead between two beats)."""
+    return max(ReconcilerConfig.worker_grace_seconds, 3 * heartbeat_seconds,
+               lease_ttl_seconds)
+
+
 class MaintenanceService:
     name = "service"
     interval_seconds: float = 5.0
