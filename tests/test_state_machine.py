@@ -555,6 +555,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert counts == {
             "admitted_requeued": 0,
             "terminal_leases_revoked": 0,
+            "waiting_leases_revoked": 0,
             "cancelled_task_runs_cancelled": 0,
             "active_without_lease_recovered": 0,
             "workers_marked_dead": len(dead),

@@ -1245,6 +1245,20 @@ RETURNING old.limit_scopes
 """,
     "sqlite": _END_ATTEMPT + "RETURNING limit_scopes\n",
 }
+# An attempt whose row was ended but whose lease was left ACTIVE (END_ATTEMPT matches
+# it no more): end the lease alone, keeping the outcome the row records. Without it
+# the run moved on (the reaper requeued it) with the lease still ACTIVE, which every
+# later claim of the run then hit on the one-ACTIVE-lease index. Returns the scopes
+# the attempt still holds; the caller clears them (CLEAR_ATTEMPT_SLOTS).
+END_LEASE = """
+UPDATE attempts
+SET lease_status = :lease_status,
+    lease_ended_at = COALESCE(lease_ended_at, :now)
+WHERE run_id = :run_id
+  AND fencing_token = :token
+  AND lease_status = 'ACTIVE'
+RETURNING limit_scopes
+"""
 
 # --- batched completion ---------------------------------------------------------------
 #
@@ -1444,18 +1458,24 @@ WHERE r.status = 'ADMITTED' AND r.updated_at <= {now} - :grace
 ORDER BY r.updated_at LIMIT :limit
 {lock_r_skip}
 """
-TERMINAL_WITH_LEASE = """
-SELECT a.run_id, a.fencing_token FROM attempts a JOIN runs r ON r.run_id = a.run_id
-WHERE a.lease_status = 'ACTIVE' AND r.status IN :terminal
+# Runs in a state that holds no lease (``:unleased``: terminal or waiting) with an
+# ACTIVE lease: a terminal run's lease outlived it; a waiting run's poisons every claim
+# of it (the one-ACTIVE-lease index refuses the new attempt, and the claim's whole
+# batch with it).
+UNLEASED_WITH_LEASE = """
+SELECT a.run_id, a.fencing_token, r.status FROM attempts a JOIN runs r ON r.run_id = a.run_id
+WHERE a.lease_status = 'ACTIVE' AND r.status IN :unleased
 LIMIT :limit
 {lock_a_skip}
 """
+# Revoked only while the run is still in one of ``:unleased`` (compare-and-set).
 REVOKE_LEASE = """
 UPDATE attempts
 SET lease_status = 'REVOKED', lease_ended_at = {now}, ended_at = COALESCE(ended_at, {now}),
     status = CASE WHEN status = 'RUNNING' THEN 'FAILED' ELSE status END,
     reason_code = COALESCE(reason_code, :reason_code)
 WHERE run_id = :run_id AND fencing_token = :token AND lease_status = 'ACTIVE'
+  AND (SELECT r.status FROM runs r WHERE r.run_id = attempts.run_id) IN :unleased
 RETURNING limit_scopes
 """
 QUEUED_OF_CANCELLED_TASK = """
