@@ -563,6 +563,8 @@ class StoreMachine(RuleBasedStateMachine):
             # The store keeps its lanes and slot counters exact: nothing to repair.
             "lane_counts_repaired": 0,
             "slot_counters_repaired": 0,
+            "tenant_flags_repaired": 0,
+            "overslept_lanes_woken": 0,
         }
         for h in overlong:
             event(f"reconcile timeout: {self.attempt_ended(h, Reason.TIMEOUT, None)}")

@@ -65,6 +65,7 @@ from runlane.errors import (
 from runlane.store import sql
 from runlane.store.engine import build_engine, dialect_of
 from runlane.store.scheduling import (
+    BLOCKED_LANE_RECHECK_SECONDS,
     FREED_SCOPES,
     JOIN_AHEAD,
     LANE_MOVES,
@@ -191,9 +192,23 @@ class SideEffect:
 
 @dataclass(frozen=True)
 class Violation:
+    """One broken invariant, about a run (``run_id``), a lane (``lane_id``) or a limit
+    scope (``scope``)."""
+
     check: str
     run_id: str | None
     detail: str
+    lane_id: int | None = None
+    scope: str | None = None
+
+    @property
+    def subject(self) -> str:
+        """What the violation is about, for a reader: "run r-1", "lane 3", "scope x"."""
+        if self.lane_id is not None:
+            return f"lane {self.lane_id}"
+        if self.scope is not None:
+            return f"scope {self.scope}"
+        return f"run {self.run_id}"
 
 
 @dataclass(frozen=True)
@@ -1571,10 +1586,14 @@ class Store(SchedulingMixin):
     def audit(self) -> list[Violation]:
         """Check the invariants of DESIGN.md on the live database."""
         found: list[Violation] = []
+        params = {"now": self.clock.now(), "recheck": BLOCKED_LANE_RECHECK_SECONDS}
         with self.reads.connect() as conn:
             for check, statement in sql.AUDIT_CHECKS.items():
-                for r in conn.execute(text(statement)):
-                    found.append(Violation(check, r.run_id, r.detail))
+                used = {k: v for k, v in params.items() if f":{k}" in statement
+                        or (k == "now" and "{now}" in statement)}
+                for r in conn.execute(self._q(statement), used):
+                    found.append(Violation(check, r.run_id, r.detail,
+                                           lane_id=r._mapping.get("lane_id")))
             found.extend(self._audit_slots(conn))
             for r in conn.execute(text(sql.AUDIT_TRANSITIONS)):
                 source = S(r.from_status) if r.from_status else None
