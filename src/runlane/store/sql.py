@@ -1662,8 +1662,8 @@ AUDIT_CHECKS: dict[str, str] = {
     # a blocked lane's sleep (:recheck, BLOCKED_LANE_RECHECK_SECONDS).
     "lane_hidden_below_tenant_limit": """
         SELECT CAST(NULL AS TEXT) AS run_id, l.lane_id,
-               'hidden by tenant_at_limit, but tenant ' || l.tenant
-               || ' is below its limit' AS detail
+               'hidden by tenant_at_limit, but the counter of tenant ' || l.tenant
+               || ' is below its limit (or there is none)' AS detail
         FROM lanes l
         WHERE l.tenant_at_limit <> 0
           AND NOT EXISTS (SELECT 1 FROM limit_counters c
