@@ -555,6 +555,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert counts == {
             "admitted_requeued": 0,
             "terminal_leases_revoked": 0,
+            "waiting_leases_revoked": 0,
             "cancelled_task_runs_cancelled": 0,
             "active_without_lease_recovered": 0,
             "workers_marked_dead": len(dead),
@@ -562,6 +563,8 @@ class StoreMachine(RuleBasedStateMachine):
             # The store keeps its lanes and slot counters exact: nothing to repair.
             "lane_counts_repaired": 0,
             "slot_counters_repaired": 0,
+            "tenant_flags_repaired": 0,
+            "overslept_lanes_woken": 0,
         }
         for h in overlong:
             event(f"reconcile timeout: {self.attempt_ended(h, Reason.TIMEOUT, None)}")

@@ -18,7 +18,13 @@ from runlane.domain.routing import parse_requirements, requirements_to_mapping
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskInvalid, TaskSpec, parse_task, valid_name
 from runlane.errors import DatabaseUnavailable, RunlaneError, SchemaOutdated
-from runlane.services.maintenance import Reaper, ReaperConfig, Reconciler, ReconcilerConfig
+from runlane.services.maintenance import (
+    Reaper,
+    ReaperConfig,
+    Reconciler,
+    ReconcilerConfig,
+    worker_grace_seconds,
+)
 from runlane.services.retention import Pruner, RetentionConfig
 from runlane.services.scheduler import Scheduler, SchedulerConfig
 from runlane.settings import Settings, load_settings
@@ -178,9 +184,11 @@ class Runlane:
             interval_seconds=self.settings.reaper_interval_seconds))
 
     def reconciler(self) -> Reconciler:
+        s = self.settings
         return Reconciler(self.store, ReconcilerConfig(
-            interval_seconds=max(self.settings.reaper_interval_seconds, 10.0),
-            max_attempt_seconds=self.settings.max_attempt_seconds))
+            interval_seconds=max(s.reaper_interval_seconds, 10.0),
+            worker_grace_seconds=worker_grace_seconds(s.heartbeat_seconds, s.lease_ttl_seconds),
+            max_attempt_seconds=s.max_attempt_seconds))
 
     def scheduler(self) -> Scheduler:
         return Scheduler(self.store, SchedulerConfig(

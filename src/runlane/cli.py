@@ -610,7 +610,7 @@ def audit(as_json: bool) -> None:
                      "violations": [v.__dict__ for v in violations]})
     elif violations:
         for v in violations:
-            out.print(f"[red]{v.check}[/red] run {v.run_id}: {v.detail}")
+            out.print(f"[red]{v.check}[/red] {v.subject}: {v.detail}")
     else:
         out.print("all invariants hold")
     if violations:

@@ -46,7 +46,8 @@ def evaluate(outcome: Outcome) -> Report:
     c = outcome.config
     store = outcome.store
     assert store is not None
-    violations = [_violation(v.check, v.run_id, v.detail)
+    violations = [_violation(v.check, v.run_id,
+                             v.detail if v.run_id is not None else f"{v.subject}: {v.detail}")
                   for v in invariants.check_database(store)]
     runs = {r.run_id: r for r in _rows(outcome, invariants.RUNS_WITH_TASKS)}
     attempts: dict[str, list[Any]] = defaultdict(list)

@@ -50,7 +50,11 @@ def plant_no_fencing() -> None:
         raise PlantFailed("planted bug: SET_RUN_STATUS_FENCED has no _FENCE to remove")
     sql.SET_RUN_STATUS_FENCED = _without(fenced.replace(fence, "\n"), token,
                                          "SET_RUN_STATUS_FENCED")
-    beat = sql.HEARTBEAT
+    # The lease's own token, unchecked (the parameter stays bound: the store sends it).
+    beat, n = re.subn(r"\n\s*AND attempts\.run_id \|\| [^\n]* IN :lease_keys",
+                      "\n  AND (1 = 1 OR attempts.run_id IN :lease_keys)", sql.HEARTBEAT)
+    if n == 0:
+        raise PlantFailed("planted bug: HEARTBEAT has no lease_keys match to remove")
     for pattern in (r"\n\s*AND attempts\.lease_status = 'ACTIVE'",
                     r"\n\s*AND attempts\.lease_expires_at > \{now\}",
                     r"\n\s*AND attempts\.fencing_token = \(SELECT[^)]*\)"):

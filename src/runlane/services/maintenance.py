@@ -31,6 +31,15 @@ class ReconcilerConfig:
     max_attempt_seconds: float = 7200.0
 
 
+def worker_grace_seconds(heartbeat_seconds: float, lease_ttl_seconds: float) -> float:
+    """How long a worker's row may go without a beat before the reconciler marks it
+    DEAD: never less than the default, and longer than a few of its beats and than a
+    lease (settings allow a beat every third of the TTL: a fixed grace marked healthy
+    workers dead between two beats)."""
+    return max(ReconcilerConfig.worker_grace_seconds, 3 * heartbeat_seconds,
+               lease_ttl_seconds)
+
+
 class MaintenanceService:
     name = "service"
     interval_seconds: float = 5.0
@@ -67,9 +76,11 @@ class Reaper(MaintenanceService):
     def run_once(self) -> dict[str, int]:
         total = 0
         for _ in range(self.config.max_batches_per_pass):
-            reaped = self.store.reap_expired_leases(limit=self.config.batch_size)
+            listed, reaped = self.store.reap_expired_batch(limit=self.config.batch_size)
             total += reaped
-            if reaped < self.config.batch_size:
+            # Not ``reaped < batch_size``: with several reapers, one that finds its
+            # batch taken by another (reaped 0) would end its pass with more waiting.
+            if listed < self.config.batch_size:
                 break
         return {"expired_leases": total}
 

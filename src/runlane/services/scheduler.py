@@ -45,17 +45,22 @@ class PassTrigger:
         with self._lock:
             if self._running or not self._pending:
                 return False
-            self._running = True
+            self._running, self._pending = True, False
         try:
             while True:
+                self._run_pass()
                 with self._lock:
+                    # Stop running in the block that finds no demand: a request made
+                    # after a separate check found the pass still running, returned,
+                    # and was never run.
                     if not self._pending:
+                        self._running = False
                         return True
                     self._pending = False
-                self._run_pass()
-        finally:
+        except BaseException:
             with self._lock:
-                self._running = False
+                self._running = False  # the demand that came meanwhile stays pending
+            raise
 
 
 @dataclass(frozen=True)

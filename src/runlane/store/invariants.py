@@ -26,47 +26,19 @@ CHAOS_CHECKS: dict[str, str] = {
     "task_without_run": """
         SELECT NULL AS run_id, 'task ' || t.task_id || ' has no run' AS detail
         FROM tasks t WHERE NOT EXISTS (SELECT 1 FROM runs r WHERE r.task_id = t.task_id)""",
-    "task_with_two_runs": """
-        SELECT MIN(run_id) AS run_id, 'task ' || task_id || ' has '
-               || CAST(COUNT(*) AS TEXT) || ' runs' AS detail
-        FROM runs GROUP BY task_id HAVING COUNT(*) > 1""",
     "failed_run_without_reason": """
         SELECT run_id, 'run ' || status || ' without a reason code' AS detail
         FROM runs WHERE status IN ('FAILED', 'CANCELLED') AND reason_code IS NULL""",
-    # An ended run keeps no attempt open and no lease alive.
-    "attempt_left_open": f"""
-        SELECT a.run_id, 'attempt ' || CAST(a.attempt_no AS TEXT) || ' ' || a.status
-               || ', lease ' || a.lease_status || ', in a ' || r.status || ' run' AS detail
-        FROM attempts a JOIN runs r ON r.run_id = a.run_id
-        WHERE r.status IN {TERMINAL}
-          AND (a.ended_at IS NULL OR a.status = 'RUNNING' OR a.lease_status = 'ACTIVE')""",
+    # An ended run started no attempt after it ended. (An attempt or lease left open,
+    # a stale token's write, a claim after a cancel and a task's second run are
+    # checked by ``runlane audit``: sql.AUDIT_CHECKS.)
     "attempt_after_end": """
         SELECT a.run_id, 'attempt ' || CAST(a.attempt_no AS TEXT)
                || ' started after the run ended' AS detail
         FROM attempts a JOIN runs r ON r.run_id = a.run_id
         WHERE r.ended_at IS NOT NULL AND a.started_at > r.ended_at""",
-    # Fencing: a worker wrote about a run after a newer lease of it had begun.
-    "stale_token_write": """
-        SELECT e.run_id, e.actor || ' wrote ' || COALESCE(e.from_status, '-') || ' -> '
-               || e.to_status || ' with token ' || CAST(e.fencing_token AS TEXT)
-               || ' after the lease with token ' || CAST(MIN(b.fencing_token) AS TEXT)
-               || ' began' AS detail
-        FROM run_events e
-        JOIN attempts a ON a.run_id = e.run_id AND a.fencing_token = e.fencing_token
-                       AND a.worker_id = e.actor
-        JOIN attempts b ON b.run_id = e.run_id AND b.fencing_token > e.fencing_token
-                       AND b.started_at < e.at
-        GROUP BY e.event_id, e.run_id, e.actor, e.from_status, e.to_status, e.fencing_token""",
-    # Cancellation is monotonic: a cancelled run is never claimed again, never starts a
-    # side effect after the cancel, and ends CANCELLED.
-    "claimed_after_cancel": """
-        SELECT c.run_id, 'claimed again (attempt ' || CAST(MIN(x.attempt_no) AS TEXT)
-               || ') after ' || c.to_status AS detail
-        FROM run_events c
-        JOIN run_events x ON x.run_id = c.run_id AND x.event_id > c.event_id
-                         AND x.to_status = 'CLAIMED'
-        WHERE c.to_status IN ('CANCEL_REQUESTED', 'CANCELLED')
-        GROUP BY c.event_id, c.run_id, c.to_status""",
+    # Cancellation is monotonic: a cancelled run never starts a side effect after the
+    # cancel, and ends CANCELLED.
     "effect_after_cancel": """
         SELECT s.run_id, 'effect ' || s.effect_key || ' begun after the cancel' AS detail
         FROM side_effects s

@@ -518,8 +518,8 @@ class SchedulingMixin:
                 counters[r.scope] = int(r.active)
             else:
                 held.update(json.loads(r.held))
-        return [Violation("slot_count_drift", f"scope {scope}",
-                          f"counter {counters[scope]} but {held[scope]} held")
+        return [Violation("slot_count_drift", None,
+                          f"counter {counters[scope]} but {held[scope]} held", scope=scope)
                 for scope in sorted(counters) if counters[scope] != held[scope]]
 
     def _repair_scheduling_counts(self, conn: Connection) -> dict[str, int]:
@@ -543,10 +543,20 @@ class SchedulingMixin:
         drift = [r for r in conn.execute(self._q(sql.LANE_COUNT_DRIFT)) if r.lane_id in locked]
         for r in drift:
             conn.execute(self._q(sql.LANE_SET_COUNT), {"lane_id": r.lane_id, "n": r.actual})
-        if drift or fixed:
-            conn.execute(self._q(sql.RECOMPUTE_TENANT_FLAGS), {"ahead": JOIN_AHEAD})
-            log.warning("scheduling_counts_repaired", lanes=len(drift), counters=fixed)
-        return {"lane_counts_repaired": len(drift), "slot_counters_repaired": fixed}
+        # Always, not only after a recount: a flag wrong on its own (a tenant shown as
+        # full below its limit) hid the tenant's runs from every claim, for good. It
+        # writes only the lanes whose flag is wrong.
+        flags = conn.execute(self._q(sql.RECOMPUTE_TENANT_FLAGS), {"ahead": JOIN_AHEAD}
+                             ).rowcount
+        # A lane asleep past its due runs and the recheck hid them from every claim.
+        woken = conn.execute(self._q(sql.WAKE_OVERSLEPT_LANES), {
+            "now": self.clock.now(), "recheck": BLOCKED_LANE_RECHECK_SECONDS,
+            "ahead": JOIN_AHEAD}).rowcount
+        if drift or fixed or flags or woken:
+            log.warning("scheduling_counts_repaired", lanes=len(drift), counters=fixed,
+                        tenant_flags=flags, lanes_woken=woken)
+        return {"lane_counts_repaired": len(drift), "slot_counters_repaired": fixed,
+                "tenant_flags_repaired": flags, "overslept_lanes_woken": woken}
 
     # --- the claim ------------------------------------------------------------------
 

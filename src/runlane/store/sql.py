@@ -427,6 +427,16 @@ SELECT l.lane_id FROM lanes l WHERE l.wake_at IS NOT NULL AND l.wake_at <= {now}
 ORDER BY l.wake_at LIMIT 100 {lock_l_skip}
 """
 LANES_WAKE = "UPDATE lanes" + _WAKE_SET + "WHERE lanes.lane_id IN (" + _DUE_LANES + ")"
+# The reconciler's repair of a lane asleep past both its next due run and the recheck
+# that bounds a blocked lane's sleep (a wake_at no sleep sets; audit
+# lane_asleep_past_its_runs): woken as a due lane is, skipping lanes others hold.
+WAKE_OVERSLEPT_LANES = "UPDATE lanes" + _WAKE_SET + """WHERE lanes.lane_id IN (
+    SELECT l.lane_id FROM lanes l
+    WHERE l.wake_at > {now} + :recheck
+      AND l.wake_at > (SELECT MIN(r.visible_at) FROM runs r
+                       WHERE r.lane_id = l.lane_id AND r.status = 'QUEUED')
+    ORDER BY l.lane_id {lock_l_skip})
+"""
 # A release gave room in ``:scopes``: wake the sleeping lanes blocked on any of them,
 # then forget every block on those scopes. Sent last in the release's transaction
 # (Store._transaction), after every lane write that may wait: it skips lanes others
@@ -1262,14 +1272,18 @@ VALUES (:run_id, :attempt_no, :fencing_token, :worker_id, 'RUNNING', 'ACTIVE',
 # --- heartbeat ---------------------------------------------------------------------
 
 # Extend every lease a worker still holds, in one statement: only where the lease is
-# ACTIVE, not yet expired, and still the run's newest (its token is the run's token).
-# The run's status rides along as the control signal (CANCEL_REQUESTED).
+# ACTIVE, not yet expired, still the run's newest (its token is the run's token), and
+# the very lease the worker names (``lease_keys``: "run_id token"). Matching the run's
+# token alone let a beat carrying a stale token extend the same worker's newer lease
+# of the run (invariant 3). The run's status rides along as the control signal
+# (CANCEL_REQUESTED).
 HEARTBEAT = """
 UPDATE attempts
 SET lease_expires_at = {now} + :ttl,
     heartbeat_at = {now}
 WHERE attempts.worker_id = :worker_id
   AND attempts.run_id IN :run_ids
+  AND attempts.run_id || ' ' || CAST(attempts.fencing_token AS TEXT) IN :lease_keys
   AND attempts.lease_status = 'ACTIVE'
   AND attempts.lease_expires_at > {now}
   AND attempts.fencing_token = (SELECT r.fencing_token FROM runs r
@@ -1365,6 +1379,20 @@ RETURNING """ + COUNTED_SCOPES["postgresql"].format(col="old.limit_scopes") + ""
     "sqlite": _END_ATTEMPT + "RETURNING " + COUNTED_SCOPES["sqlite"].format(
         col="limit_scopes") + " AS limit_scopes\n",
 }
+# An attempt whose row was ended but whose lease was left ACTIVE (END_ATTEMPT matches
+# it no more): end the lease alone, keeping the outcome the row records. Without it
+# the run moved on (the reaper requeued it) with the lease still ACTIVE, which every
+# later claim of the run then hit on the one-ACTIVE-lease index. Returns the scopes
+# the attempt still holds; the caller clears them (CLEAR_ATTEMPT_SLOTS).
+END_LEASE = """
+UPDATE attempts
+SET lease_status = :lease_status,
+    lease_ended_at = COALESCE(lease_ended_at, :now)
+WHERE run_id = :run_id
+  AND fencing_token = :token
+  AND lease_status = 'ACTIVE'
+RETURNING {counted_limit_scopes} AS limit_scopes
+"""
 
 # --- batched completion ---------------------------------------------------------------
 #
@@ -1565,18 +1593,24 @@ WHERE r.status = 'ADMITTED' AND r.updated_at <= {now} - :grace
 ORDER BY r.updated_at LIMIT :limit
 {lock_r_skip}
 """
-TERMINAL_WITH_LEASE = """
-SELECT a.run_id, a.fencing_token FROM attempts a JOIN runs r ON r.run_id = a.run_id
-WHERE a.lease_status = 'ACTIVE' AND r.status IN :terminal
+# Runs in a state that holds no lease (``:unleased``: terminal or waiting) with an
+# ACTIVE lease: a terminal run's lease outlived it; a waiting run's poisons every claim
+# of it (the one-ACTIVE-lease index refuses the new attempt, and the claim's whole
+# batch with it).
+UNLEASED_WITH_LEASE = """
+SELECT a.run_id, a.fencing_token, r.status FROM attempts a JOIN runs r ON r.run_id = a.run_id
+WHERE a.lease_status = 'ACTIVE' AND r.status IN :unleased
 LIMIT :limit
 {lock_a_skip}
 """
+# Revoked only while the run is still in one of ``:unleased`` (compare-and-set).
 REVOKE_LEASE = """
 UPDATE attempts
 SET lease_status = 'REVOKED', lease_ended_at = {now}, ended_at = COALESCE(ended_at, {now}),
     status = CASE WHEN status = 'RUNNING' THEN 'FAILED' ELSE status END,
     reason_code = COALESCE(reason_code, :reason_code)
 WHERE run_id = :run_id AND fencing_token = :token AND lease_status = 'ACTIVE'
+  AND (SELECT r.status FROM runs r WHERE r.run_id = attempts.run_id) IN :unleased
 RETURNING {counted_limit_scopes} AS limit_scopes
 """
 QUEUED_OF_CANCELLED_TASK = """
@@ -1630,6 +1664,68 @@ AUDIT_CHECKS: dict[str, str] = {
         SELECT r.run_id, 'status ' || r.status || ' with an ACTIVE lease' AS detail
         FROM runs r JOIN attempts a ON a.run_id = r.run_id AND a.lease_status = 'ACTIVE'
         WHERE r.status IN ('ADMITTED', 'WAITING_CAPACITY', 'QUEUED')""",
+    # A leased or cancelling run whose lease ended without the run moving on: no reaper
+    # lists it (no ACTIVE lease); the reconciler's repair 4 recovers it.
+    "leased_run_without_live_lease": """
+        SELECT r.run_id, 'status ' || r.status || ' with no ACTIVE lease' AS detail
+        FROM runs r
+        WHERE r.status IN ('CLAIMED', 'PREPARING_SANDBOX', 'RUNNING', 'VERIFYING',
+                           'JUDGING', 'FINALIZING', 'CANCEL_REQUESTED', 'CANCELLING')
+          AND NOT EXISTS (SELECT 1 FROM attempts a
+                          WHERE a.run_id = r.run_id AND a.lease_status = 'ACTIVE')""",
+    # Markers a run passes through inside one write: persisted, nothing but the
+    # reconciler's repair 4 would ever move the run on.
+    "run_in_recovery_marker_state": """
+        SELECT run_id, 'left in ' || status || ', a state runs only pass through' AS detail
+        FROM runs WHERE status IN ('STALE_LEASE', 'FAILED_RETRYABLE')""",
+    # An ended run keeps no attempt open (one with its lease still live is reported
+    # as terminal_run_with_live_lease).
+    "attempt_left_open": """
+        SELECT a.run_id, 'attempt ' || CAST(a.attempt_no AS TEXT) || ' ' || a.status
+               || ', lease ' || a.lease_status || ', in a ' || r.status || ' run' AS detail
+        FROM attempts a JOIN runs r ON r.run_id = a.run_id
+        WHERE r.status IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'POLICY_DENIED')
+          AND a.lease_status <> 'ACTIVE'
+          AND (a.ended_at IS NULL OR a.status = 'RUNNING')""",
+    # Invariant 3: a worker wrote about a run with its token after a newer lease of the
+    # run had begun (events by the reaper, the reconciler or a user are not a worker's).
+    "stale_token_write": """
+        SELECT e.run_id, e.actor || ' wrote ' || COALESCE(e.from_status, '-') || ' -> '
+               || e.to_status || ' with token ' || CAST(e.fencing_token AS TEXT)
+               || ' after the lease with token ' || CAST(MIN(b.fencing_token) AS TEXT)
+               || ' began' AS detail
+        FROM run_events e
+        JOIN attempts a ON a.run_id = e.run_id AND a.fencing_token = e.fencing_token
+                       AND a.worker_id = e.actor
+        JOIN attempts b ON b.run_id = e.run_id AND b.fencing_token > e.fencing_token
+                       AND b.started_at < e.at
+        GROUP BY e.event_id, e.run_id, e.actor, e.from_status, e.to_status, e.fencing_token""",
+    # Invariant 5: a run cancelled (or being cancelled) is never claimed again.
+    "claimed_after_cancel": """
+        SELECT c.run_id, 'claimed again (attempt ' || CAST(MIN(x.attempt_no) AS TEXT)
+               || ') after ' || c.to_status AS detail
+        FROM run_events c
+        JOIN run_events x ON x.run_id = c.run_id AND x.event_id > c.event_id
+                         AND x.to_status = 'CLAIMED'
+        WHERE c.to_status IN ('CANCEL_REQUESTED', 'CANCELLED')
+        GROUP BY c.event_id, c.run_id, c.to_status""",
+    # A task executes through one run: a second one would execute it twice.
+    "task_with_two_runs": """
+        SELECT MIN(run_id) AS run_id, 'task ' || task_id || ' has '
+               || CAST(COUNT(*) AS TEXT) || ' runs' AS detail
+        FROM runs GROUP BY task_id HAVING COUNT(*) > 1""",
+    # Every status change is a compare-and-set recorded as one event per hop: each
+    # event starts where the run's previous one ended. A status overwritten without
+    # its event (a run taken out of a terminal state, say) breaks the chain.
+    "event_chain_broken": """
+        SELECT run_id, 'event ' || CAST(event_id AS TEXT) || ' ' || COALESCE(from_status, '-')
+               || ' -> ' || to_status || ' follows one that ended ' || prev_status AS detail
+        FROM (SELECT e.run_id, e.event_id, e.from_status, e.to_status,
+                     LAG(e.to_status) OVER (PARTITION BY e.run_id ORDER BY e.event_id)
+                       AS prev_status
+              FROM run_events e) c
+        WHERE prev_status IS NOT NULL
+          AND (from_status IS NULL OR from_status <> prev_status)""",
     "fencing_token_not_increasing": """
         SELECT b.run_id, 'attempt ' || CAST(b.attempt_no AS TEXT) || ' token '
                || CAST(b.fencing_token AS TEXT) || ' <= attempt '
@@ -1669,15 +1765,43 @@ AUDIT_CHECKS: dict[str, str] = {
               AND e.completed_at <= CASE
                   WHEN a.lease_ended_at IS NOT NULL AND a.lease_ended_at < a.lease_expires_at
                   THEN a.lease_ended_at ELSE a.lease_expires_at END)""",
+    # Rows about a lane name it in ``lane_id`` (``run_id`` is NULL).
     "lane_count_drift": """
-        SELECT 'lane ' || CAST(l.lane_id AS TEXT) AS run_id,
+        SELECT CAST(NULL AS TEXT) AS run_id, l.lane_id,
                'queued_count ' || CAST(l.queued_count AS TEXT) || ' but '
                || CAST(COUNT(r.run_id) AS TEXT) || ' queued runs' AS detail
         FROM lanes l LEFT JOIN runs r ON r.lane_id = l.lane_id AND r.status = 'QUEUED'
         GROUP BY l.lane_id, l.queued_count HAVING COUNT(r.run_id) <> l.queued_count""",
     "queued_run_without_lane": """
-        SELECT run_id, 'QUEUED with no lane: no claim can reach it' AS detail
-        FROM runs WHERE status = 'QUEUED' AND lane_id IS NULL""",
+        SELECT r.run_id, CASE WHEN r.lane_id IS NULL THEN 'QUEUED with no lane'
+                              ELSE 'QUEUED in lane ' || CAST(r.lane_id AS TEXT)
+                                   || ', which does not exist' END
+               || ': no claim can reach it' AS detail
+        FROM runs r
+        WHERE r.status = 'QUEUED'
+          AND (r.lane_id IS NULL
+               OR NOT EXISTS (SELECT 1 FROM lanes l WHERE l.lane_id = r.lane_id))""",
+    # Lanes hidden from every claim (out of ix_lanes_pick) while their runs could run:
+    # flagged full although the tenant is below its limit (the reconciler re-derives
+    # the flags), or asleep past both their next due run and the recheck that bounds
+    # a blocked lane's sleep (:recheck, BLOCKED_LANE_RECHECK_SECONDS).
+    "lane_hidden_below_tenant_limit": """
+        SELECT CAST(NULL AS TEXT) AS run_id, l.lane_id,
+               'hidden by tenant_at_limit, but the counter of tenant ' || l.tenant
+               || ' is below its limit (or there is none)' AS detail
+        FROM lanes l
+        WHERE l.tenant_at_limit <> 0
+          AND NOT EXISTS (SELECT 1 FROM limit_counters c
+                          WHERE c.scope = 'tenant:' || l.tenant
+                            AND c.active >= c.max_active)""",
+    "lane_asleep_past_its_runs": """
+        SELECT CAST(NULL AS TEXT) AS run_id, l.lane_id,
+               'asleep until ' || CAST(l.wake_at AS TEXT) || ', its first queued run due at '
+               || CAST(q.due AS TEXT) AS detail
+        FROM lanes l
+        JOIN (SELECT r.lane_id, MIN(r.visible_at) AS due FROM runs r
+              WHERE r.status = 'QUEUED' GROUP BY r.lane_id) q ON q.lane_id = l.lane_id
+        WHERE l.wake_at > q.due AND l.wake_at > {now} + :recheck""",
     "failed_attempt_without_reason": """
         SELECT run_id, 'attempt ' || CAST(attempt_no AS TEXT) || ' ' || status
                || ' without a reason code' AS detail

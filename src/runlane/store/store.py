@@ -65,6 +65,7 @@ from runlane.errors import (
 from runlane.store import sql
 from runlane.store.engine import build_engine, dialect_of
 from runlane.store.scheduling import (
+    BLOCKED_LANE_RECHECK_SECONDS,
     FREED_SCOPES,
     JOIN_AHEAD,
     LANE_MOVES,
@@ -83,6 +84,11 @@ S = RunStatus
 WAKEUP_CHANNEL = "runlane_wakeup"  # payload: queue name
 CANCEL_CHANNEL = "runlane_cancel"  # payload: run id
 CANCELLING = frozenset({S.CANCEL_REQUESTED, S.CANCELLING})
+# Markers a run only passes through inside one write: persisted, no service would
+# ever move the run on, so the reconciler's repair 4 takes them on.
+RECOVERY_MARKERS = frozenset({S.STALE_LEASE, S.FAILED_RETRYABLE})
+# The states in which a run without a live lease is stuck (repair 4).
+RECOVERABLE = LEASED | CANCELLING | RECOVERY_MARKERS
 # The reaper's lock on one expired lease's run and attempt (skipped when held).
 _REAP_LOCK = """
 SELECT r.queue FROM runs r
@@ -186,9 +192,23 @@ class SideEffect:
 
 @dataclass(frozen=True)
 class Violation:
+    """One broken invariant, about a run (``run_id``), a lane (``lane_id``) or a limit
+    scope (``scope``)."""
+
     check: str
     run_id: str | None
     detail: str
+    lane_id: int | None = None
+    scope: str | None = None
+
+    @property
+    def subject(self) -> str:
+        """What the violation is about, for a reader: "run r-1", "lane 3", "scope x"."""
+        if self.lane_id is not None:
+            return f"lane {self.lane_id}"
+        if self.scope is not None:
+            return f"scope {self.scope}"
+        return f"run {self.run_id}"
 
 
 @dataclass(frozen=True)
@@ -928,9 +948,11 @@ class Store(SchedulingMixin):
 
         def work(conn: Connection) -> HeartbeatResult:
             rows = conn.execute(
-                self._q(sql.HEARTBEAT, "run_ids"),
-                {"worker_id": worker_id, "run_ids": list(held), "ttl": lease_ttl,
-                 "now": self.clock.now()},
+                self._q(sql.HEARTBEAT, "run_ids", "lease_keys"),
+                {"worker_id": worker_id, "run_ids": list(held),
+                 "lease_keys": [f"{lease.run_id} {lease.fencing_token}"
+                                for lease in held.values()],
+                 "ttl": lease_ttl, "now": self.clock.now()},
             ).all()
             extended: dict[str, float] = {}
             cancel: set[str] = set()
@@ -1202,7 +1224,9 @@ class Store(SchedulingMixin):
             path, attempt_status, run_reason = [S.CANCELLED], "CANCELLED", Reason.CANCELLED_BY_USER
         elif reason == Reason.POLICY_DENIED and status in LEASED:
             path = [S.POLICY_DENIED]  # the policy now forbids this run: never retried
-        elif status in LEASED or status is S.STALE_LEASE:
+        elif status in LEASED or status in RECOVERY_MARKERS:
+            # A run left in a marker state (a write applied halfway, a manual fix) is
+            # taken on from where it stands: from FAILED_RETRYABLE the next hop.
             recovered = lease_status in ("EXPIRED", "REVOKED") and status in LEASED
             prefix = [S.STALE_LEASE] if recovered else []
             # The settings' retry policy with the policy file's [retry] section over
@@ -1216,16 +1240,26 @@ class Store(SchedulingMixin):
             )
             if decision.retry:
                 path = [*prefix, S.FAILED_RETRYABLE, S.QUEUED]
+                if status is S.FAILED_RETRYABLE:
+                    path = [S.QUEUED]
                 visible_at = now + decision.delay_seconds
             else:
                 path = [*prefix, S.FAILED]
                 run_reason = decision.final_reason or reason
-        held = conn.execute(
+        ended = conn.execute(
             self._q(sql.END_ATTEMPT[self.dialect]),
             {"status": attempt_status, "reason_code": reason, "message": message,
              "retry_after_seconds": retry_after, "lease_status": lease_status, "now": now,
              "run_id": snap.run_id, "token": snap.fencing_token},
-        ).scalar()
+        ).first()
+        cleared = self.is_postgres
+        if ended is None and snap.lease_status == "ACTIVE":
+            # The attempt row was ended without its lease: end the lease, or the run
+            # moves on with it still ACTIVE.
+            ended, cleared = conn.execute(self._q(sql.END_LEASE), {
+                "lease_status": lease_status, "now": now, "run_id": snap.run_id,
+                "token": snap.fencing_token}).first(), False
+        held = ended[0] if ended is not None else None
         # The lock order: the run (locked by the caller's snapshot) and, when it ends,
         # the runs waiting for its task; then its counters; then the lanes (its own, the
         # dependents', its tenant's shown again) at the block's end in lane_id order.
@@ -1237,7 +1271,7 @@ class Store(SchedulingMixin):
                 message=message, visible_at=visible_at,
             )
             self._give_back_slots(conn, snap.run_id, snap.fencing_token, held,
-                                  cleared=self.is_postgres)
+                                  cleared=cleared)
         if path:
             if not won:  # cannot happen under the row lock; refuse loudly rather than guess
                 raise TransitionRefused(f"run {snap.run_id} changed while locked")
@@ -1370,7 +1404,14 @@ class Store(SchedulingMixin):
     # --- maintenance: reaper and reconciler -----------------------------------------
 
     def reap_expired_leases(self, *, limit: int = 100) -> int:
-        """Expire leases past their expiry (database clock) and recover their runs.
+        """Expire up to ``limit`` leases past their expiry and recover their runs: how
+        many this call recovered (:meth:`reap_expired_batch`)."""
+        return self.reap_expired_batch(limit=limit)[1]
+
+    def reap_expired_batch(self, *, limit: int = 100) -> tuple[int, int]:
+        """Expire leases past their expiry (database clock) and recover their runs:
+        ``(listed, reaped)``. A batch listed full may have more behind it even when
+        another reaper took all of it (reaped 0).
 
         One short transaction lists the expired leases; then each is ended in its own
         transaction, which locks that run (and attempt) first, then its limit counters,
@@ -1398,9 +1439,10 @@ class Store(SchedulingMixin):
                 self._notify(conn, WAKEUP_CHANNEL, queue)
             return True
 
-        return sum(self._transaction(functools.partial(
+        reaped = sum(self._transaction(functools.partial(
             reap_one, run_id=r.run_id, token=r.fencing_token, worker_id=r.worker_id))
             for r in expired)
+        return len(expired), reaped
 
     def reconcile(self, *, admitted_grace: float = 60.0, active_grace: float = 60.0,
                   worker_grace: float = 180.0, max_attempt_seconds: float = 7200.0,
@@ -1421,12 +1463,12 @@ class Store(SchedulingMixin):
                 "now": now,
                 "admitted": conn.execute(self._q(sql.ADMITTED_NOT_QUEUED),
                                          {**p, "grace": admitted_grace}).all(),
-                "terminal": conn.execute(self._q(sql.TERMINAL_WITH_LEASE, "terminal"), {
-                    **p, "terminal": [s.value for s in TERMINAL]}).all(),
+                "unleased": conn.execute(self._q(sql.UNLEASED_WITH_LEASE, "unleased"), {
+                    **p, "unleased": [s.value for s in TERMINAL | WAITING]}).all(),
                 "cancelled": conn.execute(self._q(sql.QUEUED_OF_CANCELLED_TASK, "waiting"), {
                     **p, "waiting": [s.value for s in WAITING]}).all(),
                 "active": conn.execute(self._q(sql.ACTIVE_WITHOUT_LEASE, "active"), {
-                    **p, "active": [s.value for s in (LEASED | CANCELLING)],
+                    **p, "active": [s.value for s in RECOVERABLE],
                     "grace": active_grace}).all(),
                 "overlong": conn.execute(self._q(sql.OVERLONG_ATTEMPTS),
                                          {**p, "max_seconds": max_attempt_seconds}).all(),
@@ -1441,12 +1483,18 @@ class Store(SchedulingMixin):
                                     run_token=self._token(conn, run_id), actor="reconciler",
                                     now=now, reason_code=Reason.RECONCILED_ADMITTED_NOT_QUEUED)
 
-        # 2. Terminal runs that still hold a live lease: revoke it.
-        def revoke(conn: Connection, run_id: str, token: int) -> bool:
-            held = conn.execute(self._q(sql.REVOKE_LEASE), {
+        # 2. Terminal or waiting runs that still hold a live lease: revoke it (a waiting
+        # run's would fail every claim of it). True only if this pass revoked it.
+        def revoke(conn: Connection, run_id: str, token: int, status: str) -> bool:
+            waiting = S(status) in WAITING
+            revoked = conn.execute(self._q(sql.REVOKE_LEASE, "unleased"), {
                 "now": now, "run_id": run_id, "token": token,
-                "reason_code": Reason.RECONCILED_TERMINAL_LEASE}).scalar()
-            self._give_back_slots(conn, run_id, token, held)
+                "unleased": [s.value for s in (WAITING if waiting else TERMINAL)],
+                "reason_code": Reason.RECONCILED_WAITING_LEASE if waiting
+                else Reason.RECONCILED_TERMINAL_LEASE}).first()
+            if revoked is None:
+                return False
+            self._give_back_slots(conn, run_id, token, revoked[0])
             return True
 
         # 3. Waiting runs of a cancelled task (the cancel write was lost): cancel them.
@@ -1458,14 +1506,24 @@ class Store(SchedulingMixin):
                 run_token=self._token(conn, run_id), actor="reconciler", now=now,
                 reason_code=Reason.RECONCILED_CANCELLED_TASK)
 
-        # 4. Runs in a leased or cancelling state with no live lease at all, and
-        # 6. attempts running longer than the maximum: their attempt ends.
+        # 4. Runs in a leased, cancelling or recovery-marker state with no live lease
+        # at all, and 6. attempts running longer than the maximum: their attempt ends.
+        # Checked again under the run's lock (a worker may have ended the attempt, or
+        # another reconciler repaired the run, since the listing): True only if this
+        # pass repaired it.
         def end(conn: Connection, run_id: str, token: int, reason: Reason,
                 message: str) -> bool:
             snap = self._snapshot(conn, run_id, token)
-            if snap is not None:
-                self._end_attempt(conn, snap, reason, actor="reconciler",
-                                  lease_status="REVOKED", message=message)
+            if snap is None:
+                return False
+            if reason is Reason.TIMEOUT:
+                if snap.lease_status != "ACTIVE":
+                    return False
+            elif (snap.run_token != token or snap.lease_status == "ACTIVE"
+                  or snap.status not in RECOVERABLE):
+                return False
+            self._end_attempt(conn, snap, reason, actor="reconciler",
+                              lease_status="REVOKED", message=message)
             return True
 
         def each(work: Callable[..., bool], *args: Any) -> int:
@@ -1473,8 +1531,12 @@ class Store(SchedulingMixin):
 
         counts: dict[str, int] = {
             "admitted_requeued": sum(each(requeue, r.run_id) for r in found["admitted"]),
-            "terminal_leases_revoked": sum(each(revoke, r.run_id, r.fencing_token)
-                                           for r in found["terminal"]),
+            "terminal_leases_revoked": sum(
+                each(revoke, r.run_id, r.fencing_token, r.status)
+                for r in found["unleased"] if S(r.status) in TERMINAL),
+            "waiting_leases_revoked": sum(
+                each(revoke, r.run_id, r.fencing_token, r.status)
+                for r in found["unleased"] if S(r.status) in WAITING),
             "cancelled_task_runs_cancelled": sum(each(cancel, r.run_id)
                                                  for r in found["cancelled"]),
             "active_without_lease_recovered": sum(
@@ -1576,10 +1638,14 @@ class Store(SchedulingMixin):
     def audit(self) -> list[Violation]:
         """Check the invariants of DESIGN.md on the live database."""
         found: list[Violation] = []
+        params = {"now": self.clock.now(), "recheck": BLOCKED_LANE_RECHECK_SECONDS}
         with self.reads.connect() as conn:
             for check, statement in sql.AUDIT_CHECKS.items():
-                for r in conn.execute(text(statement)):
-                    found.append(Violation(check, r.run_id, r.detail))
+                used = {k: v for k, v in params.items() if f":{k}" in statement
+                        or (k == "now" and "{now}" in statement)}
+                for r in conn.execute(self._q(statement), used):
+                    found.append(Violation(check, r.run_id, r.detail,
+                                           lane_id=r._mapping.get("lane_id")))
             found.extend(self._audit_slots(conn))
             for r in conn.execute(text(sql.AUDIT_TRANSITIONS)):
                 source = S(r.from_status) if r.from_status else None
