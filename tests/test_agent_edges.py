@@ -174,6 +174,8 @@ def test_a_worker_that_cannot_make_workspaces_does_not_fail_the_queue(tmp_path: 
 def test_the_python_api_refuses_a_worker_whose_directories_are_unusable(tmp_path: Path
                                                                         ) -> None:
     (tmp_path / "a-file").write_text("")
+    with Runlane(f"sqlite:///{tmp_path / 'api.db'}") as lane:
+        lane.upgrade_schema()  # a lane checks the schema on first use
     for field in ("workspace_dir", "artifacts_dir"):
         settings = Settings(database_url=f"sqlite:///{tmp_path / 'api.db'}",
                             **{field: tmp_path / "a-file" / "x"})  # type: ignore[arg-type]
@@ -184,7 +186,6 @@ def test_the_python_api_refuses_a_worker_whose_directories_are_unusable(tmp_path
     ok = Settings(database_url=f"sqlite:///{tmp_path / 'api.db'}",
                   workspace_dir=tmp_path / "new" / "ws", artifacts_dir=tmp_path / "new" / "art")
     with Runlane(settings=ok) as lane:
-        lane.upgrade_schema()  # a lane checks the schema on first use
         lane.worker(agent_command="true")
     assert (tmp_path / "new" / "ws").is_dir() and (tmp_path / "new" / "art").is_dir()
 
