@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import random
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -66,6 +66,21 @@ RUN_TAG = f"{os.getpid()}"
 def drop_pg_database(name: str) -> None:
     with psycopg.connect(_libpq(ADMIN_URL), autocommit=True, connect_timeout=3) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_databases() -> Iterator[Callable[[str], str]]:
+    """A factory of empty PostgreSQL databases for one test: a name in, its URL out;
+    all dropped after the test (FORCE: also closes the test's pooled connections)."""
+    names: list[str] = []
+
+    def make(name: str) -> str:
+        names.append(name)
+        return create_pg_database(name)
+
+    yield make
+    for name in names:
+        drop_pg_database(name)
 
 
 def migrated_pg_database(name: str) -> Iterator[str]:

@@ -135,19 +135,14 @@ def test_within_a_tenant_and_priority_the_oldest_run_goes_first_across_routes(
     lane (a lane is one route) joined the flow at its pass, and the claim takes the
     flow's oldest run. (Seen before flows: the newer run first, its lane joined just
     ahead of the older lane's pass.) Runs of one instant go in run_id order."""
-    old = submit(store, 3, tenant="a")
-    clock.advance(1)
-    new = submit(store, 1, tenant="a", requires={"tools": "git"})
-    got = [lease.run_id for _ in range(4) for lease in store.claim(
-        "w1", limit=1, lease_ttl=TTL, capabilities={"tools": ["git"]})]
-    assert got == [*sorted(r.run_id for r in old), new[0].run_id]
-    # The same in claims of 2 (one flow, two lanes, one share: its two oldest runs).
-    old = submit(store, 3, tenant="b")
-    clock.advance(1)
-    new = submit(store, 1, tenant="b", requires={"tools": "git"})
-    got = [lease.run_id for _ in range(2) for lease in store.claim(
-        "w1", limit=2, lease_ttl=TTL, capabilities={"tools": ["git"]})]
-    assert got == [*sorted(r.run_id for r in old), new[0].run_id]
+    # Claims of 1, then of 2 (one flow, two lanes, one share: its two oldest runs).
+    for tenant, limit in (("a", 1), ("b", 2)):
+        old = submit(store, 3, tenant=tenant)
+        clock.advance(1)
+        new = submit(store, 1, tenant=tenant, requires={"tools": "git"})
+        got = [lease.run_id for _ in range(4 // limit) for lease in store.claim(
+            "w1", limit=limit, lease_ttl=TTL, capabilities={"tools": ["git"]})]
+        assert got == [*sorted(r.run_id for r in old), new[0].run_id], tenant
 
 
 def lane_passes(store: Store, tenant: str) -> dict[str, float]:

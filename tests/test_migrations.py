@@ -34,7 +34,7 @@ from runlane.store.engine import build_engine
 from runlane.store.online_index import IndexDefinitionMismatch, Plan
 from runlane.store.store import Store
 
-from .conftest import RUN_TAG, _libpq, create_pg_database, drop_pg_database
+from .conftest import RUN_TAG, _libpq
 
 WORKER = RUN_TAG
 HEAD = migrate.head_revision()
@@ -176,18 +176,11 @@ def make_engine() -> Iterator[Callable[[str], Engine]]:
 
 
 @pytest.fixture
-def fresh_pg(make_engine: Callable[[str], Engine]) -> Iterator[Callable[[str], str]]:
-    """A factory of empty PostgreSQL databases, runlane_mig_<case>_<worker>, dropped after."""
-    names: list[str] = []
-
-    def make(case: str) -> str:
-        name = f"runlane_mig_{case}_{WORKER}"
-        names.append(name)
-        return create_pg_database(name)
-
-    yield make
-    for name in names:
-        drop_pg_database(name)  # FORCE: also closes the test's pooled connections
+def fresh_pg(make_engine: Callable[[str], Engine],
+             pg_databases: Callable[[str], str]) -> Callable[[str], str]:
+    """A factory of empty PostgreSQL databases, runlane_mig_<case>_<worker>, dropped
+    after the test (FORCE closes the test's pooled connections first)."""
+    return lambda case: pg_databases(f"runlane_mig_{case}_{WORKER}")
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -25,7 +25,7 @@ from runlane.errors import RunlaneError
 from runlane.store import migrate
 from runlane.store.engine import build_engine
 
-from .conftest import _libpq, create_pg_database, drop_pg_database, migrated_sqlite
+from .conftest import _libpq, migrated_sqlite
 
 TAG = f"{os.getpid()}"
 HEAD = migrate.head_revision()
@@ -59,17 +59,9 @@ def engines() -> Iterator[list[Engine]]:
 
 
 @pytest.fixture
-def pg_db() -> Iterator[Callable[[str], str]]:
-    names: list[str] = []
-
-    def make(case: str) -> str:
-        name = f"fixc_{case}_{TAG}"
-        names.append(name)
-        return create_pg_database(name)
-
-    yield make
-    for name in names:
-        drop_pg_database(name)
+def pg_db(pg_databases: Callable[[str], str]) -> Callable[[str], str]:
+    """Empty PostgreSQL databases named fixc_<case>_<pid>, dropped after the test."""
+    return lambda case: pg_databases(f"fixc_{case}_{TAG}")
 
 
 # --- 1, 2: `runlane db upgrade` from several hosts at once ------------------------------

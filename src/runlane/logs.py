@@ -26,3 +26,12 @@ def configure_logging(level: str = "INFO", json: bool = True) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+def log_to_stderr_unless_configured() -> None:
+    """Used as a library, runlane logs to stderr at INFO, as the README says, not on
+    stdout at every level (structlog's default), mixed into the program's own output.
+    An application that configured structlog keeps its configuration, and one that
+    configures it later replaces this one."""
+    if not structlog.is_configured():
+        configure_logging("INFO", json=False)

@@ -907,6 +907,20 @@ ON CONFLICT (route_key) DO NOTHING
 # decision that depends on it) sends the clock's value instead, NULL in production:
 # the database clock, read once for the whole statement; its runs and tasks carry no
 # time of their own (visible_at only for a DEFER, ended_at for none).
+# The submit's task rows from its items, those with an idempotency key or those
+# without (``{keyed}``: NOT NULL, NULL), under the policy version it was decided by.
+_TASKS_FROM_ITEMS = """
+    INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
+                       max_attempts, context, truncated_sections, payload_bytes,
+                       cancel_requested_at, created_at, user_id, requires, parent_task_id,
+                       estimated_cost_usd)
+    SELECT task_id, tenant, repo, prompt, queue, priority, idempotency_key, max_attempts,
+           COALESCE(context, CAST('{{{{}}}}' AS json)),
+           COALESCE(truncated_sections, CAST('[]' AS json)), payload_bytes, NULL,
+           (SELECT now FROM clock), user_id, requires, parent_task_id, estimated_cost_usd
+    FROM items
+    WHERE idempotency_key IS {keyed}
+      AND (SELECT version FROM policy) = CAST(:version AS integer)  -- see "Policy" above"""
 SUBMIT_WRITE_PG = """
 WITH policy AS MATERIALIZED (
     SELECT COALESCE(MAX(version), 0) AS version FROM policy_versions),
@@ -929,34 +943,14 @@ items AS MATERIALIZED (
          WITH ORDINALITY AS d(queue, priority, max_attempts, requires, n)
       ON d.n = i.decision_no + 1),
 new_tasks AS (  -- the tasks with an idempotency key (the others: unkeyed_tasks)
-    INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
-                       max_attempts, context, truncated_sections, payload_bytes,
-                       cancel_requested_at, created_at, user_id, requires, parent_task_id,
-                       estimated_cost_usd)
-    SELECT task_id, tenant, repo, prompt, queue, priority, idempotency_key, max_attempts,
-           COALESCE(context, CAST('{{}}' AS json)),
-           COALESCE(truncated_sections, CAST('[]' AS json)), payload_bytes, NULL,
-           (SELECT now FROM clock), user_id, requires, parent_task_id, estimated_cost_usd
-    FROM items
-    WHERE idempotency_key IS NOT NULL
-      AND (SELECT version FROM policy) = CAST(:version AS integer)  -- see "Policy" above
+""" + _TASKS_FROM_ITEMS.format(keyed="NOT NULL") + """
     ORDER BY tenant, idempotency_key  -- the key order: see "Lock order" above
     ON CONFLICT (tenant, idempotency_key) DO NOTHING
     RETURNING task_id),
 -- Without a key a task cannot conflict: a plain insert (no speculative insertion, no
 -- look into the key's index first, no confirmation record in the WAL).
 unkeyed_tasks AS (
-    INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
-                       max_attempts, context, truncated_sections, payload_bytes,
-                       cancel_requested_at, created_at, user_id, requires, parent_task_id,
-                       estimated_cost_usd)
-    SELECT task_id, tenant, repo, prompt, queue, priority, idempotency_key, max_attempts,
-           COALESCE(context, CAST('{{}}' AS json)),
-           COALESCE(truncated_sections, CAST('[]' AS json)), payload_bytes, NULL,
-           (SELECT now FROM clock), user_id, requires, parent_task_id, estimated_cost_usd
-    FROM items
-    WHERE idempotency_key IS NULL
-      AND (SELECT version FROM policy) = CAST(:version AS integer)
+""" + _TASKS_FROM_ITEMS.format(keyed="NULL") + """
     RETURNING task_id),
 inserted_tasks AS (
     SELECT task_id FROM new_tasks UNION ALL SELECT task_id FROM unkeyed_tasks),
