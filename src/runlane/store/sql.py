@@ -38,12 +38,16 @@ LOCK_SHARE = {"postgresql": "FOR SHARE OF {alias}", "sqlite": ""}
 # statement that ends it). A counter made after this statement's snapshot, which
 # counted the attempt, keeps its slot until the reconciler's recount: one too many,
 # never too few.
+# With no counter at all (no policy limits anything), not even the scopes are read:
+# the uncorrelated EXISTS is evaluated once per statement.
 COUNTED_SCOPES = {
-    "postgresql": """(SELECT json_agg(s.scope) FROM json_array_elements_text({col}) AS s(scope)
-        WHERE EXISTS (SELECT 1 FROM limit_counters c WHERE c.scope = s.scope))""",
-    "sqlite": """(SELECT CASE WHEN COUNT(*) > 0 THEN json_group_array(s.value) END
+    "postgresql": """CASE WHEN EXISTS (SELECT 1 FROM limit_counters) THEN (
+        SELECT json_agg(s.scope) FROM json_array_elements_text({col}) AS s(scope)
+        WHERE EXISTS (SELECT 1 FROM limit_counters c WHERE c.scope = s.scope)) END""",
+    "sqlite": """CASE WHEN EXISTS (SELECT 1 FROM limit_counters) THEN (
+        SELECT CASE WHEN COUNT(*) > 0 THEN json_group_array(s.value) END
         FROM json_each({col}) AS s
-        WHERE EXISTS (SELECT 1 FROM limit_counters c WHERE c.scope = s.value))""",
+        WHERE EXISTS (SELECT 1 FROM limit_counters c WHERE c.scope = s.value)) END""",
 }
 
 # --- claim (the dispatch path) -------------------------------------------------------
