@@ -56,6 +56,9 @@ def test_a_batch_with_repeated_keys_and_several_lanes_counts_only_what_it_insert
     assert [s.created for s in subs] == [False, True, False, True, True, True, True]
     assert (subs[0].task_id, subs[0].run_id, subs[0].status) == (
         before.task_id, before.run_id, S.QUEUED.value)
+    # A replay answers with the first submit's size (it said 0: a review of 2026-12-02).
+    assert (subs[0].payload_bytes, subs[0].truncated_sections) == (
+        before.payload_bytes, before.truncated_sections) and before.payload_bytes > 0
     assert subs[2].run_id == subs[1].run_id
     assert [s.status for s in subs[3:]] == [S.QUEUED.value] * 3 + [S.ADMITTED.value]
     by_lane = {key: lane.queued_count for key, lane in lanes(store).items()}

@@ -583,6 +583,8 @@ def test_a_run_over_its_cost_limit_is_stopped_with_limit_exceeded(
     run = lane.run(run_id)
     assert (run["status"], run["reason_code"]) == ("FAILED", "LIMIT_EXCEEDED")
     assert run["cost_usd"] == pytest.approx(0.8)
+    # The message gives the figures (it said only "limit_exceeded": a review).
+    assert "0.5" in run["message"] and "0.8" in run["message"], run["message"]
     assert agent_branches(remote) == [] and pull_requests(forge_dir, remote) == []
 
 

@@ -1046,7 +1046,7 @@ SELECT (SELECT version FROM policy) AS policy_version,
 """
 # An idempotency key already taken: the task and run it names.
 EXISTING_RUN = """
-SELECT t.task_id, r.run_id, r.status FROM tasks t
+SELECT t.task_id, r.run_id, r.status, t.payload_bytes, t.truncated_sections FROM tasks t
 JOIN runs r ON r.task_id = t.task_id
 WHERE t.tenant = :tenant AND t.idempotency_key = :key
 """

@@ -656,8 +656,12 @@ class Store(SchedulingMixin):
                             raise TaskInvalid("idempotency_key", (
                                 f"{item.get('idempotency_key')!r} names a task whose run "
                                 "retention deleted; submit with another key"))
-                        results[i] = Submission(existing.task_id, existing.run_id,
-                                                existing.status, False)
+                        # A replay answers as the first submit did (its size too).
+                        truncated = existing.truncated_sections or []
+                        results[i] = Submission(
+                            existing.task_id, existing.run_id, existing.status, False,
+                            tuple(json.loads(truncated) if isinstance(truncated, str)
+                                  else truncated), int(existing.payload_bytes or 0))
                         continue
                     if status is S.ADMITTED:  # dependencies may all have ended already
                         outcome = self._dependency_outcome(conn, task_id)

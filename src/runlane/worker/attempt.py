@@ -67,6 +67,7 @@ class AttemptState:
     lost: threading.Event = field(default_factory=threading.Event)
     drain: threading.Event = field(default_factory=threading.Event)
     over_budget: threading.Event = field(default_factory=threading.Event)
+    over_budget_message: str = ""  # the figures, for the run's message
 
     def extended(self, sent_at: float, ttl: float) -> None:
         self.local_deadline = sent_at + ttl - min(ttl * 0.2, 5.0) - self.stop_grace
@@ -93,6 +94,7 @@ class AttemptState:
             self.lost.set()
         except CostLimitExceeded as exc:
             log.warning("cost_limit_exceeded", run_id=self.lease.run_id, message=str(exc))
+            self.over_budget_message = str(exc)
             self.over_budget.set()
 
     def progress(self, message: str) -> None:
@@ -312,7 +314,10 @@ class AttemptDriver:
             return "released"
         if reason is StopReason.TIMEOUT:
             return self._fail(state, Reason.TIMEOUT, "the run's wall-clock limit passed")
-        return self._fail(state, Reason.LIMIT_EXCEEDED, reason.value)
+        # A cost over the run's maximum says so with its figures (the store's message),
+        # not only "limit_exceeded" (a review of 2026-12-02).
+        return self._fail(state, Reason.LIMIT_EXCEEDED,
+                          state.over_budget_message or reason.value)
 
     def _finish_cancel(self, state: AttemptState) -> str:
         lease = state.lease
