@@ -30,6 +30,7 @@ from runlane.codehost import (
     parse_github_repo,
     pr_marker,
 )
+from runlane.codehost.factory import clone_source
 
 from .fake_github import FakeGitHub
 
@@ -564,3 +565,28 @@ def test_factory_refuses_unknown_hosts() -> None:
         with pytest.raises(CodeHostError) as exc:
             code_host_for(repo, env={})
         assert exc.value.transient is False, repo
+
+
+def test_an_owner_name_repository_is_cloned_from_its_github_host(tmp_path: Path,
+                                                                   remote: Path) -> None:
+    """README: `OWNER/NAME` is a GitHub repository. The worker gave it to `git clone`
+    as is, which took it for a local path: every such run failed TASK_CONTRACT_INVALID
+    (a review of 2026-12-02). It clones https://HOST/OWNER/NAME.git; URLs and paths on
+    disk are cloned as given."""
+    assert clone_source("octocat/Hello-World", env={}) == \
+        "https://github.com/octocat/Hello-World.git"
+    assert clone_source("octocat/Hello-World", env={
+        "RUNLANE_GITHUB_API_URL": "https://ghe.example.com/api/v3"}) == \
+        "https://ghe.example.com/octocat/Hello-World.git"
+    for given in ("https://github.com/octocat/Hello-World", "git@github.com:o/n.git",
+                  str(remote), f"file://{remote}"):
+        assert clone_source(given, env={}) == given
+    # A relative path that exists on disk stays a path.
+    (tmp_path / "octo").mkdir()
+    subprocess.run(["git", "init", "-q", "--bare", str(tmp_path / "octo" / "app")], check=True)
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        assert clone_source("octo/app", env={}) == "octo/app"
+    finally:
+        os.chdir(cwd)

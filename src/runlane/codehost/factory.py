@@ -8,7 +8,12 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from runlane.codehost.base import CodeHost, CodeHostError
-from runlane.codehost.github import DEFAULT_API_URL, GitHubClient, github_host, parse_github_repo
+from runlane.codehost.github import (
+    DEFAULT_API_URL,
+    GitHubClient,
+    github_host,
+    parse_github_repo,
+)
 from runlane.codehost.local_forge import FORGE_DIR_ENV, LocalForge, default_forge_dir, is_local_repo
 
 GITHUB_HOSTS = frozenset({"github.com", "www.github.com"})
@@ -42,3 +47,22 @@ def code_host_for(repo: str, *, env: Mapping[str, str] | None = None) -> CodeHos
         return GitHubClient(api_url, token=token)
     raise CodeHostError(f"no code host knows repository {repo!r} (want a local path, a "
                         "file:// URL or a GitHub repository)", transient=False)
+
+
+def clone_source(repo: str, *, env: Mapping[str, str] | None = None) -> str:
+    """What ``git clone`` is given for a task's repository: the repository itself, but
+    ``OWNER/NAME`` (a GitHub repository, as code_host_for reads it) becomes
+    ``https://HOST/OWNER/NAME.git``, HOST being github.com or, with
+    ``RUNLANE_GITHUB_API_URL`` set, its host (GitHub Enterprise). Given as is, git
+    took ``OWNER/NAME`` for a local path and the run failed TASK_CONTRACT_INVALID
+    (a review of 2026-12-02). A path that exists on disk stays a path."""
+    env = os.environ if env is None else env
+    if is_local_repo(repo) or github_host(repo) is not None:
+        return repo
+    try:
+        owner, name = parse_github_repo(repo)
+    except CodeHostError:
+        return repo  # not a repository name code_host_for knows: git says what is wrong
+    api_url = (env.get("RUNLANE_GITHUB_API_URL") or DEFAULT_API_URL).rstrip("/")
+    host = "github.com" if api_url == DEFAULT_API_URL else urlsplit(api_url).hostname
+    return f"https://{host or 'github.com'}/{owner}/{name}.git"

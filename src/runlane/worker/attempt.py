@@ -19,6 +19,7 @@ from sqlalchemy.exc import DBAPIError
 
 from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, StopReason
 from runlane.codehost.base import CodeHost, CodeHostError, PullRequestExists
+from runlane.codehost.factory import clone_source
 from runlane.domain.reasons import WORKER_ONLY, Reason
 from runlane.domain.states import RunStatus
 from runlane.errors import CancelRequested, CostLimitExceeded, LeaseLost, PolicyDenied
@@ -178,7 +179,8 @@ class AttemptDriver:
             self.store.advance(lease, S.PREPARING_SANDBOX)
             self._remove_earlier_workspaces(lease)
             try:
-                workspace = Workspace.clone(task["repo"], self.settings.workspace_root,
+                workspace = Workspace.clone(clone_source(task["repo"]),
+                                            self.settings.workspace_root,
                                             f"{lease.run_id}-{lease.attempt_no}",
                                             timeout=self.settings.clone_timeout_seconds)
             except CloneFailed as exc:
