@@ -409,8 +409,9 @@ ON CONFLICT (scope, lane_id) DO NOTHING
 """
 # The pass of a lane's flow (its tenant's other lanes of the queue and priority, one per
 # route) while one of them competes: a lane that joins (gains work, wakes) takes it,
-# never less, so the flow keeps one pass and one share; joining alone, it rejoins at
-# its priority's virtual time. On ``ix_lanes_flow`` (migration 0012).
+# whatever its own (a lane that woke kept a higher pass of its own, and the flow had
+# two for good: a review), so the flow keeps one pass and one share; joining alone,
+# it rejoins at its priority's virtual time. On ``ix_lanes_flow`` (migration 0012).
 _FLOW_PASS = """(SELECT MIN(f.pass) FROM lanes f
          WHERE f.tenant = {tenant} AND f.queue = {queue} AND f.priority = {priority}
            AND f.lane_id <> {lane} AND f.queued_count > 0 AND f.tenant_at_limit = 0
@@ -419,12 +420,11 @@ _LANE_FLOW_PASS = _FLOW_PASS.format(tenant="lanes.tenant", queue="lanes.queue",
                                     priority="lanes.priority", lane="lanes.lane_id")
 _WAKE_SET = """
 SET wake_at = NULL,
-    pass = {greatest}(lanes.pass, COALESCE(
+    pass = COALESCE(""" + _LANE_FLOW_PASS + """, {greatest}(lanes.pass, COALESCE(
         (SELECT MIN(l2.pass) - :ahead FROM lanes l2
          WHERE l2.queue = lanes.queue AND l2.priority = lanes.priority
            AND l2.queued_count > 0 AND l2.tenant_at_limit = 0
-           AND l2.wake_at IS NULL), lanes.pass),
-        COALESCE(""" + _LANE_FLOW_PASS + """, lanes.pass))
+           AND l2.wake_at IS NULL), lanes.pass)))
 """
 _DUE_LANES = """
 SELECT l.lane_id FROM lanes l WHERE l.wake_at IS NOT NULL AND l.wake_at <= {now}
@@ -510,6 +510,11 @@ _CLAIM_WRITES_PG = """
 counter_locks AS (
     SELECT c.scope, c.active, c.max_active FROM limit_counters c
     WHERE c.scope = ANY({slot_scopes}) AND {gate}
+      -- none locked when one is missing: the claim then makes it and locks them all
+      -- in scope order (_lock_counters); holding the others, it would lock the new
+      -- one after higher ones, a deadlock with a claim that made it (a review)
+      AND (SELECT COUNT(*) FROM limit_counters k WHERE k.scope = ANY({slot_scopes}))
+          = cardinality({slot_scopes})
     ORDER BY c.scope FOR UPDATE),
 room AS (
     SELECT {gate} AND COUNT(*) = cardinality({slot_scopes})
@@ -805,11 +810,15 @@ FOR UPDATE
 # it had, and a tenant whose limit was raised took the next claims one after another
 # ahead of a new tenant's first run (banked credit). It rejoins just behind the lowest
 # pass (a new lane joins just ahead of it: the newcomer's first run still goes first).
+# Other tenants' lanes only: SQLite's UPDATE sees the lanes of the tenant it already
+# showed, and a tenant's second lane came back JOIN_AHEAD behind its first (a flow
+# with two passes; PostgreSQL reads the statement's snapshot, where they are hidden).
 _SHOWN_PASS = """{greatest}(pass, COALESCE(
         (SELECT MIN(l2.pass) + :ahead FROM lanes l2
          WHERE l2.queue = lanes.queue AND l2.priority = lanes.priority
            AND l2.queued_count > 0 AND l2.tenant_at_limit = 0
-           AND l2.wake_at IS NULL), pass))"""
+           AND l2.wake_at IS NULL
+           AND l2.tenant <> lanes.tenant), pass))"""
 MARK_TENANT_LANES = """
 UPDATE lanes SET tenant_at_limit = :at_limit,
     pass = CASE WHEN CAST(:at_limit AS integer) = 0 THEN """ + _SHOWN_PASS + """ ELSE pass END
@@ -837,8 +846,8 @@ _LANE_UPSERT_CONFLICT = """
 ON CONFLICT (queue, route_key, priority, tenant) DO UPDATE
 SET weight = excluded.weight,
     pass = CASE WHEN lanes.queued_count = 0 AND excluded.queued_count > 0
-                THEN {greatest}(lanes.pass, excluded.pass,
-                                COALESCE(""" + _LANE_FLOW_PASS + """, lanes.pass))
+                THEN COALESCE(""" + _LANE_FLOW_PASS + """,
+                              {greatest}(lanes.pass, excluded.pass))
                 ELSE lanes.pass END,
     queued_count = lanes.queued_count + excluded.queued_count,
     wake_at = NULL
@@ -848,17 +857,17 @@ LANE_UPSERT = """
 INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, pass,
                    tenant_at_limit)
 VALUES (:queue, :route_key, :priority, :tenant, :weight, :queued,
-        {greatest}(:vtime, COALESCE(""" + _FLOW_PASS.format(
-    tenant=":tenant", queue=":queue", priority=":priority", lane="-1") + """, :vtime)),
+        COALESCE(""" + _FLOW_PASS.format(
+    tenant=":tenant", queue=":queue", priority=":priority", lane="-1") + """, :vtime),
         """ + _TENANT_FULL.format(scope=":tenant_scope") + ")" + _LANE_UPSERT_CONFLICT
 LANE_ENTER = """
 UPDATE lanes
-SET pass = CASE WHEN queued_count = 0 THEN {greatest}(pass, COALESCE(
+SET pass = CASE WHEN queued_count = 0 THEN COALESCE(""" + _LANE_FLOW_PASS + """,
+        {greatest}(pass, COALESCE(
         (SELECT MIN(l2.pass) - :ahead FROM lanes l2
          WHERE l2.queue = lanes.queue AND l2.priority = lanes.priority
            AND l2.queued_count > 0 AND l2.tenant_at_limit = 0
-           AND l2.wake_at IS NULL), pass),
-        COALESCE(""" + _LANE_FLOW_PASS + """, pass))
+           AND l2.wake_at IS NULL), pass)))
            ELSE pass END,
     queued_count = queued_count + :n,
     wake_at = NULL
@@ -1000,10 +1009,10 @@ lane_ids AS (
     INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, pass,
                        tenant_at_limit)
     SELECT p.queue, p.route_key, p.priority, p.tenant, p.weight, p.entering,
-           GREATEST(COALESCE((""" + _LANE_HEAD.format(queue="p.queue", priority="p.priority") + """)
+           COALESCE(""" + _FLOW_PASS.format(tenant="p.tenant", queue="p.queue",
+                                            priority="p.priority", lane="-1") + """,
+                    (""" + _LANE_HEAD.format(queue="p.queue", priority="p.priority") + """)
                     - CAST(:ahead AS double precision), 0.0),
-                    """ + _FLOW_PASS.format(tenant="p.tenant", queue="p.queue",
-                                            priority="p.priority", lane="-1") + """),
            """ + _TENANT_FULL.format(scope="'tenant:' || p.tenant") + """
     FROM lane_plan p
     WHERE (SELECT COUNT(*) FROM lane_locks) >= 0  -- a one-time filter: locks first
