@@ -68,6 +68,19 @@ def drop_pg_database(name: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+# The three claim paths: SQLite, PostgreSQL's one-statement claim and PostgreSQL's
+# transaction claim (the one statement switched off).
+CLAIM_PATHS = ["sqlite", "postgresql", "postgresql-transaction"]
+
+
+def claim_path_database(request: pytest.FixtureRequest, tmp_path: Path,
+                        monkeypatch: pytest.MonkeyPatch) -> str:
+    """An empty database for one of CLAIM_PATHS (``request.param``)."""
+    if request.param == "postgresql-transaction":
+        monkeypatch.setattr(Store, "_claim_in_one_trip", lambda *args, **kwargs: None)
+    return empty_database(request, request.param.removesuffix("-transaction"), tmp_path)
+
+
 @pytest.fixture
 def pg_databases() -> Iterator[Callable[[str], str]]:
     """A factory of empty PostgreSQL databases for one test: a name in, its URL out;

@@ -27,18 +27,16 @@ from runlane.domain.reasons import Reason
 from runlane.domain.routing import parse_capabilities, requirements_from_canonical, satisfies
 from runlane.store.store import Store
 
-from .conftest import POLICY, T0, empty_database, migrated_sqlite, truncate_pg
+from .conftest import CLAIM_PATHS, POLICY, T0, claim_path_database, migrated_sqlite, truncate_pg
 from .support import spec, submit
 
 TTL = 30.0
 
 
-@pytest.fixture(params=["sqlite", "postgresql", "postgresql-transaction"])
+@pytest.fixture(params=CLAIM_PATHS)
 def db_url(request: pytest.FixtureRequest, tmp_path: Path,
            monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "postgresql-transaction":
-        monkeypatch.setattr(Store, "_claim_in_one_trip", lambda *args, **kwargs: None)
-    return empty_database(request, request.param.removesuffix("-transaction"), tmp_path)
+    return claim_path_database(request, tmp_path, monkeypatch)
 
 
 def apply(store: Store, text_: str) -> int:

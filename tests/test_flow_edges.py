@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,19 +19,17 @@ from runlane.domain.policy import parse_policy
 from runlane.domain.reasons import Reason
 from runlane.store.store import Store
 
-from .conftest import empty_database
+from .conftest import CLAIM_PATHS, claim_path_database
 from .support import spec, submit
 
 TTL = 30.0
 GIT = {"tools": ["git"]}
 
 
-@pytest.fixture(params=["sqlite", "postgresql", "postgresql-transaction"])
+@pytest.fixture(params=CLAIM_PATHS)
 def db_url(request: pytest.FixtureRequest, tmp_path: Path,
            monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "postgresql-transaction":
-        monkeypatch.setattr(Store, "_claim_in_one_trip", lambda *args, **kwargs: None)
-    return empty_database(request, request.param.removesuffix("-transaction"), tmp_path)
+    return claim_path_database(request, tmp_path, monkeypatch)
 
 
 def apply(store: Store, text_: str) -> int:
@@ -189,12 +188,10 @@ def test_limits_added_removed_and_added_again_while_runs_are_live(
 # --- races on PostgreSQL ----------------------------------------------------------------
 
 
-@pytest.fixture(params=["postgresql", "postgresql-transaction"])
+@pytest.fixture(params=CLAIM_PATHS[1:])
 def pg_only(request: pytest.FixtureRequest, tmp_path: Path,
             monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "postgresql-transaction":
-        monkeypatch.setattr(Store, "_claim_in_one_trip", lambda *args, **kwargs: None)
-    return empty_database(request, "postgresql", tmp_path)
+    return claim_path_database(request, tmp_path, monkeypatch)
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -313,53 +310,47 @@ def test_racing_claims_of_a_tenants_routes_submits_ends_cancels_and_policies(
         except BaseException as exc:
             errors.append(exc)
 
-    def submitter() -> None:
-        s = new_store(1)
-        rng = random.Random(1)
-        try:
-            while time.monotonic() < stop:
-                s.submit([spec(tenant=rng.choice(tenants), requires=rng.choice(reqs),
-                               user=rng.choice([None, "u1"]))
-                          for _ in range(rng.randint(1, 4))])
-                counts["submits"] += 1
-                time.sleep(0.005)
-        except BaseException as exc:
-            errors.append(exc)
+    def looping(step: Callable[[], None], pause: float) -> Callable[[], None]:
+        """A thread's body: ``step`` until the stop time, its error kept."""
+        def run() -> None:
+            try:
+                while time.monotonic() < stop:
+                    step()
+                    time.sleep(pause)
+            except BaseException as exc:
+                errors.append(exc)
+        return run
 
-    def canceller() -> None:
-        s = new_store(2)
-        rng = random.Random(2)
-        try:
-            while time.monotonic() < stop:
-                with s.engine.connect() as conn:
-                    ids = [r[0] for r in conn.execute(text(
-                        "SELECT task_id FROM runs WHERE status = 'QUEUED' LIMIT 20"))]
-                if ids:
-                    s.cancel(rng.choice(ids))
-                    counts["cancels"] += 1
-                time.sleep(0.02)
-        except BaseException as exc:
-            errors.append(exc)
+    submitting, cancelling, applying = new_store(1), new_store(2), new_store(3)
+    rng = random.Random(1)
 
-    def policies() -> None:
-        s = new_store(3)
-        rng = random.Random(3)
-        try:
-            while time.monotonic() < stop:
-                most = rng.randint(1, 4) if vary else 3
-                lines = ["[concurrency]", f"per_tenant_max_active = {most}"]
-                if rng.random() < 0.5:
-                    lines.append(f"per_user_max_active = {rng.randint(1, 3)}")
-                for t in tenants:
-                    lines += [f"[tenants.{t}]", f"weight = {rng.randint(1, 3)}.0"]
-                s.apply_policy(parse_policy("\n".join(lines) + "\n"), source="test")
-                counts["policies"] += 1
-                time.sleep(0.05)
-        except BaseException as exc:
-            errors.append(exc)
+    def submit_some() -> None:
+        submitting.submit([spec(tenant=rng.choice(tenants), requires=rng.choice(reqs),
+                                user=rng.choice([None, "u1"]))
+                           for _ in range(rng.randint(1, 4))])
+        counts["submits"] += 1
+
+    def cancel_one() -> None:
+        with cancelling.engine.connect() as conn:
+            ids = [r[0] for r in conn.execute(text(
+                "SELECT task_id FROM runs WHERE status = 'QUEUED' LIMIT 20"))]
+        if ids:
+            cancelling.cancel(rng.choice(ids))
+            counts["cancels"] += 1
+
+    def apply_one() -> None:
+        most = rng.randint(1, 4) if vary else 3
+        lines = ["[concurrency]", f"per_tenant_max_active = {most}"]
+        if rng.random() < 0.5:
+            lines.append(f"per_user_max_active = {rng.randint(1, 3)}")
+        for t in tenants:
+            lines += [f"[tenants.{t}]", f"weight = {rng.randint(1, 3)}.0"]
+        applying.apply_policy(parse_policy("\n".join(lines) + "\n"), source="test")
+        counts["policies"] += 1
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    threads += [threading.Thread(target=f) for f in (submitter, canceller, policies)]
+    threads += [threading.Thread(target=looping(step, pause)) for step, pause in (
+        (submit_some, 0.005), (cancel_one, 0.02), (apply_one, 0.05))]
     for t in threads:
         t.start()
     for t in threads:

@@ -22,7 +22,7 @@ from runlane.store import scheduling, sql
 from runlane.store.scheduling import BLOCKED_LANE_RECHECK_SECONDS
 from runlane.store.store import Store
 
-from .conftest import empty_database, truncate_pg
+from .conftest import CLAIM_PATHS, claim_path_database, truncate_pg
 from .support import (
     assert_planned_once,
     events_of,
@@ -37,15 +37,13 @@ S = RunStatus
 TTL = 30.0
 
 
-@pytest.fixture(params=["sqlite", "postgresql", "postgresql-transaction"])
+@pytest.fixture(params=CLAIM_PATHS)
 def db_url(request: pytest.FixtureRequest, tmp_path: Path,
            monkeypatch: pytest.MonkeyPatch) -> str:
     """Both engines, and PostgreSQL's claims both ways: in one statement where they can
     (the default; SchedulingMixin._claim_in_one_trip) and always as a transaction (the
     form every claim falls back to, and SQLite's)."""
-    if request.param == "postgresql-transaction":
-        monkeypatch.setattr(Store, "_claim_in_one_trip", lambda *args, **kwargs: None)
-    return empty_database(request, request.param.removesuffix("-transaction"), tmp_path)
+    return claim_path_database(request, tmp_path, monkeypatch)
 
 
 def apply(store: Store, text_: str) -> int:
