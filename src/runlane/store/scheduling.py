@@ -955,6 +955,12 @@ class SchedulingMixin:
         lanes = sorted(set(per_lane) | set(left))
         now = self.clock.now()
         if self.dialect == "postgresql":
+            # A write that fails its checks has locked the counters that exist; the
+            # claim then makes the missing ones and locks them all in scope order
+            # (_allot_slots). Still holding the first ones, it would lock a new, lower
+            # scope after higher ones: a deadlock with the claim that made it (a
+            # review, reproduced every time). Rolled back to here, it holds none.
+            conn.exec_driver_sql(sql.CLAIM_SAVEPOINT)
             rows: list[Any] = self._driver_rows(conn, sql.CLAIM_WRITE_PG, {
                 "slot_scopes": sorted(slots), "slot_counts": [slots[s] for s in sorted(slots)],
                 "slot_max": [maxima[s] for s in sorted(slots)],
@@ -963,8 +969,9 @@ class SchedulingMixin:
                 "lane_ids": lanes, "lane_counts": [per_lane[lane] for lane in lanes],
                 "lane_gone": [left[lane] for lane in lanes], "ahead": JOIN_AHEAD, "now": now,
                 "also_full": sorted(full_tenants or ())})
-            if not rows:
-                return None  # a counter was missing, stale or short of room
+            if not rows:  # a counter was missing, stale or short of room
+                conn.exec_driver_sql(sql.CLAIM_ROLLBACK_TO_SAVEPOINT)  # its locks go
+                return None
             if gone is not None:
                 for lane in left:  # written: nothing left to move for them
                     del gone[lane]

@@ -510,11 +510,6 @@ _CLAIM_WRITES_PG = """
 counter_locks AS (
     SELECT c.scope, c.active, c.max_active FROM limit_counters c
     WHERE c.scope = ANY({slot_scopes}) AND {gate}
-      -- none locked when one is missing: the claim then makes it and locks them all
-      -- in scope order (_lock_counters); holding the others, it would lock the new
-      -- one after higher ones, a deadlock with a claim that made it (a review)
-      AND (SELECT COUNT(*) FROM limit_counters k WHERE k.scope = ANY({slot_scopes}))
-          = cardinality({slot_scopes})
     ORDER BY c.scope FOR UPDATE),
 room AS (
     SELECT {gate} AND COUNT(*) = cardinality({slot_scopes})
@@ -581,6 +576,11 @@ lane_counts AS (
                                THEN 1 ELSE lanes.tenant_at_limit END
     WHERE lanes.lane_id = ANY(ARRAY(SELECT lane_id FROM lane_locks)))
 """
+# Around the transaction's CLAIM_WRITE_PG (SchedulingMixin._write_claim): a write that
+# fails its checks gives back the counter locks it took (PostgreSQL releases the row
+# locks of a subtransaction rolled back). Never released: the commit ends it.
+CLAIM_SAVEPOINT = "SAVEPOINT claim_write"
+CLAIM_ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT claim_write"
 CLAIM_WRITE_PG = """
 WITH t AS (SELECT {now} AS now),
 slot_deltas AS (
