@@ -36,8 +36,9 @@ LOCK_SHARE = {"postgresql": "FOR SHARE OF {alias}", "sqlite": ""}
 # attempt holds every scope of its run (domain.policy.run_scopes), and one without a
 # counter is not limited, nothing to give back (a run under no limit ends in the one
 # statement that ends it). A counter made after this statement's snapshot, which
-# counted the attempt, keeps its slot until the reconciler's recount: one too many,
-# never too few.
+# counted the attempt, keeps its slot until the reconciler's recount: one too many
+# here. (A counter made while a claim commits can count one too few: the known gap of
+# a policy that adds a limit, docs/architecture.md.)
 # With no counter at all (no policy limits anything), not even the scopes are read:
 # the uncorrelated EXISTS is evaluated once per statement.
 COUNTED_SCOPES = {
