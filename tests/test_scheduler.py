@@ -965,25 +965,36 @@ def test_reading_a_blocked_lanes_scopes_pairs_no_run_with_every_full_scope(
 
 def test_a_claim_that_read_an_older_policy_does_not_write_its_limit_back(
         store: Store, db_url: str) -> None:
-    """A policy raising a limit commits between a claim's first statement and its
+    """A policy raising a limit is applied between a claim's first statement and its
     counters: the claim wrote its version's maximum back over the raise, and with the
-    scope full under the old limit its runs were kept out of every walk. The claim
-    now writes a maximum only under the policy in force, and starts again."""
+    scope full under the old limit its runs were kept out of every walk. The change
+    now waits for the claim in flight (LOCK_CLAIMS_FOR_POLICY_PG) and commits after it:
+    the counter ends with the raised maximum and the claim's slot."""
     if not db_url.startswith("postgresql"):
         pytest.skip("a policy applied during a claim (SQLite serializes writers)")
+    import threading
+
     _flood_with_mono_counted_and_free(store)
     raised: list[int] = []
+    changes: list[threading.Thread] = []
+    waited: list[bool] = []
 
     def raise_the_limit(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
-        if "page AS (" in statement and not raised:
-            raised.append(apply(store, "[concurrency]\nper_repository_max_active = 2\n"))
+        if "page AS (" in statement and not changes:
+            changes.append(threading.Thread(target=lambda: raised.append(
+                apply(store, "[concurrency]\nper_repository_max_active = 2\n"))))
+            changes[0].start()
+            changes[0].join(1.0)
+            waited.append(changes[0].is_alive())
 
     event.listen(store.engine, "after_cursor_execute", raise_the_limit)
     try:
         [first] = store.claim("w1", limit=1, lease_ttl=TTL)
     finally:
         event.remove(store.engine, "after_cursor_execute", raise_the_limit)
-    assert raised
+        for change in changes:
+            change.join(30)
+    assert waited == [True] and raised
     with store.engine.connect() as conn:
         assert conn.execute(text("SELECT active, max_active FROM limit_counters "
                                  "WHERE scope = 'repo:/srv/git/mono.git'")).one() == (1, 2)

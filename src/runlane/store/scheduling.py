@@ -216,6 +216,8 @@ class SchedulingMixin:
         digest = policy_digest(policy)
 
         def work(conn: Connection) -> PolicyVersion:
+            if self.dialect == "postgresql":  # SQLite's writers are serialized already
+                conn.execute(self._q(sql.LOCK_CLAIMS_FOR_POLICY_PG))
             current = conn.execute(self._q(sql.POLICY_LATEST)).first()
             if current is not None and current.digest == digest:
                 return PolicyVersion(int(current.version), digest, False)

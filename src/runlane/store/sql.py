@@ -1146,6 +1146,20 @@ POLICY_VERSION = "SELECT MAX(version) FROM policy_versions"
 # What a submit needs first, in one round trip: the time and the policy version in force.
 SUBMIT_CONTEXT = "SELECT {now} AS now, (SELECT MAX(version) FROM policy_versions) AS version"
 POLICY_BY_VERSION = "SELECT document FROM policy_versions WHERE version = :version"
+# PostgreSQL: a policy change first waits for every transaction that wrote attempts
+# (claims in flight) and holds new ones until it commits (invariant 9). A claim under
+# the old policy counts no slot in a scope the new one limits; the counter the next
+# claim makes starts from the attempts its snapshot sees, and an uncommitted claim's
+# runs were missed (3 live runs against a limit of 2). A claim queued on this lock
+# takes its snapshot after it, so it reads the new version. Every writer of attempts
+# takes the table's lock before any counter or lane, as this does. Self-conflicting:
+# two changes queue, not collide on the next version number.
+LOCK_CLAIMS_FOR_POLICY_PG = "LOCK TABLE attempts IN SHARE ROW EXCLUSIVE MODE"
+# The transaction's claim (PostgreSQL): the lock its attempt insert takes anyway, taken
+# first. It locks counters before that insert (ENSURE_COUNTER, _lock_counters), and a
+# policy change holding the table and waiting for those counters was a deadlock; and
+# its candidates are read in a snapshot taken after a policy change it waited for.
+LOCK_ATTEMPTS_FOR_CLAIM_PG = "LOCK TABLE attempts IN ROW EXCLUSIVE MODE"
 POLICY_INSERT = """
 INSERT INTO policy_versions (version, digest, document, source, created_at)
 VALUES (:version, :digest, :document, :source, :now)

@@ -859,6 +859,8 @@ class Store(SchedulingMixin):
 
         def work(conn: Connection, check_due: bool, limit: int) -> list[Lease] | None:
             hid = False  # full tenants found by this claim, their lanes hidden
+            if self.is_postgres:  # before any counter: see LOCK_ATTEMPTS_FOR_CLAIM_PG
+                conn.execute(self._q(sql.LOCK_ATTEMPTS_FOR_CLAIM_PG))
             candidates, empty = self._claim_candidates(conn, queue, limit, capabilities,
                                                        run_id, check_due=check_due)
             # The lanes of runs that admission denies, defers or prunes move after the
