@@ -510,27 +510,54 @@ def test_every_claim_path_records_every_scope_of_the_run(store: Store) -> None:
         assert held == run_scopes(r.tenant, r.repo, r.user_id, r.risk_class, r.queue), r
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'known gap (older than flows): a lane joins at the lowest pass of its priority, '
-    'and a lane of a route nobody serves keeps that low'))
 def test_a_lane_nobody_serves_does_not_give_a_late_tenant_banked_credit(
         store: Store, clock: ManualClock) -> None:
-    """Tenant x has one run that needs cuda, which no worker has: its lane never
-    advances (pass 0). a and b are served 40 times (passes ~20). Then c arrives: it
-    should join just ahead of the lowest pass of the lanes that compete (a's, b's) and
-    get about a third of the next claims; the join (LANE_VIRTUAL_TIME / _LANE_HEAD, the
-    MIN over every queued lane, the unserved one too) puts it at ~0, and c takes the
-    next ~20 claims one after another."""
+    """Tenant x has one run that needs cuda, which the only live worker lacks: its
+    lane never advances (pass 0). a and b are served 40 times (passes ~20). The
+    reconciler marks x's lane unserved. Then c arrives: it joins just ahead of the
+    lowest pass of the lanes that compete (a's, b's) and gets about a third of the next
+    claims. Unmarked (sql._virtual_time counting every queued lane), it joined at ~0
+    and took the next ~20 claims one after another."""
+    store.register_worker("w1", version="t", queues=["default"])
     submit(store, 1, tenant="x", requires={"tools": "cuda"})
     submit(store, 40, tenant="a")
     submit(store, 40, tenant="b")
     for _ in range(40):
         store.claim("w1", limit=1, lease_ttl=TTL)
+    assert store._transaction(store._mark_unserved_lanes) == {
+        "lanes_marked_unserved": 1, "lanes_served_again": 0}
     clock.advance(1)
     submit(store, 20, tenant="c")
     served = Counter(lease.tenant for _ in range(12)
                      for lease in store.claim("w1", limit=1, lease_ttl=TTL))
     assert served["c"] <= 6, served
+    assert store.audit() == []
+
+
+def test_a_lane_served_again_rejoins_behind_the_lanes_that_compete(
+        store: Store, clock: ManualClock) -> None:
+    """When a worker that serves the unserved route arrives, the reconciler clears the
+    mark and the lane catches up with the lanes that compete (as a tenant's lanes shown
+    again do): x waited, but has no credit to spend on a cuda worker that also serves
+    plain runs. It is served next in turn, not 20 times in a row."""
+    store.register_worker("w1", version="t", queues=["default"])
+    submit(store, 20, tenant="x", requires={"tools": "cuda"})
+    submit(store, 40, tenant="a")
+    submit(store, 40, tenant="b")
+    for _ in range(40):
+        store.claim("w1", limit=1, lease_ttl=TTL)
+    store.reconcile()
+    store.register_worker("gpu", version="t", queues=["default"],
+                          capabilities={"tools": ["cuda"]})
+    counts = store.reconcile()
+    assert (counts["lanes_marked_unserved"], counts["lanes_served_again"]) == (0, 1)
+    x_pass = lanes_of(store, "x")
+    [(pass_, queued, _)] = x_pass.values()
+    assert queued == 20 and pass_ > 15, x_pass
+    served = Counter(lease.tenant for _ in range(12) for lease in store.claim(
+        "gpu", limit=1, lease_ttl=TTL, capabilities={"tools": ["cuda"]}))
+    assert 2 <= served["x"] <= 6, served
+    assert store.audit() == []
 
 
 def test_a_tenant_shown_again_keeps_one_pass_across_its_routes(

@@ -33,6 +33,7 @@ from runlane.domain.policy import (
 )
 from runlane.domain.reasons import Reason
 from runlane.domain.routing import (
+    CapabilityValue,
     parse_capabilities,
     requirements_from_canonical,
     satisfies,
@@ -343,26 +344,37 @@ class SchedulingMixin:
         self._routes_cache[cache_key] = (time.monotonic(), keys)
         return keys
 
+    def _live_workers(self, conn: Connection) -> list[tuple[set[str], dict[str, CapabilityValue]]]:
+        """The queues and capabilities of every live worker."""
+        return [(set(w.queues if isinstance(w.queues, list) else json.loads(w.queues)),
+                 parse_capabilities(w.capabilities if isinstance(w.capabilities, dict)
+                                    else json.loads(w.capabilities)))
+                for w in conn.execute(self._q(sql.LIVE_WORKERS))]
+
+    @staticmethod
+    def _unserved_because(queue: str, route_key: str,
+                          live: list[tuple[set[str], dict[str, CapabilityValue]]]) -> str | None:
+        """Why no live worker serves runs of ``route_key`` in ``queue`` (None: one does)."""
+        serving = [caps for queues, caps in live if queue in queues]
+        if not serving:
+            return f"no live worker claims from queue {queue!r}"
+        reqs = requirements_from_canonical(route_key)
+        if any(satisfies(reqs, caps) for caps in serving):
+            return None
+        closest = min((unmet(reqs, caps) for caps in serving), key=len)
+        return "no live worker has " + "; ".join(closest)
+
     def unroutable_runs(self, *, tenant: str | None = None, limit: int = 1000
                         ) -> list[dict[str, Any]]:
         """Queued runs that no live worker can serve: none claims from their queue, or
         none has the capabilities they require. Each says why."""
         with self.reads.connect() as conn:
-            live = [(set(w.queues if isinstance(w.queues, list) else json.loads(w.queues)),
-                     parse_capabilities(w.capabilities if isinstance(w.capabilities, dict)
-                                        else json.loads(w.capabilities)))
-                    for w in conn.execute(self._q(sql.LIVE_WORKERS))]
+            live = self._live_workers(conn)
             why: dict[tuple[str, str], str] = {}
             for lane in conn.execute(self._q(sql.WAITING_ROUTES)).all():
-                serving = [caps for queues, caps in live if lane.queue in queues]
-                reqs = requirements_from_canonical(lane.route_key)
-                if not serving:
-                    why[(lane.queue, lane.route_key)] = f"no live worker claims from queue " \
-                                                        f"{lane.queue!r}"
-                elif not any(satisfies(reqs, caps) for caps in serving):
-                    closest = min((unmet(reqs, caps) for caps in serving), key=len)
-                    why[(lane.queue, lane.route_key)] = "no live worker has " + "; ".join(
-                        closest)
+                reason = self._unserved_because(lane.queue, lane.route_key, live)
+                if reason is not None:
+                    why[(lane.queue, lane.route_key)] = reason
             found: list[dict[str, Any]] = []
             for (queue, route_key), reason in sorted(why.items()):
                 for r in conn.execute(self._q(sql.QUEUED_IN_ROUTE),
@@ -372,6 +384,32 @@ class SchedulingMixin:
                 if len(found) >= limit:
                     break
             return found
+
+    def _mark_unserved_lanes(self, conn: Connection) -> dict[str, int]:
+        """Mark the queued lanes of routes no live worker serves, and clear the mark of
+        those served again (sql._virtual_time: an unserved lane's pass never moves, and
+        lanes joining at it got credit to spend ahead of the lanes being served). With
+        no live worker at all nothing is served and nothing competes: no lane is
+        marked (all are cleared)."""
+        live = self._live_workers(conn)
+        unserved: dict[tuple[str, str], bool] = {}
+        mark: list[str] = []
+        clear: list[str] = []
+        for lane in conn.execute(self._q(sql.LANES_BY_ROUTE)).all():
+            key = (lane.queue, lane.route_key)
+            if key not in unserved:
+                unserved[key] = bool(live) and self._unserved_because(*key, live) is not None
+            if unserved[key] and not lane.unserved:
+                mark.append(str(lane.lane_id))
+            elif lane.unserved and not unserved[key]:
+                clear.append(str(lane.lane_id))
+        marked = conn.execute(self._q(sql.MARK_LANES_UNSERVED, "lane_ids"),
+                              {"lane_ids": mark}).rowcount if mark else 0
+        cleared = conn.execute(self._q(sql.MARK_LANES_SERVED, "lane_ids"),
+                               {"lane_ids": clear, "ahead": JOIN_AHEAD}).rowcount if clear else 0
+        if marked or cleared:
+            log.info("unserved_lanes_marked", marked=marked, served_again=cleared)
+        return {"lanes_marked_unserved": marked, "lanes_served_again": cleared}
 
     # --- slots (concurrency limits) ----------------------------------------------
 

@@ -139,7 +139,7 @@ Index(
 # ``pass`` is its stride-scheduling virtual time (advanced by 1/weight per claim);
 # ``tenant_at_limit`` hides every lane of a tenant that holds all its slots, so a
 # full tenant's backlog is never scanned by a claim; ``wake_at`` hides a lane whose
-# runs all wait for their backoff.
+# runs all wait for their backoff; ``unserved`` marks a lane no live worker serves.
 lanes = Table(
     "lanes",
     metadata,
@@ -155,6 +155,9 @@ lanes = Table(
     # Set while every queued run of the lane waits for its backoff: the lane is out of
     # the pick index until then (migration 0005).
     Column("wake_at", Timestamp),
+    # Set by the reconciler while no live worker serves the lane's route: the lane
+    # stays out of its priority's virtual time (migration 0013, sql._virtual_time).
+    Column("unserved", Integer, nullable=False, server_default="0"),
     UniqueConstraint("queue", "route_key", "priority", "tenant", name="uq_lanes_key"),
     # A lane's flow (migration 0012): a tenant's lanes of one queue and priority share
     # one pass (sql.FLOW_CLAIMED); also every lookup of a tenant's lanes.

@@ -408,6 +408,21 @@ LANE_BLOCK_INSERT = """
 INSERT INTO lane_blocks (scope, lane_id) VALUES (:scope, :lane_id)
 ON CONFLICT (scope, lane_id) DO NOTHING
 """
+# The virtual time of a (queue, priority): the lowest pass of the lanes that compete in
+# it (queued runs, not hidden by a full tenant or a backoff sleep), where lanes join,
+# wake and are shown again. Lanes of a route no live worker serves (``unserved``, set by
+# the reconciler, SchedulingMixin._mark_unserved_lanes) are left out while any other
+# lane competes: such a lane is never claimed, so its pass never moves, and a tenant
+# that came later joined at it, far behind the lanes being served, and took the next
+# claims one after another (banked credit). ``extra``: a further condition on ``v``.
+def _virtual_time(queue: str, priority: str, extra: str = "") -> str:
+    competing = f"""FROM lanes v
+         WHERE v.queue = {queue} AND v.priority = {priority}
+           AND v.queued_count > 0 AND v.tenant_at_limit = 0 AND v.wake_at IS NULL{extra}"""
+    return f"""COALESCE((SELECT MIN(v.pass) {competing} AND v.unserved = 0),
+         (SELECT MIN(v.pass) {competing}))"""
+
+
 # The pass of a lane's flow (its tenant's other lanes of the queue and priority, one per
 # route) while one of them competes: a lane that joins (gains work, wakes) takes it,
 # whatever its own (a lane that woke kept a higher pass of its own, and the flow had
@@ -422,10 +437,7 @@ _LANE_FLOW_PASS = _FLOW_PASS.format(tenant="lanes.tenant", queue="lanes.queue",
 _WAKE_SET = """
 SET wake_at = NULL,
     pass = COALESCE(""" + _LANE_FLOW_PASS + """, {greatest}(lanes.pass, COALESCE(
-        (SELECT MIN(l2.pass) - :ahead FROM lanes l2
-         WHERE l2.queue = lanes.queue AND l2.priority = lanes.priority
-           AND l2.queued_count > 0 AND l2.tenant_at_limit = 0
-           AND l2.wake_at IS NULL), lanes.pass)))
+        """ + _virtual_time("lanes.queue", "lanes.priority") + """ - :ahead, lanes.pass)))
 """
 _DUE_LANES = """
 SELECT l.lane_id FROM lanes l WHERE l.wake_at IS NOT NULL AND l.wake_at <= {now}
@@ -815,11 +827,8 @@ FOR UPDATE
 # showed, and a tenant's second lane came back JOIN_AHEAD behind its first (a flow
 # with two passes; PostgreSQL reads the statement's snapshot, where they are hidden).
 _SHOWN_PASS = """{greatest}(pass, COALESCE(
-        (SELECT MIN(l2.pass) + :ahead FROM lanes l2
-         WHERE l2.queue = lanes.queue AND l2.priority = lanes.priority
-           AND l2.queued_count > 0 AND l2.tenant_at_limit = 0
-           AND l2.wake_at IS NULL
-           AND l2.tenant <> lanes.tenant), pass))"""
+        """ + _virtual_time("lanes.queue", "lanes.priority",
+                            " AND v.tenant <> lanes.tenant") + """ + :ahead, pass))"""
 MARK_TENANT_LANES = """
 UPDATE lanes SET tenant_at_limit = :at_limit,
     pass = CASE WHEN CAST(:at_limit AS integer) = 0 THEN """ + _SHOWN_PASS + """ ELSE pass END
@@ -831,12 +840,7 @@ WHERE lane_id IN (SELECT l.lane_id FROM lanes l
 # Lane bookkeeping. A lane that gains work after being empty joins just ahead of the
 # current virtual time of its (queue, priority), never further: an idle tenant cannot
 # bank credit, and a new tenant's first run is the next one claimed in its priority.
-_LANE_HEAD = """
-SELECT MIN(l.pass) FROM lanes l
-WHERE l.queue = {queue} AND l.priority = {priority}
-  AND l.queued_count > 0 AND l.tenant_at_limit = 0 AND l.wake_at IS NULL
-"""
-LANE_VIRTUAL_TIME = _LANE_HEAD.format(queue=":queue", priority=":priority")
+LANE_VIRTUAL_TIME = "SELECT " + _virtual_time(":queue", ":priority")
 _TENANT_FULL = """(SELECT COUNT(*) FROM limit_counters c
          WHERE c.scope = {scope} AND c.active >= c.max_active)"""
 # The upsert of a lane runs are going into (SQLite: one per lane, in lane key order;
@@ -865,10 +869,7 @@ LANE_ENTER = """
 UPDATE lanes
 SET pass = CASE WHEN queued_count = 0 THEN COALESCE(""" + _LANE_FLOW_PASS + """,
         {greatest}(pass, COALESCE(
-        (SELECT MIN(l2.pass) - :ahead FROM lanes l2
-         WHERE l2.queue = lanes.queue AND l2.priority = lanes.priority
-           AND l2.queued_count > 0 AND l2.tenant_at_limit = 0
-           AND l2.wake_at IS NULL), pass)))
+        """ + _virtual_time("lanes.queue", "lanes.priority") + """ - :ahead, pass)))
            ELSE pass END,
     queued_count = queued_count + :n,
     wake_at = NULL
@@ -1012,7 +1013,7 @@ lane_ids AS (
     SELECT p.queue, p.route_key, p.priority, p.tenant, p.weight, p.entering,
            COALESCE(""" + _FLOW_PASS.format(tenant="p.tenant", queue="p.queue",
                                             priority="p.priority", lane="-1") + """,
-                    (""" + _LANE_HEAD.format(queue="p.queue", priority="p.priority") + """)
+                    """ + _virtual_time("p.queue", "p.priority") + """
                     - CAST(:ahead AS double precision), 0.0),
            """ + _TENANT_FULL.format(scope="'tenant:' || p.tenant") + """
     FROM lane_plan p
@@ -1061,6 +1062,22 @@ JOIN runs r ON r.task_id = t.task_id
 WHERE t.tenant = :tenant AND t.idempotency_key = :key
 """
 ROUTES = "SELECT route_key FROM routes"
+# The reconciler's marks of lanes whose route no live worker serves (they leave the
+# virtual time, _virtual_time) and of those served again, which rejoin just behind the
+# lanes that compete (as a tenant's lanes shown again do, _SHOWN_PASS): a lane that
+# waited for a worker has no credit to spend. Lanes another transaction holds are
+# skipped (it never waits on a lane) and marked at the next pass. ``:lane_ids`` as
+# text (expanding lists bind as strings): a scan of the lanes, once a reconciler pass.
+_LANES_TO_MARK = """lanes.lane_id IN (SELECT l.lane_id FROM lanes l
+    WHERE CAST(l.lane_id AS VARCHAR(20)) IN :lane_ids ORDER BY l.lane_id {lock_l_skip})"""
+MARK_LANES_UNSERVED = "UPDATE lanes SET unserved = 1 WHERE " + _LANES_TO_MARK
+MARK_LANES_SERVED = ("UPDATE lanes SET unserved = 0, pass = " + _SHOWN_PASS
+                     + " WHERE " + _LANES_TO_MARK)
+# Queued lanes and the marked ones: what the marks are decided on.
+LANES_BY_ROUTE = """
+SELECT lane_id, queue, route_key, unserved FROM lanes
+WHERE queued_count > 0 OR unserved <> 0
+"""
 LIVE_WORKERS = """
 SELECT worker_id, queues, capabilities FROM workers WHERE status IN ('STARTING', 'READY')
 """

@@ -1557,6 +1557,8 @@ class Store(SchedulingMixin):
                  f"attempt ran over {max_attempt_seconds:.0f}s") for r in found["overlong"])
         # 7. The scheduler's bookkeeping, recounted from the truth.
         counts.update(self._transaction(self._repair_scheduling_counts))
+        # 8. Lanes of routes no live worker serves leave the virtual time.
+        counts.update(self._transaction(self._mark_unserved_lanes))
         if any(counts.values()):
             log.info("reconciled", **counts)
         return counts
