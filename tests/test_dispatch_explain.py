@@ -700,11 +700,12 @@ def test_claim_write_touches_only_its_rows(explain_db: ExplainDb) -> None:
     read = reads(plan)
     # Counters are read twice each: locked (in key order), then updated. The lane is
     # read for its flow, then each lane of the flow (one per route of the tenant, at
-    # its queue and priority: ix_lanes_flow) is read twice, locked then updated.
+    # its queue and priority: ix_lanes_flow) is read a few times: locked, updated, and
+    # for the flow's pass (the highest of its lanes): at most four reads a lane.
     assert read.get("limit_counters", 0) <= 2 * len(scopes), describe(plan)
     with explain_db.engine.connect() as conn:
         flow = flow_size(conn, lane)
-    assert read.get("lanes", 0) <= 1 + 3 * flow, (flow, describe(plan))
+    assert read.get("lanes", 0) <= 1 + 4 * flow, (flow, describe(plan))
 
 
 def test_lanes_wake_reads_only_sleeping_lanes(explain_db: ExplainDb) -> None:

@@ -581,10 +581,19 @@ lane_counts AS (
     UPDATE lanes
     SET queued_count = lanes.queued_count - COALESCE(
             (SELECT x.n + x.gone FROM lane_deltas x WHERE x.lane_id = lanes.lane_id), 0),
-        pass = lanes.pass + CAST(COALESCE(
-                   (SELECT SUM(f.n) FROM claimed_flows f
-                    WHERE f.tenant = lanes.tenant AND f.queue = lanes.queue
-                      AND f.priority = lanes.priority), 0) AS double precision) / lanes.weight,
+        -- A lane of a claimed flow: the flow's pass (the highest of its lanes, in
+        -- this snapshot; the lane's own as locked, which a claim that committed
+        -- meanwhile advanced) and the turns taken. A lane that joined the flow while
+        -- a claim of it committed took the pass before that claim (the claim never
+        -- saw the new lane): it is one turn behind until here, not for good.
+        pass = COALESCE({greatest}(lanes.pass,
+                   (SELECT MAX(m.pass) FROM lanes m
+                    WHERE m.tenant = lanes.tenant AND m.queue = lanes.queue
+                      AND m.priority = lanes.priority))
+               + CAST((SELECT SUM(f.n) FROM claimed_flows f
+                       WHERE f.tenant = lanes.tenant AND f.queue = lanes.queue
+                         AND f.priority = lanes.priority) AS double precision) / lanes.weight,
+               lanes.pass),
         tenant_at_limit = CASE WHEN lanes.tenant IN (SELECT tenant FROM full_tenants)
                                THEN 1 ELSE lanes.tenant_at_limit END
     WHERE lanes.lane_id = ANY(ARRAY(SELECT lane_id FROM lane_locks)))
