@@ -16,6 +16,7 @@ of each other and of the shared per-worker test database.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -312,6 +313,31 @@ def test_0010_stamps_policy_versions_and_downgrades_with_their_rows(
     assert migrate.upgrade(engine) == ("0009", HEAD)
     assert not store.backlog_admitted(1)  # not known: the next first pass reads the queue
     assert store.current_policy()[0] == 1
+
+
+def test_0014_live_attempts_record_every_scope_of_their_run(
+        fresh_url: str, make_engine: Callable[[str], Engine]) -> None:
+    """An attempt claimed by an older runlane lists only the scopes limited at its
+    claim; after the upgrade a live one lists every scope of its run (a limit applied
+    later counts it), the scopes it listed kept; an ended one is left as it was."""
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine, "0013")
+    with engine.begin() as conn:
+        for n in (1, 2):
+            _insert_task_and_run(conn, n)
+        _insert_attempt(conn, 1, 1, "ACTIVE")
+        _insert_attempt(conn, 2, 1, "RELEASED")
+        conn.execute(text("UPDATE attempts SET limit_scopes = :s"),
+                     {"s": '["tenant:acme"]'})
+    assert migrate.upgrade(engine) == ("0013", HEAD)
+    with engine.connect() as conn:
+        listed = {r.run_id: r.limit_scopes if isinstance(r.limit_scopes, list)
+                  else json.loads(r.limit_scopes) for r in conn.execute(text(
+                      "SELECT run_id, limit_scopes FROM attempts"))}
+    assert listed == {
+        "run-1": ["global", "queue:default", "repo:/srv/git/app.git", "risk:",
+                  "tenant:acme"],
+        "run-2": ["tenant:acme"]}
 
 
 def test_metadata_matches_migrations(fresh_url: str,
