@@ -44,7 +44,7 @@ from psycopg.sql import Literal
 from sqlalchemy import Connection, Engine, TextClause, create_engine, text
 from sqlalchemy.engine import make_url
 
-from runlane.domain.fairness import LaneState, share_bounds
+from runlane.domain.fairness import LaneState, flows_of, share_bounds
 from runlane.domain.policy import policy_from_document
 from runlane.domain.reasons import Reason
 from runlane.domain.routing import canonical_requirements, parse_requirements
@@ -521,40 +521,73 @@ def test_pick_lanes_second_page_starts_at_its_cursor(explain_db: ExplainDb) -> N
 # --- PICK_AND_WALK_PG ----------------------------------------------------------------
 
 
+# The lanes of a full page's flows beyond its last lane (sql.PAGE_COMPANIONS), written
+# apart from the claim's SQL: the served lanes of the page's tenants at its last lane's
+# priority, after that lane.
+COMPANIONS = """
+SELECT lane_id, tenant, priority, weight, pass AS pass_, queued_count FROM lanes
+WHERE queue = :queue AND route_key = ANY(:routes) AND queued_count > 0
+  AND tenant_at_limit = 0 AND wake_at IS NULL
+  AND tenant = ANY(:tenants) AND priority = :priority AND (pass, lane_id) > (:pass, :lane)
+"""
+
+
 @pytest.mark.parametrize("plan_kind", ["custom", "generic"])
 @pytest.mark.parametrize("wanted", [1, LANE_PAGE, 50])
 def test_pick_and_walk_reads_one_page_and_walks_only_lanes_with_a_share(
         explain_db: ExplainDb, wanted: int, plan_kind: str) -> None:
-    """The fused pick reads one page of lanes and walks only the page's first
-    ``wanted`` lanes (no later lane can get a share), none past ``wanted`` runnable
-    runs: the rows read are bounded by the batch, not by the lanes' sizes."""
+    """The fused pick reads one page of lanes, and the lanes of its flows beyond its
+    end (one probe of ``ix_lanes_flow`` per flow at the end's priority), and walks only
+    the lanes of the page's first ``wanted`` flows (no later flow can get a share), none
+    past ``wanted`` runnable runs: the rows read are bounded by the batch and the page,
+    not by the lanes' sizes. In (default, 50) the page is 4 planted lanes and GPU lanes,
+    whose tenants' plain lanes (their flows' other lanes) lie far beyond it."""
     page = max(wanted, LANE_PAGE)
     with explain_db.engine.connect() as conn:
         params = pick_params(conn, "default", ALL_ROUTES, page)
         picked = run(conn, PICK_LANES, params)
-        bounds = share_bounds([LaneState(r.lane_id, r.priority, r.weight, r.pass_,
-                                         r.queued_count) for r in picked], wanted)
+        end = picked[-1]
+        assert len(picked) == page
+        probed = sorted({r.tenant for r in picked if r.priority == end.priority})
+        companions = list(conn.execute(text(COMPANIONS), {
+            "queue": "default", "routes": ALL_ROUTES, "tenants": probed,
+            "priority": end.priority, "pass": end.pass_, "lane": end.lane_id}))
+        assert companions  # the data set has flows on two pages
+        flows, members = flows_of([LaneState(r.lane_id, r.priority, r.weight, r.pass_,
+                                             r.queued_count, r.tenant)
+                                   for r in [*picked, *companions]])
+        bounds = {lane: most for flow, most in share_bounds(flows, wanted).items()
+                  for lane in members[flow]}
         heads = {lane: head_reads(lane_order(conn, lane, candidates=True), most)
                  for lane, most in bounds.items()}
         walk = sum(read for _, read in heads.values())
+        flow_lanes = sum(flow_size(conn, _lane(conn, tenant)) for tenant in probed)
         probe = explain if plan_kind == "custom" else explain_generic  # what it settles on
         plan = probe(conn, sql.PICK_AND_WALK_PG, {**params, "wanted": wanted})
         got = run(conn, sql.PICK_AND_WALK_PG, {**params, "wanted": wanted})
         conn.rollback()
-    assert sorted({r.page_lane_id for r in got}) == sorted(r.lane_id for r in picked)
+    assert sorted({r.page_lane_id for r in got if not r.companion}) == sorted(
+        r.lane_id for r in picked)
+    assert sorted({r.page_lane_id for r in got if r.companion}) == sorted(
+        r.lane_id for r in companions)
     walked: dict[int, list[str]] = {}
     for r in got:
         if r.run_id is not None:
             walked.setdefault(r.lane_id, []).append(r.run_id)
-    # Each lane with a share walked exactly as far as its bound, the others not at all.
+    # Each lane of a flow with a share walked exactly as far as the flow's bound, the
+    # others not at all.
     assert {lane: sorted(runs) for lane, runs in walked.items()} == {
         lane: sorted(taken) for lane, (taken, _) in heads.items() if taken}
-    # A page per served route, and one extra lanes row: the MIN(wake_at) probe of the
-    # sleeping-lane index.
-    assert reads(plan).get("lanes", 0) <= page * len(ALL_ROUTES) + 1, describe(plan)
+    # A page per served route, one extra lanes row (the MIN(wake_at) probe of the
+    # sleeping-lane index) and each probed flow's lanes, with a row of slack per probe
+    # (EXPLAIN's per-loop averages, rounded).
+    assert reads(plan).get("lanes", 0) <= (page * len(ALL_ROUTES) + 1 + flow_lanes
+                                           + len(probed)), describe(plan)
+    assert [n for n in nodes(plan) if n.get("Index Name") == "ix_lanes_flow"], describe(plan)
     # EXPLAIN gives a lateral scan's rows as per-loop averages, rounded: one row per
     # loop (lane walked) of slack.
-    assert_bounded(plan, index=DISPATCH_INDEX_NAME, table="runs", bound=walk + len(picked),
+    assert_bounded(plan, index=DISPATCH_INDEX_NAME, table="runs",
+                   bound=walk + len(picked) + len(companions),
                    sorted_rows=page * len(ALL_ROUTES))
 
 

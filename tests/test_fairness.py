@@ -70,12 +70,18 @@ SQL_LANES = st.lists(st.tuples(st.integers(0, 2),
                                    lambda quarter: quarter / 4)),
                                st.integers(1, 12)),
                      min_size=1, max_size=20)
+# The page's own lanes (``picked``) and its companions (its flows' lanes beyond its end,
+# sql.PAGE_COMPANIONS): the page's end is its own last lane, its flows are of both.
 SHARES_OF_PAGE = text(
-    "WITH page AS (SELECT * FROM unnest(CAST(:lane_ids AS bigint[]), "
+    "WITH given AS (SELECT * FROM unnest(CAST(:lane_ids AS bigint[]), "
     "CAST(:priorities AS integer[]), CAST(:passes AS double precision[]), "
     "CAST(:weights AS double precision[]), CAST(:queued AS integer[]), "
-    "CAST(:tenants AS text[])) AS p(lane_id, priority, pass_, weight, queued_count, tenant)),"
-    + sql.FLOWS + "," + sql.SHARE_TURNS + " SELECT lane_id, share FROM shares WHERE share > 0")
+    "CAST(:tenants AS text[]), CAST(:picked AS boolean[])) "
+    "AS g(lane_id, priority, pass_, weight, queued_count, tenant, picked)), "
+    "pick AS (SELECT lane_id, priority, pass_, weight, queued_count, tenant FROM given "
+    "WHERE picked)," + sql.PAGE_END + ", page AS (SELECT lane_id, priority, pass_, weight, "
+    "queued_count, tenant FROM given)," + sql.FLOWS + "," + sql.SHARE_TURNS
+    + " SELECT lane_id, share FROM shares WHERE share > 0")
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +96,9 @@ def pg_engine(pg_url: str) -> Iterator[Engine]:
 def test_the_one_statement_claim_deals_what_share_slots_deals(
         pg_engine: Engine, lanes: list[tuple[int, float, float, int]], data: st.DataObject) -> None:
     """CLAIM_ONE_TRIP_PG deals a page's shares in SQL (sql.SHARE_TURNS): for any page of
-    lanes (a full page: no turn after its last lane) and claim size, the same shares as
-    share_slots, which the transaction's claim deals in Python."""
+    lanes (a full page: no turn after its last lane, and its flows' lanes beyond it) and
+    claim size, the same shares as share_slots, which the transaction's claim deals in
+    Python."""
     # A tenant's lanes (one per route) are one flow: one pass and one weight, as the
     # store keeps them (sql.FLOW_CLAIMED, sql._FLOW_PASS).
     shared = data.draw(st.booleans(), label="tenants with several lanes")
@@ -107,16 +114,32 @@ def test_the_one_statement_claim_deals_what_share_slots_deals(
     wanted = data.draw(st.integers(1, size), label="wanted")
     last = page[-1]
     until = (last.priority, last.pass_, last.lane_id) if len(page) == size else None
-    flows, _ = flows_of(page)
+    # A full page brings its flows' lanes beyond its end (at its end's priority, after
+    # its last lane: a later lane_id, a pass no lower than the end's).
+    companions: list[LaneState] = []
+    if until is not None:
+        for tenant in sorted({lane.tenant for lane in page if lane.priority == last.priority}):
+            if data.draw(st.booleans(), label=f"a lane of {tenant} beyond the page"):
+                flow = [lane for lane in page if lane.tenant == tenant]
+                companions.append(LaneState(
+                    len(lanes) + len(companions), last.priority, flow[0].weight,
+                    max(min(lane.pass_ for lane in flow), last.pass_)
+                    + data.draw(st.sampled_from([0.0, 0.25, 3.0]), label="ahead"),
+                    data.draw(st.integers(1, 12), label="queued"), tenant))
+    given_lanes = [*page, *companions]
+    flows, _ = flows_of(given_lanes)
     expected = dict(share_slots(flows, wanted, until=until))
     with pg_engine.connect() as conn:
         got: dict[int, int] = {r.lane_id: r.share for r in conn.execute(SHARES_OF_PAGE, {
-            "lane_ids": [lane.lane_id for lane in page],
-            "priorities": [lane.priority for lane in page],
-            "passes": [lane.pass_ for lane in page], "weights": [lane.weight for lane in page],
-            "queued": [lane.queued for lane in page],
-            "tenants": [lane.tenant for lane in page], "wanted": wanted, "limit": size})}
-    assert got == expected, (page, wanted, size)
+            "lane_ids": [lane.lane_id for lane in given_lanes],
+            "priorities": [lane.priority for lane in given_lanes],
+            "passes": [lane.pass_ for lane in given_lanes],
+            "weights": [lane.weight for lane in given_lanes],
+            "queued": [lane.queued for lane in given_lanes],
+            "tenants": [lane.tenant for lane in given_lanes],
+            "picked": [lane in page for lane in given_lanes], "wanted": wanted,
+            "limit": size})}
+    assert got == expected, (page, companions, wanted, size)
 
 
 

@@ -1,7 +1,7 @@
 """Flows (one pass per tenant, queue and priority) and limit scopes (every attempt
 holds every scope of its run), from a review of 2026-12-02. Each test runs on SQLite,
 PostgreSQL's one-statement claim and PostgreSQL's transaction claim where it can.
-Known gaps are strict xfails, each with its reason (docs/architecture.md)."""
+Known gaps were strict xfails, each with its reason; all pass now (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from runlane.domain.reasons import Reason
 from runlane.store.store import Store
 
 from .conftest import CLAIM_PATHS, claim_path_database
-from .support import spec, submit
+from .support import execute, spec, submit
 
 TTL = 30.0
 GIT = {"tools": ["git"]}
@@ -469,16 +469,14 @@ def test_weighted_shares_of_tenants_with_different_numbers_of_routes(
     assert store.audit() == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    'known gap: flows are merged within a page of lanes; a flow whose lanes fall on '
-    "two pages takes its first page's runs first"))
 def test_a_flow_whose_lanes_fall_on_two_pages_still_serves_its_oldest_run_first(
         store: Store, clock: ManualClock) -> None:
     """No drift here: a's plain lane (lane_id 1) and git lane (lane_id 18) keep one pass,
     and 16 other tenants' lanes sit at the same pass with lane_ids in between. A page
     is LANE_PAGE = 16 lanes in (priority, pass, lane_id) order, so it holds a's plain
-    lane and 15 others, not a's git lane: the flow is merged per page (flows_of / FLOWS),
-    and a claim of 1 takes a's newer plain run while its older git run waits."""
+    lane and 15 others, not a's git lane. The page brings the git lane along (its
+    flow's other lane beyond the page's end: sql.PAGE_COMPANIONS), and a claim of 1
+    takes a's older git run. (Merged per page only, the flow took its newer plain run.)"""
     store.submit([spec(tenant="a")] + [spec(tenant=f"b{i:02d}") for i in range(16)]
                  + [spec(tenant=f"b{i:02d}") for i in range(16)])
     clock.advance(1)
@@ -494,6 +492,37 @@ def test_a_flow_whose_lanes_fall_on_two_pages_still_serves_its_oldest_run_first(
     got = store.claim("w1", limit=1, lease_ttl=TTL, capabilities=GIT)
     assert [g.run_id for g in got] == [old.run_id], (
         [g.tenant for g in got], new.run_id in [g.run_id for g in got])
+
+
+def test_a_flow_on_two_pages_of_one_claim_takes_its_oldest_runs_once(
+        store: Store, clock: ManualClock) -> None:
+    """A claim of 16 that needs two pages. a's plain lane (lane_id 1) is at pass -1 and
+    its git lane (lane_id 18) at 0, one turn apart (as the known gap of a lane joining
+    while a claim of its flow commits leaves them); 16 other tenants' lanes (two runs
+    each) sit at pass 0 with lane_ids 2-17. The first page (16 lanes, up to b14's) holds
+    a's plain lane, and a's git lane comes with it (its flow's other lane, beyond the
+    page's end). The flow is at pass -1: two turns on that page, its two oldest runs, the
+    plain T0 and the git T1, not the plain T2. Four tenants' runs all wait for a backoff:
+    their lanes come up short, and the claim reads a second page, which brings a's git
+    lane again: it is not walked from its head again (a's third turn takes the second
+    git T1), and no run is taken twice. Without the companion lane, a took T0 and T2 on
+    the first page and one git run on the second."""
+    store.submit([spec(tenant="a")] + [spec(tenant=f"b{i:02d}") for i in range(16)] * 2)
+    clock.advance(1)
+    git = submit(store, 2, tenant="a", requires={"tools": "git"})
+    clock.advance(1)
+    plain = submit(store, 1, tenant="a")[0]
+    execute(store, "UPDATE lanes SET pass = CASE WHEN tenant = 'a' AND route_key = '' "
+                   "THEN -1 ELSE 0 END")
+    execute(store, "UPDATE runs SET visible_at = visible_at + 3600 "
+                   "WHERE tenant IN ('b00', 'b01', 'b02', 'b03')")
+    leases = store.claim("w1", limit=16, lease_ttl=TTL, capabilities=GIT)
+    assert len({lease.run_id for lease in leases}) == len(leases) == 16
+    assert Counter(lease.tenant for lease in leases) == {
+        "a": 3, "b04": 2, **{f"b{i:02d}": 1 for i in range(5, 16)}}
+    taken = {lease.run_id for lease in leases if lease.tenant == "a"}
+    assert {git[0].run_id, git[1].run_id} <= taken and plain.run_id not in taken
+    assert store.audit() == []
 
 
 def test_every_claim_path_records_every_scope_of_the_run(store: Store) -> None:

@@ -606,8 +606,10 @@ class SchedulingMixin:
         """The runs a claim may take, fairest first: lanes picked a page at a time by
         priority and stride pass, the free slots shared among their flows by weight
         (a tenant's lanes of one priority, one per route, are one flow: one share, its
-        oldest runs first whatever their route), each flow's share read from the heads
-        of its lanes (all lanes in one statement on PostgreSQL). A lane that comes up
+        oldest runs first whatever their route; a full page brings its flows' lanes
+        beyond its end, so a flow is dealt with whole whatever page its lanes fall on),
+        each flow's share read from the heads of its lanes (all lanes in one statement
+        on PostgreSQL). A lane that comes up
         short (runs in backoff, full repository) drops out and its flow's share goes
         round again, then to the next page. Also returns the lanes that gave nothing
         at all (candidates to sleep: ``_lane_upkeep``)."""
@@ -626,21 +628,25 @@ class SchedulingMixin:
         advanced: Counter[tuple[int, str]] = Counter()  # runs this claim gave each flow
         while wanted > 0:
             size = max(wanted, LANE_PAGE)
-            fresh, walked, due = self._pick_lanes(conn, queue, routes, wanted, size, after,
-                                                  now)
+            picked, companions, walked, due = self._pick_lanes(conn, queue, routes, wanted,
+                                                               size, after, now)
             if check_due and due:
                 raise LanesDue  # wake them first, in a transaction of their own
-            if fresh:
-                after = (fresh[-1].priority, fresh[-1].pass_, fresh[-1].lane_id)
+            if picked:
+                after = (picked[-1].priority, picked[-1].pass_, picked[-1].lane_id)
             # A full page may have lanes beyond it: deal no turn due after its last lane
             # (such a turn may belong to a lane of the next page), then read that page.
-            more = len(fresh) == size
+            # Its flows' lanes beyond it came with it (companions): a flow is dealt
+            # with whole, whatever page its lanes fall on.
+            more = len(picked) == size
             until = after if more else None
+            fresh = [*picked, *companions]
             # Each page is a statement of its own: a lane an earlier page brought can
-            # come again (another claim moved its pass meanwhile). This claim already
-            # dealt with it (carried, or it came up short), and its walk from the head
-            # would return runs already taken. (Rare: the page's walk is then not used,
-            # its bounds counted the lanes dropped here.)
+            # come again (it was a companion there, or another claim moved its pass
+            # meanwhile). This claim already dealt with it (carried, or it came up
+            # short), and its walk from the head would return runs already taken.
+            # (Only for a claim that needs a second page: the page's walk is then not
+            # used, its bounds counted the lanes dropped here.)
             if any(lane.lane_id in seen for lane in fresh):
                 fresh = [lane for lane in fresh if lane.lane_id not in seen]
                 walked = None
@@ -824,34 +830,52 @@ class SchedulingMixin:
 
     def _pick_lanes(self, conn: Connection, queue: str, routes: list[str], wanted: int,
                     size: int, after: tuple[int, float, int], now: float | None
-                    ) -> tuple[list[LaneState], dict[int, list[Any]] | None, bool]:
-        """One page of ``size`` lanes in fair order after ``after``, and whether
-        sleeping lanes are due. PostgreSQL also walks, in the same statement, each
-        lane that can get a share of ``wanted`` for as many runs as its share can be
-        at most (``PICK_AND_WALK_PG``; lanes of earlier pages competing for the same
-        slots can only make a share smaller): those runs come back per lane, oldest
-        first."""
+                    ) -> tuple[list[LaneState], list[LaneState], dict[int, list[Any]] | None,
+                               bool]:
+        """One page of ``size`` lanes in fair order after ``after``; when the page is
+        full, the other served lanes of its flows that lie beyond its last lane (its
+        companions: a flow's lanes may fall on two pages, sql.PAGE_COMPANIONS); and
+        whether sleeping lanes are due. PostgreSQL also walks, in the same statement,
+        each lane that can get a share of ``wanted`` (its flow's) for as many runs as
+        that share can be at most (``PICK_AND_WALK_PG``; lanes of earlier pages
+        competing for the same slots can only make a share smaller): those runs come
+        back per lane, oldest first."""
+        def order(lanes: Iterable[LaneState]) -> list[LaneState]:
+            return sorted(lanes, key=lambda lane: (lane.priority, lane.pass_, lane.lane_id))
+
         params = {"queue": queue, "routes": routes, "limit": size,
                   "after_priority": after[0], "after_pass": after[1],
                   "after_lane": after[2], "now": now}
         if self.dialect != "postgresql":
             rows = list(conn.execute(self._q(sql.PICK_LANES["sqlite"], "routes"), params))
-            return ([LaneState(r.lane_id, r.priority, r.weight, r.pass_, r.queued_count,
-                               r.tenant) for r in rows], None, rows_due(rows))
-        lanes: dict[int, LaneState] = {}
+            page = [LaneState(r.lane_id, r.priority, r.weight, r.pass_, r.queued_count,
+                              r.tenant) for r in rows]
+            companions: list[LaneState] = []
+            if len(page) == size:
+                end = page[-1]
+                companions = order(LaneState(
+                    r.lane_id, r.priority, r.weight, r.pass_, r.queued_count, r.tenant)
+                    for r in conn.execute(
+                        self._q(sql.PAGE_COMPANIONS["sqlite"], "tenants", "routes"), {
+                            "tenants": sorted({lane.tenant for lane in page
+                                               if lane.priority == end.priority}),
+                            "queue": queue, "routes": routes, "end_priority": end.priority,
+                            "end_pass": end.pass_, "end_lane": end.lane_id}))
+            return page, companions, None, rows_due(rows)
+        lanes: dict[int, tuple[LaneState, bool]] = {}
         walked: dict[int, list[Any]] = {}
         due = False
         for r in conn.execute(self._q(sql.PICK_AND_WALK_PG), {**params, "wanted": wanted}):
             due = due or bool(r.lanes_due)
-            lanes[r.page_lane_id] = LaneState(r.page_lane_id, r.page_priority, r.weight,
-                                              r.pass_, r.queued_count, r.page_tenant)
+            lanes[r.page_lane_id] = (LaneState(r.page_lane_id, r.page_priority, r.weight,
+                                               r.pass_, r.queued_count, r.page_tenant),
+                                     bool(r.companion))
             if r.run_id is not None:
                 walked.setdefault(r.page_lane_id, []).append(r)
         for lane_rows in walked.values():
             lane_rows.sort(key=lambda r: (r.created_at, r.run_id))
-        page = sorted(lanes.values(), key=lambda lane: (lane.priority, lane.pass_,
-                                                        lane.lane_id))
-        return page, walked, due
+        return (order(lane for lane, companion in lanes.values() if not companion),
+                order(lane for lane, companion in lanes.values() if companion), walked, due)
 
     def _lane_runs(self, conn: Connection, shares: list[tuple[int, int]],
                    cursors: dict[int, tuple[float, str]], now: float | None

@@ -56,7 +56,8 @@ COUNTED_SCOPES = {
 # A claim is a few short statements in one transaction (``SchedulingMixin.claim``
 # drives them), each one round trip whatever the batch size:
 #
-#   PICK_LANES   the lanes to serve, in fair order (one page);
+#   PICK_LANES   the lanes to serve, in fair order (one page); when the page is full,
+#                PAGE_COMPANIONS: its flows' other lanes beyond its end;
 #   LANE_RUNS    each chosen lane's oldest runnable runs, SKIP LOCKED, with the policy
 #                version, the time and whether the run's task was cancelled
 #                (PostgreSQL: all lanes at once, LATERAL; SQLite: lane by lane);
@@ -193,11 +194,57 @@ SELECT w.*, ctx.version, ctx.now FROM ctx, (""" + _LANE_WALK.format(
 """,
 }
 
-# A page's flows: its lanes merged per (priority, tenant) (a tenant's lanes of one
-# priority, one per route, share one pass and one share: fairness.flows_of, the same
-# merge in Python). Each flow is named by its lowest lane_id and ranked in fair order;
-# the shares are dealt to flows, and each lane of a flow is walked for the flow's
-# whole share, its oldest runs taken whatever their route.
+# The last lane of a full page (``pick``): no turn due after it is dealt (a later turn
+# may belong to a lane of the next page), and a page's flows also take their lanes
+# beyond it (``companions``). None when the page is not full: it holds every lane left.
+PAGE_END = """
+     page_end AS (
+       SELECT priority, pass_, lane_id FROM pick
+       WHERE (SELECT COUNT(*) FROM pick) >= :limit  -- a full page: the next may hold more
+       ORDER BY priority DESC, pass_ DESC, lane_id DESC LIMIT 1)"""
+
+# A flow's lanes (one per route) may fall on two pages: lanes of many tenants at one
+# pass, ordered by lane_id, can put a flow's plain lane on one page and its git lane on
+# the next, and the flow would serve the first page's newer runs before the other
+# lane's older ones. So a full page also brings the other served lanes of its flows
+# that lie beyond its last lane (they cannot lie before it: the page holds every served
+# lane up to its end). Only flows at the last lane's priority can have such lanes (a
+# lane beyond the end has its priority or a later one). Each flow is one probe of
+# ``ix_lanes_flow`` (tenant, queue, priority), reading that flow's lanes (one per route
+# its tenant used at that queue and priority): bounded by the page, never by the queue,
+# the tenants or the lanes. A companion never lowers its flow's pass (it lies after the
+# flow's lanes on the page), so the turns are dealt as before; it adds its queued runs
+# and its walk: the flow's oldest runs, whatever their route.
+PAGE_COMPANIONS = {
+    "postgresql": """
+     companions AS (
+       SELECT c.lane_id, c.tenant, c.priority, c.weight, c.pass_, c.queued_count
+       FROM page_end e
+       CROSS JOIN LATERAL (SELECT DISTINCT p.tenant FROM pick p
+                           WHERE p.priority = e.priority) f
+       CROSS JOIN LATERAL (
+         SELECT l.lane_id, l.tenant, l.priority, l.weight, l.pass AS pass_, l.queued_count
+         FROM lanes l
+         WHERE l.tenant = f.tenant AND l.queue = :queue AND l.priority = e.priority
+           AND l.route_key = ANY(CAST(:routes AS text[]))
+           AND l.queued_count > 0 AND l.tenant_at_limit = 0 AND l.wake_at IS NULL
+           AND (l.pass, l.lane_id) > (e.pass_, e.lane_id)) c)""",
+    # The page's tenants at its last lane's priority (an expanding list), its last lane.
+    "sqlite": """
+SELECT l.lane_id, l.tenant, l.priority, l.weight, l.pass AS pass_, l.queued_count
+FROM lanes l
+WHERE l.tenant IN :tenants AND l.queue = :queue AND l.priority = :end_priority
+  AND l.route_key IN :routes
+  AND l.queued_count > 0 AND l.tenant_at_limit = 0 AND l.wake_at IS NULL
+  AND (l.pass, l.lane_id) > (:end_pass, :end_lane)
+""",
+}
+
+# A page's flows: its lanes (and their companions) merged per (priority, tenant) (a
+# tenant's lanes of one priority, one per route, share one pass and one share:
+# fairness.flows_of, the same merge in Python). Each flow is named by its lowest
+# lane_id and ranked in fair order; the shares are dealt to flows, and each lane of a
+# flow is walked for the flow's whole share, its oldest runs taken whatever their route.
 FLOWS = """
      flows AS (
        SELECT f.*, row_number() OVER (ORDER BY f.priority, f.pass_, f.lane_id) AS rank
@@ -207,23 +254,30 @@ FLOWS = """
              FROM page p GROUP BY p.priority, p.tenant) f)"""
 
 # PostgreSQL: PICK_LANES and the first LANE_RUNS of a page in one statement. Each
-# lane is walked only as far as its share can reach (``fairness.share_bounds``, the
-# same bound, property-tested against ``share_slots``): every run walked is locked,
-# and a run locked but not taken is one other claimers skip. Stride sharing hands
-# ``wanted`` slots only to the page's first ``wanted`` lanes (each has its first turn
-# before any later lane's); when the page has that many, a lane's k-th extra turn
-# comes at pass + k / weight, never past the pass of the wanted-th lane (the edge)
-# at the same priority: the lane's cap. The turns the caps allow, in fair order (at
-# most ``wanted`` per lane, generated, no table read): the wanted-th of them is as
-# late as the last turn dealt can be, and no lane is walked past it. (Without it, 8
+# lane (a companion too) is walked only as far as its flow's share can reach
+# (``fairness.share_bounds`` over the page's flows, the same bound, property-tested
+# against ``share_slots``): every run walked is locked, and a run locked but not taken
+# is one other claimers skip. Stride sharing hands ``wanted`` slots only to the page's
+# first ``wanted`` flows (each has its first turn before any later flow's); when the
+# page has that many, a flow's k-th extra turn comes at pass + k / weight, never past
+# the pass of the wanted-th flow (the edge) at the same priority: the flow's cap. The
+# turns the caps allow, in fair order (at most ``wanted`` per flow, generated, no table
+# read): the wanted-th of them is as late as the last turn dealt can be, and no lane
+# is walked past it. (Without it, 8
 # lanes and a claim of 10 walked and locked 80 runs; with it, 16.) The 1e-6 is
 # fairness.TURN_SLACK. The claim deals the shares from what came back and walks
 # again (LANE_RUNS) only for a lane that came up short. No ORDER BY (a Sort node):
 # the claim orders the page and each lane's runs itself.
-# The page of lanes, its flows (ranked in fair order) and whether sleeping lanes are
-# due: the start of both PICK_AND_WALK_PG and CLAIM_ONE_TRIP_PG.
+# The page of lanes (``pick``, its last lane when full, the companions of its flows:
+# ``page`` is both, ``companion`` says which), its flows (ranked in fair order) and
+# whether sleeping lanes are due: the start of both PICK_AND_WALK_PG and
+# CLAIM_ONE_TRIP_PG.
 _PAGE_PG = _CLAIM_CTX + """,
-     page AS (""" + _PICK_PAGE_PG + """),
+     pick AS (""" + _PICK_PAGE_PG + """),
+""" + PAGE_END + """,
+""" + PAGE_COMPANIONS["postgresql"] + """,
+     page AS (SELECT p.*, 0 AS companion FROM pick p
+              UNION ALL SELECT c.*, 1 AS companion FROM companions c),
 """ + FLOWS + """,
      due AS (SELECT CASE WHEN MIN(w.wake_at) <= (SELECT now FROM ctx) THEN 1 ELSE 0 END
                       AS lanes_due
@@ -254,7 +308,8 @@ _PICK_AND_REACH_PG = _PAGE_PG + """,
 """
 PICK_AND_WALK_PG = _PICK_AND_REACH_PG + """
 SELECT p.lane_id AS page_lane_id, p.priority AS page_priority, p.tenant AS page_tenant,
-       p.weight, p.pass_, p.queued_count, due.lanes_due, w.*, ctx.version, ctx.now
+       p.weight, p.pass_, p.queued_count, p.companion, due.lanes_due, w.*, ctx.version,
+       ctx.now
 FROM page p LEFT JOIN flows f ON f.priority = p.priority AND f.tenant = p.tenant
 LEFT JOIN reach s ON s.lane_id = f.lane_id CROSS JOIN ctx CROSS JOIN due
 LEFT JOIN LATERAL (""" + _LANE_WALK.format(
@@ -654,19 +709,16 @@ RUN_SCOPES = """(
 # The shares: each flow of the page has a turn at pass + k / weight for k = 0, 1, ...
 # (up to its queued runs); the first ``:wanted`` turns in fair order are dealt. None of
 # them comes after the page's last lane (a turn that may belong to a lane of the next
-# page). A full page of one lane per flow holds at least ``:wanted`` first turns no
-# later than that; when a tenant has several lanes in it, it may hold fewer, and the
-# statement claims only when it dealt them all (``fast``). The
+# page; ``page_end``, of the page without its companions). A full page of one lane per
+# flow holds at least ``:wanted`` first turns no later than that; when a tenant has
+# several lanes in it, it may hold fewer, and the statement claims only when it dealt
+# them all (``fast``). The
 # result is share_slots(page, wanted, until=the last lane), tests/test_fairness.py.
 # Only the page's first ``:wanted`` lanes can get a turn (each lane's first turn comes
 # before any later lane's), which also keeps the planner's estimate of the lanes walked
 # small: with a GROUP BY of the turns, the generic plan was costed at 67 lanes and
 # PostgreSQL planned the statement again at every claim (1.2-1.8 ms).
 SHARE_TURNS = """
-page_end AS (
-    SELECT priority, pass_, lane_id FROM page
-    WHERE (SELECT COUNT(*) FROM page) >= :limit  -- a full page: the next may hold more
-    ORDER BY priority DESC, pass_ DESC, lane_id DESC LIMIT 1),
 turns AS MATERIALIZED (
     SELECT p.lane_id FROM flows p
     CROSS JOIN LATERAL generate_series(0, LEAST(p.queued_count, :wanted) - 1) AS k
@@ -725,7 +777,7 @@ lane_deltas AS (
     "{gate}", "(SELECT ok FROM fast)").replace("{also_full}", "CAST(ARRAY[] AS text[])") + """
 SELECT c.run_id, c.fencing_token, c.attempt_count, (SELECT now FROM t) AS now,
        w.task_id, w.tenant, w.repo, w.queue, w.priority, w.max_attempts, w.limits,
-       w.created_at, (SELECT COUNT(*) FROM page) AS page_lanes, due.lanes_due,
+       w.created_at, (SELECT COUNT(*) FROM pick) AS page_lanes, due.lanes_due,
        COALESCE((SELECT version FROM ctx), 0) AS policy_version
 FROM due LEFT JOIN (claimed c JOIN chosen w ON w.run_id = c.run_id) ON true
 """
