@@ -565,6 +565,9 @@ class StoreMachine(RuleBasedStateMachine):
             "slot_counters_repaired": 0,
             "tenant_flags_repaired": 0,
             "overslept_lanes_woken": 0,
+            # Every run needs nothing a worker lacks: no lane is ever unserved.
+            "lanes_marked_unserved": 0,
+            "lanes_served_again": 0,
         }
         for h in overlong:
             event(f"reconcile timeout: {self.attempt_ended(h, Reason.TIMEOUT, None)}")
