@@ -546,6 +546,17 @@ def test_every_claim_path_records_every_scope_of_the_run(store: Store) -> None:
         assert held == run_scopes(r.tenant, r.repo, r.user_id, r.risk_class, r.queue), r
 
 
+def serve_a_and_b_while_x_waits_for_cuda(store: Store, *, x_runs: int) -> None:
+    """The only live worker (w1) has no cuda: x's lane is never served, and a's and
+    b's are served 40 times (their passes reach ~20; x's stays at 0)."""
+    store.register_worker("w1", version="t", queues=["default"])
+    submit(store, x_runs, tenant="x", requires={"tools": "cuda"})
+    submit(store, 40, tenant="a")
+    submit(store, 40, tenant="b")
+    for _ in range(40):
+        store.claim("w1", limit=1, lease_ttl=TTL)
+
+
 def test_a_lane_nobody_serves_does_not_give_a_late_tenant_banked_credit(
         store: Store, clock: ManualClock) -> None:
     """Tenant x has one run that needs cuda, which the only live worker lacks: its
@@ -554,12 +565,7 @@ def test_a_lane_nobody_serves_does_not_give_a_late_tenant_banked_credit(
     lowest pass of the lanes that compete (a's, b's) and gets about a third of the next
     claims. Unmarked (sql._virtual_time counting every queued lane), it joined at ~0
     and took the next ~20 claims one after another."""
-    store.register_worker("w1", version="t", queues=["default"])
-    submit(store, 1, tenant="x", requires={"tools": "cuda"})
-    submit(store, 40, tenant="a")
-    submit(store, 40, tenant="b")
-    for _ in range(40):
-        store.claim("w1", limit=1, lease_ttl=TTL)
+    serve_a_and_b_while_x_waits_for_cuda(store, x_runs=1)
     assert store._transaction(store._mark_unserved_lanes) == {
         "lanes_marked_unserved": 1, "lanes_served_again": 0}
     clock.advance(1)
@@ -576,12 +582,7 @@ def test_a_lane_served_again_rejoins_behind_the_lanes_that_compete(
     mark and the lane catches up with the lanes that compete (as a tenant's lanes shown
     again do): x waited, but has no credit to spend on a cuda worker that also serves
     plain runs. It is served next in turn, not 20 times in a row."""
-    store.register_worker("w1", version="t", queues=["default"])
-    submit(store, 20, tenant="x", requires={"tools": "cuda"})
-    submit(store, 40, tenant="a")
-    submit(store, 40, tenant="b")
-    for _ in range(40):
-        store.claim("w1", limit=1, lease_ttl=TTL)
+    serve_a_and_b_while_x_waits_for_cuda(store, x_runs=20)
     store.reconcile()
     store.register_worker("gpu", version="t", queues=["default"],
                           capabilities={"tools": ["cuda"]})
