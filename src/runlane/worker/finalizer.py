@@ -11,7 +11,14 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from runlane.codehost.base import CodeHost, PullRequest, PullRequestExists, branch_name, pr_marker
+from runlane.codehost.base import (
+    CodeHost,
+    CodeHostError,
+    PullRequest,
+    PullRequestExists,
+    branch_name,
+    pr_marker,
+)
 from runlane.domain.states import RunStatus
 from runlane.store.store import Lease, Store
 from runlane.worker.effects import perform_effect
@@ -93,7 +100,19 @@ class Finalizer:
             if sha is None:  # resuming, and the branch is gone: nothing to push
                 raise PushFailed(f"branch {branch} of an earlier attempt is not on the remote",
                                  transient=True)
-            workspace.push(branch, replacing=not_ours[-1] if not_ours else None)
+            try:
+                workspace.push(branch, replacing=not_ours[-1] if not_ours else None)
+            except PushFailed:
+                # Rejected (the branch appeared since the look above: an earlier
+                # attempt's push, outliving its worker, landed in between) or timed out
+                # after it landed: look again, and adopt the run's own commit.
+                try:
+                    landed = remote_branch()
+                except PushFailed:
+                    landed = None  # the remote cannot be read either: the push's error
+                if landed is None:
+                    raise
+                return {**landed, "adopted": True}
             return {"branch": branch, "sha": sha}
 
         perform_effect(self.store, lease, PUSH_EFFECT, find=remote_branch, do=push)
@@ -115,6 +134,18 @@ class Finalizer:
                 if found is None:
                     raise
                 return _pr(found)
+            except CodeHostError as exc:
+                if not exc.transient:
+                    raise
+                # A timeout or a 5xx leaves it open whether the host created the pull
+                # request: the marker says (a lookup that fails too changes nothing).
+                try:
+                    found = host.find_pull_request(task["repo"], branch, marker)
+                except CodeHostError:
+                    found = None
+                if found is None:
+                    raise
+                return {**_pr(found), "adopted": True}
 
         try:
             perform_effect(self.store, lease, PULL_REQUEST_EFFECT, find=existing_pr, do=open_pr)
