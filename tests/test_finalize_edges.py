@@ -27,9 +27,16 @@ from runlane.codehost.github import GitHubClient
 from runlane.codehost.local_forge import LocalForge
 from runlane.store.store import Lease, Store
 from runlane.worker.attempt import AttemptDriver, AttemptSettings, AttemptState
-from runlane.worker.finalizer import PUSH_EFFECT, pr_title, trailer
+from runlane.worker.finalizer import (
+    MAX_PR_BODY_CHARS,
+    PUSH_EFFECT,
+    pr_body,
+    pr_title,
+    trailer,
+)
 from runlane.workspace import Workspace
 
+from . import fake_github
 from .fake_github import FakeGitHub
 from .support import attempts_of, run_row, spec
 
@@ -206,8 +213,6 @@ def test_a_pull_request_created_despite_a_timed_out_response_is_adopted(
     while its pull request is open on GitHub: the run's record and the code host
     disagree for good (``runlane prs list`` shows nothing). With attempts left, an
     attempt and a backoff are spent on a pull request that already exists."""
-    from . import fake_github
-
     [sub] = store.submit([spec(repo=str(remote), max_attempts=1)])
     real_handle = fake_github._Handler._handle
 
@@ -265,32 +270,16 @@ def test_a_head_not_yet_visible_right_after_the_push_is_retried_not_failed(
 
 # --- GitHub's limit on a pull request's body -----------------------------------------------
 
-GITHUB_MAX_BODY = 65536  # characters; GitHub answers 422 "body is too long" past it
-
 
 def test_a_long_prompt_still_opens_one_pull_request_with_the_marker(
-        store: Store, tmp_path: Path, remote: Path, fake: FakeGitHub,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        store: Store, tmp_path: Path, remote: Path, fake: FakeGitHub) -> None:
     """``finalizer.pr_body`` puts the task's whole prompt in the pull request's body and
     the run's marker *after* it. Prompts may be up to the 4 MB payload cap, but GitHub
-    refuses a body over 65,536 characters (422 "body is too long"), which
-    ``GitHubClient._classify`` makes permanent: every run of a task with a long prompt
-    (a pasted log, an issue thread) does its work, pushes its branch and then fails
-    WORKER_ERROR without a pull request. The body must be cut to fit, keeping the
-    marker (the identity the retries look the pull request up by)."""
-    from . import fake_github
-
-    real_open = fake_github._Handler._open
-
-    def open_like_github(self: Any, full_name: str, data: dict[str, Any]) -> None:
-        if len(str(data.get("body") or "")) > GITHUB_MAX_BODY:
-            self._send(422, {"message": "Validation Failed", "errors": [{
-                "resource": "PullRequest", "code": "custom", "field": "body",
-                "message": f"body is too long (maximum is {GITHUB_MAX_BODY} characters)"}]})
-            return
-        real_open(self, full_name, data)
-
-    monkeypatch.setattr(fake_github._Handler, "_open", open_like_github)
+    refuses a body over 65,536 characters (422 "body is too long"; the fake refuses it
+    the same way), which ``GitHubClient._classify`` makes permanent: every run of a task
+    with a long prompt (a pasted log, an issue thread) does its work, pushes its branch
+    and then fails WORKER_ERROR without a pull request. The body must be cut to fit,
+    keeping the marker (the identity the retries look the pull request up by)."""
     prompt = "fix the flaky test\n\n" + "log line: connection reset by peer\n" * 2500
     [sub] = store.submit([spec(repo=str(remote), prompt=prompt)])
     run_attempt(store, driver_for(store, tmp_path, github_host(fake)))
@@ -299,7 +288,23 @@ def test_a_long_prompt_still_opens_one_pull_request_with_the_marker(
         f"run ended {run.status} {run.reason_code}: {run.message!r} with its branch "
         f"pushed ({len(agent_branches(remote))}) and no pull request")
     [pr] = fake.pulls(GH_REPO)
-    assert f"<!-- agent-run-id: {sub.run_id} -->" in pr["body"]
+    assert len(pr["body"]) <= fake_github.MAX_BODY == 65536
+    assert pr["body"].startswith("fix the flaky test\n\nlog line: connection reset")
+    assert "the prompt is cut here" in pr["body"]
+    assert pr["body"].endswith(f"<!-- agent-run-id: {sub.run_id} -->\n")
+
+
+def test_pr_body_is_cut_only_when_it_would_not_fit() -> None:
+    task = {"task_id": "t1", "prompt": ""}
+    footer = len(pr_body(task, "r1", 1))
+    fits = {**task, "prompt": "x" * (MAX_PR_BODY_CHARS - footer)}
+    assert pr_body(fits, "r1", 1) == fits["prompt"] + pr_body(task, "r1", 1)
+    over = {**task, "prompt": "x" * (MAX_PR_BODY_CHARS - footer + 1)}
+    body = pr_body(over, "r1", 1)
+    assert len(body) <= MAX_PR_BODY_CHARS
+    assert "the prompt is cut here" in body and body.endswith("<!-- agent-run-id: r1 -->\n")
+    huge = pr_body({**task, "prompt": "y" * 4_000_000}, "r1", 1)
+    assert len(huge) <= MAX_PR_BODY_CHARS and "4,000,000 characters in all" in huge
 
 
 # --- a run whose pull request is recorded is not failed for want of attempts -----------------

@@ -32,9 +32,23 @@ def trailer(run_id: str) -> str:
     return f"Agent-Run-ID: {run_id}"
 
 
+# GitHub refuses a pull request body over 65,536 characters (422 "body is too long").
+MAX_PR_BODY_CHARS = 65536
+
+
 def pr_body(task: dict[str, Any], run_id: str, attempt_no: int) -> str:
-    return (f"{task['prompt']}\n\nOpened by runlane for task `{task['task_id']}`, "
-            f"run `{run_id}` (attempt {attempt_no}).\n\n{pr_marker(run_id)}\n")
+    """The task's prompt, then runlane's footer with the run's marker, always last and
+    whole: a prompt too long for the body is cut, with a note saying so."""
+    footer = (f"\n\nOpened by runlane for task `{task['task_id']}`, "
+              f"run `{run_id}` (attempt {attempt_no}).\n\n{pr_marker(run_id)}\n")
+    prompt = task["prompt"]
+    room = MAX_PR_BODY_CHARS - len(footer)
+    if len(prompt) > room:
+        note = (f"\n\n[runlane: the prompt is cut here; {len(prompt):,} characters in all, "
+                f"the first {{shown:,}} shown]")
+        shown = max(0, room - len(note.format(shown=room)))
+        prompt = prompt[:shown] + note.format(shown=shown)
+    return prompt + footer
 
 
 def pr_title(task: dict[str, Any]) -> str:
