@@ -20,12 +20,11 @@ from runlane.codehost.base import (
     pr_marker,
 )
 from runlane.domain.states import RunStatus
-from runlane.store.store import Lease, Store
+from runlane.store.store import PULL_REQUEST_EFFECT, Lease, Store
 from runlane.worker.effects import perform_effect
 from runlane.workspace import PushFailed, Workspace
 
 PUSH_EFFECT = "push_branch"
-PULL_REQUEST_EFFECT = "pull_request"
 
 
 def trailer(run_id: str) -> str:
@@ -41,7 +40,7 @@ def pr_body(task: dict[str, Any], run_id: str, attempt_no: int) -> str:
     whole: a prompt too long for the body is cut, with a note saying so."""
     footer = (f"\n\nOpened by runlane for task `{task['task_id']}`, "
               f"run `{run_id}` (attempt {attempt_no}).\n\n{pr_marker(run_id)}\n")
-    prompt = task["prompt"]
+    prompt = str(task["prompt"])
     room = MAX_PR_BODY_CHARS - len(footer)
     if len(prompt) > room:
         note = (f"\n\n[runlane: the prompt is cut here; {len(prompt):,} characters in all, "
