@@ -26,7 +26,6 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-
 MAX_BODY = 65536  # characters: GitHub answers 422 "body is too long" past it
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from runlane.agents.command import CommandRunner
 from runlane.clock import ManualClock
@@ -38,7 +39,7 @@ from runlane.workspace import Workspace
 
 from . import fake_github
 from .fake_github import FakeGitHub
-from .support import attempts_of, run_row, spec
+from .support import attempts_of, events_of, run_row, spec
 
 TTL = 60.0
 GH_REPO = "octo/app"
@@ -139,6 +140,7 @@ def test_a_code_host_rate_limit_retry_after_delays_the_retry(
     clock.advance(200)  # past any ordinary backoff of the test's retry policy
     assert store.claim("w1", lease_ttl=TTL) == [], \
         "the run was claimed again 200 s later, while GitHub said to wait 3600 s"
+    assert store.audit() == []
 
 
 # --- a push that loses a race with the run's own earlier push --------------------------------
@@ -197,6 +199,7 @@ def test_a_push_rejected_because_an_earlier_attempt_pushed_the_run_branch_is_ado
         f"on the remote and {len(LocalForge(forge).list_pull_requests(str(remote)))} "
         "pull requests")
     assert len(LocalForge(forge).list_pull_requests(str(remote))) == 1
+    assert store.audit() == []
 
 
 # --- a pull request created although the client did not hear back ----------------------------
@@ -239,6 +242,7 @@ def test_a_pull_request_created_despite_a_timed_out_response_is_adopted(
         f"request #{fake.pulls(GH_REPO)[0]['number']} is open")
     [recorded] = store.pull_requests()
     assert recorded["number"] == fake.pulls(GH_REPO)[0]["number"]
+    assert store.audit() == []
 
 
 # --- GitHub's eventual consistency right after a push ---------------------------------------
@@ -266,6 +270,7 @@ def test_a_head_not_yet_visible_right_after_the_push_is_retried_not_failed(
         f"run ended {run.status} {run.reason_code}: {run.message!r} with its branch "
         "pushed and no pull request")
     assert len(fake.pulls(GH_REPO)) == 1
+    assert store.audit() == []
 
 
 # --- GitHub's limit on a pull request's body -----------------------------------------------
@@ -292,6 +297,7 @@ def test_a_long_prompt_still_opens_one_pull_request_with_the_marker(
     assert pr["body"].startswith("fix the flaky test\n\nlog line: connection reset")
     assert "the prompt is cut here" in pr["body"]
     assert pr["body"].endswith(f"<!-- agent-run-id: {sub.run_id} -->\n")
+    assert store.audit() == []
 
 
 def test_pr_body_is_cut_only_when_it_would_not_fit() -> None:
@@ -349,3 +355,80 @@ def test_a_worker_lost_after_its_pull_request_was_recorded_does_not_fail_the_run
     assert (run.status, run.outcome) == ("SUCCEEDED", "pull_request"), (
         f"run ended {run.status} {run.reason_code} with its pull request "
         f"{store.pull_requests()[0]['url']} recorded and open")
+    assert_completed_from_the_ledger(store, sub.run_id, remote, forge,
+                                     attempt_reasons=["WORKER_LOST"])
+
+
+def assert_completed_from_the_ledger(store: Store, run_id: str, remote: Path, forge: Path,
+                                     *, attempt_reasons: list[str]) -> None:
+    """Completed by the attempt's end, with no other attempt: the lost or failed attempt
+    kept as evidence, the reason in the run's events, one branch, one pull request, and
+    every invariant of ``runlane audit``."""
+    run = run_row(store, run_id)
+    assert run.reason_code == "PULL_REQUEST_RECORDED"
+    assert [(a.status, a.reason_code) for a in attempts_of(store, run_id)] == [
+        ("FAILED", reason) for reason in attempt_reasons]
+    assert events_of(store, run_id)[-1] == ("FINALIZING", "SUCCEEDED")
+    with store.engine.connect() as conn:
+        last = conn.execute(text("SELECT reason_code, message FROM run_events WHERE run_id = :r "
+                                 "ORDER BY event_id DESC LIMIT 1"), {"r": run_id}).one()
+    assert last.reason_code == "PULL_REQUEST_RECORDED"
+    assert f"ended {attempt_reasons[-1]}" in last.message and "pull request" in last.message
+    assert len(agent_branches(remote)) == 1
+    assert len(LocalForge(forge).list_pull_requests(str(remote))) == 1
+    assert len(store.pull_requests()) == 1
+    assert store.audit() == []
+
+
+def test_an_attempt_that_fails_after_its_pull_request_was_recorded_completes_the_run(
+        store: Store, tmp_path: Path, remote: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on the worker's side: the completion write raises an unexpected error
+    (WORKER_ERROR, not retried) on a run with attempts left. The run is completed from
+    its recorded pull request at once: not failed, not queued for another attempt."""
+    [sub] = store.submit([spec(repo=str(remote), max_attempts=3)])
+    forge = tmp_path / "forge"
+
+    def completion_breaks(self: Store, lease: Lease, **kwargs: Any) -> None:
+        raise RuntimeError("a bug in the completion")
+
+    monkeypatch.setattr(Store, "complete", completion_breaks)
+    driver = driver_for(store, tmp_path, lambda repo: LocalForge(forge))
+    assert run_attempt(store, driver) == "WORKER_ERROR"
+    run = run_row(store, sub.run_id)
+    assert (run.status, run.outcome) == ("SUCCEEDED", "pull_request"), (
+        f"run ended {run.status} {run.reason_code} with its pull request recorded")
+    assert_completed_from_the_ledger(store, sub.run_id, remote, forge,
+                                     attempt_reasons=["WORKER_ERROR"])
+
+
+# --- credentials in a repository URL ---------------------------------------------------------
+
+SECRET = "ghp_s3cr3tT0ken"
+
+
+@pytest.mark.parametrize("repo", [
+    f"https://bob:{SECRET}@github.com/octo/app/tree/main",  # GitHub, not OWNER/NAME
+    f"https://x-access-token:{SECRET}@git.example.com/octo/app.git",  # no code host
+    f"https://{SECRET}@github.com/octo",  # a token alone, no name
+    f"https://bob:p@ss{SECRET}@git.example.com/octo/app.git",  # an unencoded @
+])
+def test_a_repository_url_with_credentials_never_reaches_a_run_message(
+        store: Store, tmp_path: Path, repo: str) -> None:
+    """``parse_github_repo`` and ``code_host_for`` put the repository they refuse in
+    their error, which the attempt records as the run's message (TASK_CONTRACT_INVALID):
+    the token of ``https://user:TOKEN@host/...`` must not be in it, in an event or in an
+    attempt (what the workspace already did for git's errors)."""
+    from runlane.codehost.factory import code_host_for
+
+    [sub] = store.submit([spec(repo=repo)])
+    ended = run_attempt(store, driver_for(store, tmp_path, code_host_for))
+    assert ended == "TASK_CONTRACT_INVALID"
+    run = run_row(store, sub.run_id)
+    assert run.status == "FAILED" and "***@" in run.message, run.message
+    with store.engine.connect() as conn:
+        written = [str(v) for v in conn.execute(text(
+            "SELECT message FROM run_events WHERE run_id = :r UNION ALL "
+            "SELECT message FROM attempts WHERE run_id = :r"), {"r": sub.run_id}).scalars()]
+    for text_ in [run.message, *written]:
+        assert SECRET not in text_ and "p@ss" not in text_, text_
+    assert store.audit() == []
