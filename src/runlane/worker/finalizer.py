@@ -1,4 +1,5 @@
-"""The finalizer: the one door to SUCCEEDED.
+"""The finalizer: the door to SUCCEEDED (``Store._end_attempt`` only completes a run
+whose pull request the finalizer recorded, when its attempt ends otherwise).
 
 It re-checks the lease and cancellation, commits every change on the run's own
 branch with the run's trailer, and performs the two external effects (push,
