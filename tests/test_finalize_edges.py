@@ -365,15 +365,16 @@ def assert_completed_from_the_ledger(store: Store, run_id: str, remote: Path, fo
     kept as evidence, the reason in the run's events, one branch, one pull request, and
     every invariant of ``runlane audit``."""
     run = run_row(store, run_id)
-    assert run.reason_code == "PULL_REQUEST_RECORDED"
+    assert run.reason_code == attempt_reasons[-1]  # the last failure's, as for any run
     assert [(a.status, a.reason_code) for a in attempts_of(store, run_id)] == [
         ("FAILED", reason) for reason in attempt_reasons]
     assert events_of(store, run_id)[-1] == ("FINALIZING", "SUCCEEDED")
     with store.engine.connect() as conn:
         last = conn.execute(text("SELECT reason_code, message FROM run_events WHERE run_id = :r "
                                  "ORDER BY event_id DESC LIMIT 1"), {"r": run_id}).one()
-    assert last.reason_code == "PULL_REQUEST_RECORDED"
-    assert f"ended {attempt_reasons[-1]}" in last.message and "pull request" in last.message
+    assert last.reason_code == attempt_reasons[-1]
+    assert last.message.startswith("completed from the recorded pull request ")
+    assert f"attempt {len(attempt_reasons)} ended {attempt_reasons[-1]}" in last.message
     assert len(agent_branches(remote)) == 1
     assert len(LocalForge(forge).list_pull_requests(str(remote))) == 1
     assert len(store.pull_requests()) == 1

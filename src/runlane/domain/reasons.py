@@ -38,9 +38,6 @@ class Reason(StrEnum):
     RECONCILED_ACTIVE_WITHOUT_LEASE = "RECONCILED_ACTIVE_WITHOUT_LEASE"
     RECONCILED_CANCELLED_TASK = "RECONCILED_CANCELLED_TASK"
     WORKER_HEARTBEAT_STALE = "WORKER_HEARTBEAT_STALE"
-    # A run whose attempt ended (lost, failed) after its pull request was recorded:
-    # completed SUCCEEDED from the ledger, never failed nor retried.
-    PULL_REQUEST_RECORDED = "PULL_REQUEST_RECORDED"
     # Admission and routing (seed 000 §16-§17, §26, §30): see docs/policy.md.
     REPOSITORY_POLICY_BLOCKS_AUTONOMOUS_AGENT = "REPOSITORY_POLICY_BLOCKS_AUTONOMOUS_AGENT"
     TENANT_NOT_ALLOWED = "TENANT_NOT_ALLOWED"
@@ -83,6 +80,5 @@ WORKER_ONLY: frozenset[Reason] = frozenset(
         Reason.RECONCILED_ACTIVE_WITHOUT_LEASE,
         Reason.RECONCILED_CANCELLED_TASK,
         Reason.WORKER_HEARTBEAT_STALE,
-        Reason.PULL_REQUEST_RECORDED,
     }
 )

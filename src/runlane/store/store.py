@@ -1246,13 +1246,15 @@ class Store(SchedulingMixin):
             # The run's pull request is recorded: all that is left is the completion
             # write (what Finalizer.resume would do, with no agent and no attempt).
             # Completed here, never failed nor retried, whatever the budget: a run whose
-            # pull request is open must not end FAILED, nor open a second one.
+            # pull request is open must not end FAILED, nor open a second one. The
+            # run's reason_code stays that of its last failure (this attempt's), the
+            # event's message says why it succeeded anyway.
             path = [S.SUCCEEDED] if status is S.FINALIZING else [S.FINALIZING, S.SUCCEEDED]
-            run_reason, outcome = Reason.PULL_REQUEST_RECORDED, "pull_request"
-            run_message = (f"attempt {snap.attempt_no} ended {reason}"
-                           f"{f' ({message})' if message else ''} after the run's pull "
-                           f"request {recorded_pr.get('url') or recorded_pr.get('number')} "
-                           "was recorded: the run is complete")
+            outcome = "pull_request"
+            run_message = (f"completed from the recorded pull request "
+                           f"{recorded_pr.get('url') or recorded_pr.get('number')}: attempt "
+                           f"{snap.attempt_no} ended {reason} after it was recorded"
+                           f"{f' ({message})' if message else ''}")
         elif status in LEASED or status in RECOVERY_MARKERS:
             # A run left in a marker state (a write applied halfway, a manual fix) is
             # taken on from where it stands: from FAILED_RETRYABLE the next hop.
