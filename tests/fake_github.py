@@ -6,7 +6,8 @@ Implements, for registered repositories:
   newest first, and a ``Link`` header (next/prev/first/last) as GitHub sends it;
 - ``POST /repos/{o}/{r}/pulls``: 201, or 422 "A pull request already exists for
   o:branch." while one is open for the head (and 422 for a head outside
-  ``branches`` when ``check_branches`` is on);
+  ``branches`` when ``check_branches`` is on, and 422 "body is too long" for a body
+  over ``max_body`` characters, 65,536 as on GitHub);
 - ``PATCH /repos/{o}/{r}/pulls/{n}`` with ``{"state": "closed"}``;
 - 401 when ``token`` is set and the request's bearer token differs; 404 for an
   unknown repository.
@@ -24,6 +25,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
+
+MAX_BODY = 65536  # characters: GitHub answers 422 "body is too long" past it
 
 
 @dataclass
@@ -46,6 +49,7 @@ class FakeGitHub:
         self.token = token
         self.page_size = page_size
         self.check_branches = False
+        self.max_body = MAX_BODY
         self.branches: set[tuple[str, str]] = set()  # (owner/name, branch)
         self.requests: list[Recorded] = []
         self._pulls: dict[str, list[dict[str, Any]]] = {}
@@ -225,6 +229,11 @@ class _Handler(BaseHTTPRequestHandler):
         if not head or not base or "title" not in data:
             self._send(422, {"message": "Validation Failed",
                              "errors": [{"resource": "PullRequest", "code": "missing_field"}]})
+            return
+        if len(str(data.get("body") or "")) > gh.max_body:  # as GitHub refuses it
+            self._send(422, {"message": "Validation Failed", "errors": [{
+                "resource": "PullRequest", "code": "custom", "field": "body",
+                "message": f"body is too long (maximum is {gh.max_body} characters)"}]})
             return
         if gh.check_branches and (full_name, head) not in gh.branches:
             self._send(422, {"message": "Validation Failed",

@@ -217,6 +217,10 @@ def test_repository_blocks_autonomous_agents_with_the_policy_message() -> None:
     unnamed = parse_policy("[[repositories]]\nmatch = '*'\nautonomous_agents = false")
     message = decide(policy=unnamed).message or ""
     assert "does not allow autonomous agent runs" in message
+    # The run's message names the repository without the credentials of its URL.
+    message = decide(policy=unnamed, repo="https://bob:s3cr3t@git.example/a/b.git").message
+    assert "'https://***@git.example/a/b.git'" in (message or "")
+    assert "s3cr3t" not in (message or "")
 
 
 def test_risk_class_not_allowed_for_the_tenant() -> None:

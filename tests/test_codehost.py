@@ -456,11 +456,24 @@ def test_permanent_errors_are_not_transient(fake: FakeGitHub, client: GitHubClie
     with pytest.raises(CodeHostError) as exc:
         client.list_pull_requests("octo/missing")
     assert (exc.value.transient, exc.value.status) == (False, 404)
+    fake.fail_next(1, 422)  # a validation failure that names no unseen head
+    with pytest.raises(CodeHostError) as exc:
+        gh_open(client, "agent/t/r1")
+    assert not isinstance(exc.value, PullRequestExists)
+    assert (exc.value.transient, exc.value.status) == (False, 422)
+
+
+def test_a_head_github_does_not_see_yet_is_transient(fake: FakeGitHub,
+                                                     client: GitHubClient) -> None:
+    """Right after a push GitHub may answer 422 ``head`` ``invalid``: retried, not final
+    (only on creating a pull request; every other 422 stays permanent)."""
     fake.check_branches = True
     with pytest.raises(CodeHostError) as exc:
         gh_open(client, "agent/t/not-pushed")
     assert not isinstance(exc.value, PullRequestExists)
-    assert (exc.value.transient, exc.value.status) == (False, 422)
+    assert (exc.value.transient, exc.value.status) == (True, 422)
+    fake.branches.add(("octo/app", "agent/t/not-pushed"))
+    assert gh_open(client, "agent/t/not-pushed").number == 1
 
 
 def test_network_failures_are_transient() -> None:

@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
+# The user[:password]@ of a URL (up to its last @ before the path, so a password
+# holding an unencoded @ goes too).
+_CREDENTIALS = re.compile(r"(://)[^/\s]*@")
+
+
+def redact_credentials(text: str) -> str:
+    """``scheme://***@host/...`` for every ``scheme://user:secret@host/...`` in ``text``:
+    no credentials of a URL in a message that ends up in the database or a log."""
+    return _CREDENTIALS.sub(r"\1***@", text)
+
 
 class RunlaneError(Exception):
     """Base of every error runlane reports to a user instead of a traceback."""

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from runlane.agents.base import AttemptLimits
-from runlane.errors import RunlaneError
+from runlane.errors import RunlaneError, redact_credentials
 
 AUTHOR_NAME = "runlane"
 AUTHOR_EMAIL = "runlane@localhost"
@@ -53,7 +53,7 @@ class WorkspaceError(RunlaneError):
     """A git operation failed; ``transient`` says whether retrying may help."""
 
     def __init__(self, message: str, transient: bool = False) -> None:
-        super().__init__(message)
+        super().__init__(redact_credentials(message))
         self.transient = transient
 
 
@@ -134,18 +134,12 @@ def is_transient(stderr: str) -> bool:
     # remote repository" alone, e.g., is as often an access problem as a network one)
 
 
-_CREDENTIALS = re.compile(r"(://)[^/@\s]+@")
-
-
-def _redact(text: str) -> str:
-    """No user:password@ of a URL in messages that end up in the database."""
-    return _CREDENTIALS.sub(r"\1***@", text)
-
-
 def _summary(stderr: str, limit: int = 2000) -> str:
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    text = " | ".join(lines) or "no message"
-    return _redact(text if len(text) <= limit else text[:limit] + "...")
+    # Redacted before it is cut (a cut inside a URL's user:secret@ would keep the secret);
+    # WorkspaceError redacts its whole message anyway.
+    text = redact_credentials(" | ".join(lines)) or "no message"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 # --- running git ---------------------------------------------------------------
@@ -282,9 +276,9 @@ class Workspace:
         if done.timed_out or done.code != 0:
             _rmtree(dest)
             if done.timed_out:
-                raise CloneFailed(f"git clone of {_redact(repo)} timed out after {timeout:g} s",
+                raise CloneFailed(f"git clone of {repo} timed out after {timeout:g} s",
                                   transient=True)
-            raise CloneFailed(f"git clone of {_redact(repo)} failed: {_summary(done.stderr)}",
+            raise CloneFailed(f"git clone of {repo} failed: {_summary(done.stderr)}",
                               transient=is_transient(done.stderr))
         try:
             remote_url = _local(["config", "--get", "remote.origin.url"], dest).strip()
@@ -298,7 +292,7 @@ class Workspace:
                 # then a push of main): not an empty repository. Running the agent in
                 # an empty directory pushed a root commit with no common history.
                 raise CloneFailed(
-                    f"{_redact(repo)}: its HEAD names no branch it has, so it has no "
+                    f"{repo}: its HEAD names no branch it has, so it has no "
                     "default branch to work on (set it: git symbolic-ref HEAD "
                     "refs/heads/<branch> in the repository)")
         except WorkspaceError:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from runlane.errors import RunlaneError
+from runlane.errors import RunlaneError, redact_credentials
 
 
 def pr_marker(run_id: str) -> str:
@@ -43,7 +43,7 @@ class CodeHostError(RunlaneError):
 
     def __init__(self, message: str, *, transient: bool, retry_after: float | None = None,
                  status: int | None = None) -> None:
-        super().__init__(message)
+        super().__init__(redact_credentials(message))  # a repository URL may carry a token
         self.transient = transient
         self.retry_after = retry_after
         self.status = status

@@ -4,6 +4,8 @@ Errors are classified for the retry policy, never retried here:
 - 5xx, 408, 429, rate-limit 403s and network failures: ``CodeHostError(transient=True)``,
   with ``retry_after`` (seconds) when the server said how long to wait;
 - 422 "A pull request already exists": ``PullRequestExists``;
+- 422 on creating a pull request whose ``head`` is ``invalid`` (GitHub does not see a
+  branch pushed a moment ago yet): ``CodeHostError(transient=True)``;
 - 401, 403 (not rate limiting), 404, other 4xx: ``CodeHostError(transient=False)``.
 """
 
@@ -121,6 +123,18 @@ def _message(resp: httpx.Response) -> str:
     return "; ".join(p for p in parts if p)
 
 
+def _names_invalid_head(resp: httpx.Response) -> bool:
+    """A 422 whose ``errors`` say the pull request's ``head`` is ``invalid``: the branch
+    is not (yet) known to GitHub."""
+    try:
+        data = resp.json()
+    except ValueError:
+        return False
+    errors = data.get("errors") if isinstance(data, dict) else None
+    return any(isinstance(err, dict) and err.get("field") == "head"
+               and err.get("code") == "invalid" for err in errors or [])
+
+
 class GitHubClient:
     """A ``CodeHost`` for GitHub's REST API (or anything that speaks it)."""
 
@@ -233,6 +247,11 @@ class GitHubClient:
         wait = _retry_after(resp.headers, time.time())
         if status == 422 and "pull request already exists" in msg.lower():
             return PullRequestExists(what)
+        if status == 422 and method == "POST" and resp.url.path.endswith("/pulls") \
+                and _names_invalid_head(resp):
+            # Right after a push GitHub may not see the new branch yet: a retry (which
+            # resumes from the pushed branch) opens it. Bounded by the attempt budget.
+            return CodeHostError(what, transient=True, retry_after=wait, status=status)
         if status == 429 or status == 408 or status >= 500:
             return CodeHostError(what, transient=True, retry_after=wait, status=status)
         if status == 403 and (wait is not None or "rate limit" in msg.lower()):

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from runlane.domain.policy import DEFER_SECONDS, Policy
 from runlane.domain.reasons import Reason
 from runlane.domain.routing import Requirement, canonical_requirements, merge_requirements
+from runlane.errors import redact_credentials
 
 DEFAULT_MAX_ATTEMPTS = 3
 DAY_SECONDS = 86_400
@@ -175,7 +176,8 @@ def admit(
                       "and allow_unknown_tenants is false")
     if repo_rule and not repo_rule.autonomous_agents:
         return decide("DENY", Reason.REPOSITORY_POLICY_BLOCKS_AUTONOMOUS_AGENT,
-                      repo_rule.message or f"repository {request.repo!r} does not allow "
+                      repo_rule.message or "repository "
+                      f"{redact_credentials(request.repo)!r} does not allow "
                       f"autonomous agent runs (repositories rule {repo_rule.match!r})")
     allowed = tenant_policy.allowed_risk_classes if tenant_policy else None
     if allowed is not None and risk not in allowed:

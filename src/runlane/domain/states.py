@@ -68,7 +68,9 @@ _LEAVE_STAGE = frozenset(
 def _stage_targets(stage: RunStatus) -> frozenset[RunStatus]:
     """A stage moves forward only: to any later stage (a run without a verifier or a
     judge skips those), or out of the stages through failure, cancellation or recovery.
-    Success is reachable only from FINALIZING: the finalizer is the one door to it."""
+    Success is reachable only from FINALIZING: the finalizer is the door to it (and
+    the end of an attempt whose run's pull request is already recorded, which only
+    completes what the finalizer did: ``Store._end_attempt``)."""
     later = STAGES[STAGES.index(stage) + 1 :]
     success = {S.SUCCEEDED} if stage is S.FINALIZING else set()
     return frozenset(later) | _LEAVE_STAGE | success

@@ -89,6 +89,13 @@ CANCELLING = frozenset({S.CANCEL_REQUESTED, S.CANCELLING})
 RECOVERY_MARKERS = frozenset({S.STALE_LEASE, S.FAILED_RETRYABLE})
 # The states in which a run without a live lease is stuck (repair 4).
 RECOVERABLE = LEASED | CANCELLING | RECOVERY_MARKERS
+# The ledger's key of a run's pull request (the finalizer records it under this key).
+PULL_REQUEST_EFFECT = "pull_request"
+# A run's pull request, when the ledger records it done (read under the run's lock).
+_RECORDED_PULL_REQUEST = """
+SELECT result FROM side_effects
+WHERE run_id = :run_id AND effect_key = :effect_key AND status = 'DONE'
+"""
 # The reaper's lock on one expired lease's run and attempt (skipped when held).
 _REAP_LOCK = """
 SELECT r.queue FROM runs r
@@ -1223,13 +1230,31 @@ class Store(SchedulingMixin):
         attempt_status = "FAILED"
         path: list[RunStatus] = []
         run_reason: str | None = reason
+        run_message = message
+        outcome: str | None = None
         visible_at: float | None = None
+        recorded_pr = None
+        if current_lease and status in LEASED and reason != Reason.POLICY_DENIED:
+            recorded_pr = self._recorded_pull_request(conn, snap.run_id)
         if not current_lease or status in TERMINAL or status in WAITING:
             path = []  # an old lease of a run that has moved on: only the lease ends
         elif status in CANCELLING:
             path, attempt_status, run_reason = [S.CANCELLED], "CANCELLED", Reason.CANCELLED_BY_USER
         elif reason == Reason.POLICY_DENIED and status in LEASED:
             path = [S.POLICY_DENIED]  # the policy now forbids this run: never retried
+        elif recorded_pr is not None:
+            # The run's pull request is recorded: all that is left is the completion
+            # write (what Finalizer.resume would do, with no agent and no attempt).
+            # Completed here, never failed nor retried, whatever the budget: a run whose
+            # pull request is open must not end FAILED, nor open a second one. The
+            # run's reason_code stays that of its last failure (this attempt's), the
+            # event's message says why it succeeded anyway.
+            path = [S.SUCCEEDED] if status is S.FINALIZING else [S.FINALIZING, S.SUCCEEDED]
+            outcome = "pull_request"
+            run_message = (f"completed from the recorded pull request "
+                           f"{recorded_pr.get('url') or recorded_pr.get('number')}: attempt "
+                           f"{snap.attempt_no} ended {reason} after it was recorded"
+                           f"{f' ({message})' if message else ''}")
         elif status in LEASED or status in RECOVERY_MARKERS:
             # A run left in a marker state (a write applied halfway, a manual fix) is
             # taken on from where it stands: from FAILED_RETRYABLE the next hop.
@@ -1274,7 +1299,7 @@ class Store(SchedulingMixin):
             won = not path or self._set_status(
                 conn, run_id=snap.run_id, source=status, path=path, run_token=snap.run_token,
                 actor=actor, now=now, attempt_no=snap.attempt_no, reason_code=run_reason,
-                message=message, visible_at=visible_at,
+                message=run_message, outcome=outcome, visible_at=visible_at,
             )
             self._give_back_slots(conn, snap.run_id, snap.fencing_token, held,
                                   cleared=cleared)
@@ -1287,6 +1312,15 @@ class Store(SchedulingMixin):
                      status=path[-1].value)
             return path[-1]
         return status
+
+    def _recorded_pull_request(self, conn: Connection, run_id: str) -> dict[str, Any] | None:
+        """The run's pull request as the ledger recorded it done, else None."""
+        row = conn.execute(self._q(_RECORDED_PULL_REQUEST),
+                           {"run_id": run_id, "effect_key": PULL_REQUEST_EFFECT}).first()
+        if row is None:
+            return None
+        result = json.loads(row.result) if isinstance(row.result, str) else row.result
+        return result if isinstance(result, dict) else {}
 
     # --- side-effect ledger -----------------------------------------------------------
 
@@ -1351,7 +1385,8 @@ class Store(SchedulingMixin):
              "branch": (e.result or {}).get("head_branch"),
              "number": (e.result or {}).get("number"), "url": (e.result or {}).get("url"),
              "adopted": bool((e.result or {}).get("adopted"))}
-            for e in self.side_effects() if e.effect_key == "pull_request" and e.status == "DONE"
+            for e in self.side_effects()
+            if e.effect_key == PULL_REQUEST_EFFECT and e.status == "DONE"
         ]
 
     def side_effects(self, run_id: str | None = None) -> list[SideEffect]:

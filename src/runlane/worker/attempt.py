@@ -218,8 +218,11 @@ class AttemptDriver:
             ended = self._fail(state, Reason.AGENT_FAILED, str(exc))
             return ended
         except (CodeHostError, PushFailed) as exc:
+            # A 429, a rate-limit 403 or a 503 says how long to wait: the retry waits
+            # at least that long (a git push failure carries no such hint).
             ended = self._fail(state, Reason.CODE_HOST_FAILED_TRANSIENT if exc.transient
-                               else Reason.WORKER_ERROR, str(exc))
+                               else Reason.WORKER_ERROR, str(exc),
+                               getattr(exc, "retry_after", None) if exc.transient else None)
             return ended
         except PullRequestExists as exc:  # the host's list lags its create: look again later
             ended = self._fail(state, Reason.CODE_HOST_FAILED_TRANSIENT, str(exc))

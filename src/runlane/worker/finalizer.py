@@ -1,4 +1,5 @@
-"""The finalizer: the one door to SUCCEEDED.
+"""The finalizer: the door to SUCCEEDED (``Store._end_attempt`` only completes a run
+whose pull request the finalizer recorded, when its attempt ends otherwise).
 
 It re-checks the lease and cancellation, commits every change on the run's own
 branch with the run's trailer, and performs the two external effects (push,
@@ -11,23 +12,43 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from runlane.codehost.base import CodeHost, PullRequest, PullRequestExists, branch_name, pr_marker
+from runlane.codehost.base import (
+    CodeHost,
+    CodeHostError,
+    PullRequest,
+    PullRequestExists,
+    branch_name,
+    pr_marker,
+)
 from runlane.domain.states import RunStatus
-from runlane.store.store import Lease, Store
+from runlane.store.store import PULL_REQUEST_EFFECT, Lease, Store
 from runlane.worker.effects import perform_effect
 from runlane.workspace import PushFailed, Workspace
 
 PUSH_EFFECT = "push_branch"
-PULL_REQUEST_EFFECT = "pull_request"
 
 
 def trailer(run_id: str) -> str:
     return f"Agent-Run-ID: {run_id}"
 
 
+# GitHub refuses a pull request body over 65,536 characters (422 "body is too long").
+MAX_PR_BODY_CHARS = 65536
+
+
 def pr_body(task: dict[str, Any], run_id: str, attempt_no: int) -> str:
-    return (f"{task['prompt']}\n\nOpened by runlane for task `{task['task_id']}`, "
-            f"run `{run_id}` (attempt {attempt_no}).\n\n{pr_marker(run_id)}\n")
+    """The task's prompt, then runlane's footer with the run's marker, always last and
+    whole: a prompt too long for the body is cut, with a note saying so."""
+    footer = (f"\n\nOpened by runlane for task `{task['task_id']}`, "
+              f"run `{run_id}` (attempt {attempt_no}).\n\n{pr_marker(run_id)}\n")
+    prompt = str(task["prompt"])
+    room = MAX_PR_BODY_CHARS - len(footer)
+    if len(prompt) > room:
+        note = (f"\n\n[runlane: the prompt is cut here; {len(prompt):,} characters in all, "
+                f"the first {{shown:,}} shown]")
+        shown = max(0, room - len(note.format(shown=room)))
+        prompt = prompt[:shown] + note.format(shown=shown)
+    return prompt + footer
 
 
 def pr_title(task: dict[str, Any]) -> str:
@@ -93,7 +114,19 @@ class Finalizer:
             if sha is None:  # resuming, and the branch is gone: nothing to push
                 raise PushFailed(f"branch {branch} of an earlier attempt is not on the remote",
                                  transient=True)
-            workspace.push(branch, replacing=not_ours[-1] if not_ours else None)
+            try:
+                workspace.push(branch, replacing=not_ours[-1] if not_ours else None)
+            except PushFailed:
+                # Rejected (the branch appeared since the look above: an earlier
+                # attempt's push, outliving its worker, landed in between) or timed out
+                # after it landed: look again, and adopt the run's own commit.
+                try:
+                    landed = remote_branch()
+                except PushFailed:
+                    landed = None  # the remote cannot be read either: the push's error
+                if landed is None:
+                    raise
+                return {**landed, "adopted": True}
             return {"branch": branch, "sha": sha}
 
         perform_effect(self.store, lease, PUSH_EFFECT, find=remote_branch, do=push)
@@ -115,6 +148,18 @@ class Finalizer:
                 if found is None:
                     raise
                 return _pr(found)
+            except CodeHostError as exc:
+                if not exc.transient:
+                    raise
+                # A timeout or a 5xx leaves it open whether the host created the pull
+                # request: the marker says (a lookup that fails too changes nothing).
+                try:
+                    found = host.find_pull_request(task["repo"], branch, marker)
+                except CodeHostError:
+                    found = None
+                if found is None:
+                    raise
+                return {**_pr(found), "adopted": True}
 
         try:
             perform_effect(self.store, lease, PULL_REQUEST_EFFECT, find=existing_pr, do=open_pr)
