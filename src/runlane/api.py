@@ -7,7 +7,9 @@ import random
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar, cast
+from urllib.parse import parse_qs, unquote, urlsplit
 
+from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from runlane.agents.base import AttemptLimits
@@ -48,6 +50,22 @@ class InvalidArgument(RunlaneError, ValueError):
 
 def _first_line(exc: DBAPIError) -> str:
     return (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0]
+
+
+def _sqlite_file(url: URL) -> Path | None:
+    """The file of a SQLite URL, or None for an in-memory database. A URI filename
+    (``sqlite:///file:/srv/runlane.db?mode=ro&uri=true``, SQLAlchemy's documented way to
+    open the file read-only) names its file in the URI's path."""
+    database = url.database
+    if url.query.get("uri") in ("true", "1") and database and database.startswith("file:"):
+        parts = urlsplit(database)
+        if parse_qs(parts.query).get("mode") == ["memory"] \
+                or url.query.get("mode") == "memory":
+            return None
+        database = unquote(parts.path)
+    if database in (None, "", ":memory:"):
+        return None
+    return Path(database)
 
 
 def _on_the_database(method: F) -> F:
@@ -112,9 +130,9 @@ class Runlane:
         """Refuse to work on a database that is missing or behind, with the fix. Every
         other call runs it once itself; calling it up front fails earlier."""
         url = self.store.engine.url
-        if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:") \
-                and not Path(url.database).exists():
-            raise SchemaOutdated(f"no database at {url.database}: run `runlane db upgrade`")
+        path = _sqlite_file(url) if url.get_backend_name() == "sqlite" else None
+        if path is not None and not path.exists():
+            raise SchemaOutdated(f"no database at {path}: run `runlane db upgrade`")
         try:
             current = migrate.current_revision(self.store.reads)
         except DBAPIError as exc:

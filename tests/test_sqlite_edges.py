@@ -1,0 +1,57 @@
+"""The embedded SQLite database as users open it from shells (a review, 2026-12-02):
+real `runlane` processes on one file. Every test here failed before its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .conftest import migrated_sqlite
+
+
+def _runlane(url: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUNLANE_")}
+    return subprocess.run([sys.executable, "-m", "runlane", "--database-url", url, *args],
+                          capture_output=True, text=True, cwd=cwd, env=env, timeout=60)
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], code: int, says: str) -> None:
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert says in result.stderr, result.stderr
+
+
+def test_a_read_only_uri_filename_reads_and_refuses_writes_clearly(tmp_path: Path) -> None:
+    """SQLAlchemy's documented read-only URL, ``sqlite:///file:PATH?mode=ro&uri=true``
+    (a dashboard, a script that must never write): the schema check took
+    ``file:PATH`` for the file's path and refused every command with "no database at
+    file:…: run `runlane db upgrade`" although the file was there."""
+    path = tmp_path / "runlane.db"
+    url = migrated_sqlite(path)
+    submitted = _runlane(url, tmp_path, "submit", "--tenant", "acme", "--repo",
+                         "/srv/git/a.git", "--prompt", "p", "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = json.loads(submitted.stdout)["run_id"]
+
+    read_only = f"sqlite:///file:{path}?mode=ro&uri=true"
+    listed = _runlane(read_only, tmp_path, "runs", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [r["run_id"] for r in json.loads(listed.stdout)] == [run_id]
+    shown = _runlane(read_only, tmp_path, "runs", "show", run_id, "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["run_id"] == run_id
+    audited = _runlane(read_only, tmp_path, "audit", "--json")
+    assert (audited.returncode, json.loads(audited.stdout)["ok"]) == (0, True), audited.stderr
+
+    # Writing through it: one clear line, exit 4 (database), no traceback.
+    _one_line_error(_runlane(read_only, tmp_path, "submit", "--tenant", "acme", "--repo",
+                             "/srv/git/a.git", "--prompt", "q"), 4, "readonly database")
+    # A read-only URI of a file that is not there: the usual fix-it message, naming the
+    # file, not the URI.
+    missing = tmp_path / "missing.db"
+    _one_line_error(_runlane(f"sqlite:///file:{missing}?mode=ro&uri=true", tmp_path,
+                             "runs", "list"), 4, f"no database at {missing}:")
