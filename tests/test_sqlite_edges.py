@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .conftest import migrated_sqlite
 
 
@@ -55,3 +57,43 @@ def test_a_read_only_uri_filename_reads_and_refuses_writes_clearly(tmp_path: Pat
     missing = tmp_path / "missing.db"
     _one_line_error(_runlane(f"sqlite:///file:{missing}?mode=ro&uri=true", tmp_path,
                              "runs", "list"), 4, f"no database at {missing}:")
+
+
+def test_the_wal_file_is_cut_back_after_a_long_reader_let_it_grow(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader holding a snapshot (a backup, a shell) keeps checkpoints from resetting
+    the WAL, which grows with every write meanwhile. Once the reader is gone and a
+    checkpoint copied it all, runlane's connections cut the file back to the limit
+    (journal_size_limit); without one it kept its largest size on disk for good."""
+    import sqlite3
+
+    from runlane.store import engine as engine_module
+    from runlane.store.engine import build_engine
+
+    monkeypatch.setattr(engine_module, "SQLITE_WAL_SIZE_LIMIT_BYTES", 64 * 1024)
+    path = tmp_path / "wal.db"
+    engine = build_engine(f"sqlite:///{path}")
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE filler (body TEXT)")
+        reader = sqlite3.connect(path)
+        reader.execute("BEGIN")
+        reader.execute("SELECT COUNT(*) FROM filler").fetchone()  # holds its snapshot
+        for _ in range(40):
+            with engine.begin() as conn:
+                conn.exec_driver_sql("INSERT INTO filler VALUES (?)", ("x" * 50_000,))
+        wal = path.with_name("wal.db-wal")
+        grown = wal.stat().st_size
+        assert grown > 1_000_000
+        reader.rollback()
+        reader.close()
+        raw = engine.raw_connection()  # a pooled connection, outside a transaction
+        try:
+            raw.cursor().execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            raw.close()
+        with engine.begin() as conn:  # the first write after a full checkpoint resets it
+            conn.exec_driver_sql("INSERT INTO filler VALUES ('y')")
+        assert wal.stat().st_size <= 64 * 1024, (grown, wal.stat().st_size)
+    finally:
+        engine.dispose()

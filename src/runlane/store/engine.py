@@ -132,6 +132,10 @@ def _milliseconds(seconds: float) -> int:
     return max(1, round(seconds * 1000)) if seconds > 0 else 0
 
 
+# The size the WAL file is cut back to once a checkpoint has copied it all.
+SQLITE_WAL_SIZE_LIMIT_BYTES = 64 * 1024 * 1024
+
+
 def _sqlite_engine(url: str) -> Engine:
     engine = create_engine(
         url,
@@ -147,6 +151,9 @@ def _sqlite_engine(url: str) -> Engine:
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_SECONDS * 1000)}")
+        # A long reader (a backup, an sqlite3 shell) lets the WAL grow past its usual
+        # few MB; without a limit it kept its largest size on disk for good.
+        cursor.execute(f"PRAGMA journal_size_limit={SQLITE_WAL_SIZE_LIMIT_BYTES}")
         cursor.close()
 
     @event.listens_for(engine, "begin")
