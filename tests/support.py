@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -74,3 +77,17 @@ def assert_planned_once(conn: Any, statement_part: str) -> None:
     assert len(plans) == 1, plans
     generic, custom = plans[0]
     assert generic > 0 and custom <= 5, plans
+
+
+def bare_remote(tmp_path: Path) -> Path:
+    """A bare repository with one commit on main: a real remote."""
+    seed = tmp_path / "seed"
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    subprocess.run(["git", "init", "-q", "-b", "main", str(seed)], check=True, env=env)
+    (seed / "README.md").write_text("hello\n")
+    subprocess.run(["git", "add", "."], cwd=seed, check=True, env=env)
+    subprocess.run(["git", "commit", "-qm", "init"], cwd=seed, check=True, env=env)
+    bare = tmp_path / "repo.git"
+    subprocess.run(["git", "clone", "-q", "--bare", str(seed), str(bare)], check=True)
+    return bare

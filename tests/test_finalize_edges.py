@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -39,7 +38,7 @@ from runlane.workspace import Workspace
 
 from . import fake_github
 from .fake_github import FakeGitHub
-from .support import attempts_of, events_of, run_row, spec
+from .support import attempts_of, bare_remote, events_of, run_row, spec
 
 TTL = 60.0
 GH_REPO = "octo/app"
@@ -49,16 +48,7 @@ AGENT_WRITES = "echo 'fixed' > fix.txt"
 @pytest.fixture
 def remote(tmp_path: Path) -> Path:
     """A bare repository with one commit on main: a real remote."""
-    seed = tmp_path / "seed"
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    subprocess.run(["git", "init", "-q", "-b", "main", str(seed)], check=True, env=env)
-    (seed / "README.md").write_text("hello\n")
-    subprocess.run(["git", "add", "."], cwd=seed, check=True, env=env)
-    subprocess.run(["git", "commit", "-qm", "init"], cwd=seed, check=True, env=env)
-    bare = tmp_path / "repo.git"
-    subprocess.run(["git", "clone", "-q", "--bare", str(seed), str(bare)], check=True)
-    return bare
+    return bare_remote(tmp_path)
 
 
 def agent_branches(remote: Path) -> list[str]:

@@ -27,7 +27,7 @@ from runlane.domain.retry import RetryPolicy
 from runlane.settings import Settings
 from runlane.store.store import Store
 
-from .support import attempts_of, run_row, spec
+from .support import attempts_of, bare_remote, run_row, spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,16 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def remote(tmp_path: Path) -> Path:
     """A bare repository with one commit on main: a real remote."""
-    seed = tmp_path / "seed"
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
-    subprocess.run(["git", "init", "-q", "-b", "main", str(seed)], check=True, env=env)
-    (seed / "README.md").write_text("hello\n")
-    subprocess.run(["git", "add", "."], cwd=seed, check=True, env=env)
-    subprocess.run(["git", "commit", "-qm", "init"], cwd=seed, check=True, env=env)
-    bare = tmp_path / "repo.git"
-    subprocess.run(["git", "clone", "-q", "--bare", str(seed), str(bare)], check=True)
-    return bare
+    return bare_remote(tmp_path)
 
 
 @pytest.fixture
