@@ -5,20 +5,25 @@ autocommit: every statement is its own transaction and its own round trip).
 (SELECT ... FOR UPDATE SKIP LOCKED LIMIT B) RETURNING``; complete: one UPDATE per job.
 
 ``--shape runlane`` and ``--shape runlane-batch``: a prototype, not runlane code, on a
-database migrated by runlane (the orchestrator migrates it): the same rows a runlane
-claim and complete write (run CAS + fencing token, attempt with its lease, one event
-per hop, the lease fence on completion), each as ONE statement with data-modifying
-CTEs. ``runlane`` completes each run in its own statement; ``runlane-batch`` completes
-a claimed batch in one. They show what runlane's data model costs with the fewest
-round trips; their queue is populated with set-based SQL (enqueue is not comparable).
-Written against the schema of commit d89af4b (``ix_runs_dispatch`` on queue, priority,
-visible_at, run_id); the lane schema of migration 0004 needs its lane walk here first.
+database migrated by runlane (the orchestrator migrates it): the rows every runlane
+claim and completion must write, and nothing else: the run's compare-and-set with its
+fencing token, an attempt with its lease, one event per hop, the lease fence on
+completion; each claim ONE statement with data-modifying CTEs, walking one lane
+(``ix_runs_lane_dispatch``, the tenants' lanes in turn). No scheduling: no lane counts
+or passes written, no limit counters, no policy, no Python per run beyond the loop.
+It is the floor of runlane's data model under this workload, what the schema and the
+invariants cost with the fewest round trips. ``runlane`` completes each run in its own
+statement, its queue populated with set-based SQL; ``runlane-batch`` completes a
+claimed batch in one, and enqueues from the client in batches, one statement each
+(the task, run and event rows; ids made by the client; no admission, lane counts or
+idempotency keys): the submit floor.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+import uuid
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -53,32 +58,71 @@ MINIMAL_COMPLETE = ("UPDATE raw_jobs SET status = 'done', finished_at = now() "
                     "WHERE id = %s AND status = 'running'")
 
 RUNLANE_POPULATE = f"""
-WITH t AS (
+WITH l AS (
+    INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, pass,
+                       tenant_at_limit)
+    SELECT 'default', '', 100, 'tenant-' || i, 1.0, 0, 0, 0 FROM generate_series(0, 7) i
+    RETURNING lane_id, tenant
+), t AS (
     INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
                        max_attempts, context, truncated_sections, payload_bytes,
                        cancel_requested_at, created_at)
     SELECT gen_random_uuid()::text, 'tenant-' || mod(g, 8), 'https://git.example.com/a.git',
-           'no-op', 'default', 100, NULL, 3, '{{}}'::json, '[]'::json, 120, NULL, {NOW}
+           'no-op', 'default', 100, NULL, 3, '{{}}'::json, '[]'::json, 120, NULL,
+           {NOW} + g * 1e-6
     FROM generate_series(1, %(n)s) AS g
     RETURNING task_id, tenant, repo, queue, priority, created_at
 ), r AS (
     INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority, status, attempt_count,
-                      max_attempts, fencing_token, visible_at, created_at, updated_at, cost_usd)
-    SELECT gen_random_uuid()::text, task_id, tenant, repo, queue, priority, 'QUEUED', 0, 3, 0,
-           created_at, created_at, created_at, 0
-    FROM t
+                      max_attempts, fencing_token, visible_at, created_at, updated_at,
+                      cost_usd, lane_id, policy_version)
+    SELECT gen_random_uuid()::text, t.task_id, t.tenant, t.repo, t.queue, t.priority,
+           'QUEUED', 0, 3, 0, t.created_at, t.created_at, t.created_at, 0, l.lane_id, 0
+    FROM t JOIN l ON l.tenant = t.tenant
     RETURNING run_id, created_at
 )
 INSERT INTO run_events (run_id, attempt_no, at, actor, from_status, to_status, reason_code,
                         fencing_token, message)
 SELECT run_id, NULL, created_at, 'api', NULL, 'QUEUED', NULL, NULL, 'submitted' FROM r
 """
+RUNLANE_LANES = "SELECT lane_id FROM lanes ORDER BY lane_id"
+RUNLANE_LANES_CREATE = """
+INSERT INTO lanes (queue, route_key, priority, tenant, weight, queued_count, pass,
+                   tenant_at_limit)
+SELECT 'default', '', 100, 'tenant-' || i, 1.0, 0, 0, 0 FROM generate_series(0, 7) i
+"""
+# The submit floor: a batch's task, run and event rows from the client, one statement
+# (ids made by the client, as runlane's are); no admission, lanes or idempotency.
+RUNLANE_SUBMIT = f"""
+WITH b AS (
+    SELECT b.*, {NOW} + b.n * 1e-6 AS created_at
+    FROM unnest(%(task_ids)s::text[], %(run_ids)s::text[], %(tenants)s::text[],
+                %(lanes)s::integer[]) WITH ORDINALITY AS b(task_id, run_id, tenant, lane_id, n)
+), t AS (
+    INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
+                       max_attempts, context, truncated_sections, payload_bytes,
+                       cancel_requested_at, created_at)
+    SELECT b.task_id, b.tenant, 'https://git.example.com/a.git', 'no-op', 'default', 100,
+           NULL, 3, '{{}}'::json, '[]'::json, 120, NULL, b.created_at
+    FROM b
+), r AS (
+    INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority, status, attempt_count,
+                      max_attempts, fencing_token, visible_at, created_at, updated_at,
+                      cost_usd, lane_id, policy_version)
+    SELECT b.run_id, b.task_id, b.tenant, 'https://git.example.com/a.git', 'default', 100,
+           'QUEUED', 0, 3, 0, b.created_at, b.created_at, b.created_at, 0, b.lane_id, 0
+    FROM b
+)
+INSERT INTO run_events (run_id, attempt_no, at, actor, from_status, to_status, reason_code,
+                        fencing_token, message)
+SELECT b.run_id, NULL, b.created_at, 'api', NULL, 'QUEUED', NULL, NULL, 'submitted' FROM b
+"""
 RUNLANE_CLAIM = f"""
 WITH picked AS (
     SELECT r.run_id FROM runs r
-    WHERE r.queue = %(queue)s AND r.status = 'QUEUED' AND r.visible_at <= {NOW}
+    WHERE r.lane_id = %(lane)s AND r.status = 'QUEUED' AND r.visible_at <= {NOW}
       AND (SELECT t.cancel_requested_at FROM tasks t WHERE t.task_id = r.task_id) IS NULL
-    ORDER BY r.priority, r.visible_at, r.run_id
+    ORDER BY r.created_at, r.run_id
     LIMIT %(limit)s
     FOR UPDATE OF r SKIP LOCKED
 ), claimed AS (
@@ -142,13 +186,15 @@ def connect(dsn: str) -> psycopg.Connection[Any]:
 def drain_worker(dsn: str, shape: str, batch: int, gate: common.Gate) -> None:
     try:
         with connect(dsn) as conn:
-            conn.execute("SELECT 1")
+            lanes = ([] if shape == "minimal"
+                     else [r[0] for r in conn.execute(RUNLANE_LANES)])
+            turn = gate.index
             worker = f"raw-{gate.index}"
             done = errors = statements = 0
             gate.wait()
             while True:
-                statements += 1
                 if shape == "minimal":
+                    statements += 1
                     ids = [r[0] for r in conn.execute(MINIMAL_CLAIM, (batch,), prepare=True)]
                     if not ids:
                         break
@@ -157,9 +203,16 @@ def drain_worker(dsn: str, shape: str, batch: int, gate: common.Gate) -> None:
                         conn.execute(MINIMAL_COMPLETE, (job_id,), prepare=True)
                         done += 1
                     continue
-                rows = conn.execute(RUNLANE_CLAIM, {"queue": "default", "limit": batch,
-                                                    "worker": worker, "ttl": 60.0},
-                                    prepare=True).fetchall()
+                rows = []
+                while lanes and not rows:  # the lanes in turn; an empty one is dropped
+                    lane = lanes[turn % len(lanes)]
+                    turn += 1
+                    statements += 1
+                    rows = conn.execute(RUNLANE_CLAIM, {"lane": lane, "limit": batch,
+                                                        "worker": worker, "ttl": 60.0},
+                                        prepare=True).fetchall()
+                    if not rows:
+                        lanes.remove(lane)
                 if not rows:
                     break
                 groups = [rows] if shape == "runlane-batch" else [[row] for row in rows]
@@ -203,6 +256,18 @@ def main() -> int:
             enqueue = common.timed_batches(
                 lambda lo, hi: conn.execute(MINIMAL_ENQUEUE, ([0] * (hi - lo),)),
                 args.jobs, args.submit_batch)
+        elif args.shape == "runlane-batch":  # the submit floor too, batch by batch
+            conn.execute(RUNLANE_LANES_CREATE)
+            lanes = [r[0] for r in conn.execute(RUNLANE_LANES)]
+
+            def submit(lo: int, hi: int) -> None:
+                conn.execute(RUNLANE_SUBMIT, {
+                    "task_ids": [str(uuid.uuid4()) for _ in range(lo, hi)],
+                    "run_ids": [str(uuid.uuid4()) for _ in range(lo, hi)],
+                    "tenants": [f"tenant-{i % 8}" for i in range(lo, hi)],
+                    "lanes": [lanes[i % 8] for i in range(lo, hi)]}, prepare=True)
+
+            enqueue = common.timed_batches(submit, args.jobs, args.submit_batch)
         else:
             conn.execute(RUNLANE_POPULATE, {"n": args.jobs})
     analyzed = common.prepare_statistics(args.dsn, args.stats)
