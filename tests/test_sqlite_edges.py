@@ -49,9 +49,11 @@ def test_a_read_only_uri_filename_reads_and_refuses_writes_clearly(tmp_path: Pat
     audited = _runlane(read_only, tmp_path, "audit", "--json")
     assert (audited.returncode, json.loads(audited.stdout)["ok"]) == (0, True), audited.stderr
 
-    # Writing through it: one clear line, exit 4 (database), no traceback.
+    # Writing through it: one clear line, exit 4 (database), no traceback, naming the
+    # URL as written (SQLAlchemy renders the ':' of 'file:' as '%3A').
     _one_line_error(_runlane(read_only, tmp_path, "submit", "--tenant", "acme", "--repo",
-                             "/srv/git/a.git", "--prompt", "q"), 4, "readonly database")
+                             "/srv/git/a.git", "--prompt", "q"), 4,
+                    f"database {read_only}: attempt to write a readonly database")
     # A read-only URI of a file that is not there: the usual fix-it message, naming the
     # file, not the URI.
     missing = tmp_path / "missing.db"

@@ -81,9 +81,15 @@ def _on_the_database(method: F) -> F:
             return method(self, *args, **kwargs)
         except (OperationalError, InterfaceError) as exc:
             raise DatabaseUnavailable(
-                f"database {self.store.engine.url!r}: {_first_line(exc)}") from exc
+                f"database {_shown_url(self.store.engine.url)}: {_first_line(exc)}") from exc
 
     return cast(F, wrapper)
+
+
+def _shown_url(url: URL) -> str:
+    """The URL as the user wrote it, password hidden: SQLAlchemy's rendering
+    percent-encodes the database part (``sqlite:///file%3A/...`` for ``file:/...``)."""
+    return unquote(url.render_as_string(hide_password=True))
 
 
 class Runlane:
