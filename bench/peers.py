@@ -497,7 +497,7 @@ class Report:
     def render_drain(self) -> list[str]:
         base = self.med("runlane", "drain.rate")
         rows = []
-        for key in self.keys(("runlane", "peer", "baseline", "variant", "prototype")):
+        for key in self.keys(("runlane", "peer", "baseline", "floor", "variant", "prototype")):
             rounds = self.rounds[key]
             rate = self.med(key, "drain.rate")
             statements = [v for v in (statements_per_job(r) for r in rounds) if v is not None]
