@@ -340,6 +340,92 @@ def test_0014_live_attempts_record_every_scope_of_their_run(
         "run-2": ["tenant:acme"]}
 
 
+def _insert_keyed_task(conn: Connection, n: int, key: str | None) -> None:
+    conn.execute(text(
+        "INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, max_attempts,"
+        " context, truncated_sections, payload_bytes, created_at, idempotency_key) "
+        "VALUES (:t, 'acme', '/srv/git/app.git', 'p', 'default', 2, 9, '{}', '[]', 2, 1,"
+        " :k)"), {"t": f"keyed-{n}", "k": key})
+
+
+def _idempotency_indexes(engine: Engine) -> dict[str, tuple[bool, str]]:
+    """The unique indexes of ``tasks`` on (tenant, idempotency_key), constraints' too:
+    name -> (unique, predicate as the engine prints it, '' when none)."""
+    found = {}
+    for ix in inspect(engine).get_indexes("tasks"):
+        if ix["column_names"] == ["tenant", "idempotency_key"]:
+            where = ix.get("dialect_options", {}).get(f"{engine.dialect.name}_where")
+            found[str(ix["name"])] = (bool(ix["unique"]),
+                                      "" if where is None else " ".join(str(where).split()))
+    for uq in inspect(engine).get_unique_constraints("tasks"):
+        if uq["column_names"] == ["tenant", "idempotency_key"]:
+            found[str(uq["name"])] = (True, "")
+    return found
+
+
+def _has_worker_index(engine: Engine) -> bool:
+    return any(ix["name"] == "ix_attempts_active_lease_worker"
+               for ix in inspect(engine).get_indexes("attempts"))
+
+
+def test_0015_the_idempotency_index_leaves_out_unkeyed_tasks_and_downgrades(
+        fresh_url: str, make_engine: Callable[[str], Engine]) -> None:
+    """The full unique constraint becomes a partial unique index (no entry for a task
+    without a key), with every row kept; a key is unique before, after and on the way
+    back, where the constraint returns under its name; tasks without a key never
+    conflict. The index of a worker's leases goes, and comes back on the way back."""
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine, "0014")
+    with engine.begin() as conn:
+        for n, key in enumerate(["k1", "k2", None, None]):
+            _insert_keyed_task(conn, n, key)
+    assert _idempotency_indexes(engine) == {"uq_tasks_tenant_idempotency_key": (True, "")}
+    assert _has_worker_index(engine)
+    assert migrate.upgrade(engine) == ("0014", HEAD)
+    assert not _has_worker_index(engine)
+    [(name, (unique, where))] = _idempotency_indexes(engine).items()
+    assert (name, unique) == (schema.IDEMPOTENCY_INDEX_NAME, True)
+    assert "idempotency_key IS NOT NULL" in where
+    with engine.begin() as conn:
+        _insert_keyed_task(conn, 4, None)  # another task without a key
+    with pytest.raises(IntegrityError), engine.begin() as conn:
+        _insert_keyed_task(conn, 5, "k1")
+    assert migrate.downgrade(engine, "0014") == (HEAD, "0014")
+    assert _idempotency_indexes(engine) == {"uq_tasks_tenant_idempotency_key": (True, "")}
+    assert _has_worker_index(engine)
+    with pytest.raises(IntegrityError), engine.begin() as conn:
+        _insert_keyed_task(conn, 5, "k2")
+    assert migrate.upgrade(engine) == ("0014", HEAD)
+    assert list(_idempotency_indexes(engine)) == [schema.IDEMPOTENCY_INDEX_NAME]
+    with engine.connect() as conn:
+        keys = sorted(str(k) for k in conn.execute(text(
+            "SELECT idempotency_key FROM tasks")).scalars())
+    assert keys == ["None", "None", "None", "k1", "k2"]
+
+
+def test_0015_submit_dedups_keyed_tasks_through_the_partial_index(
+        db_url: str) -> None:
+    """The submit's ON CONFLICT names the index's predicate (it matches no index
+    otherwise, on either engine): a key taken returns the first run, within a batch and
+    across batches; tasks without a key are all inserted."""
+    store = Store(db_url)
+    try:
+        def spec(**extra: Any) -> Any:
+            from runlane.domain.tasks import parse_task
+            return parse_task({"tenant": "acme", "repo": "/srv/git/app.git",
+                               "prompt": "p", **extra})
+        first = store.submit([spec(idempotency_key="k"), spec(), spec()])
+        again = store.submit([spec(idempotency_key="k"), spec(idempotency_key="k"),
+                              spec()])
+        assert [s.created for s in first] == [True, True, True]
+        assert [s.created for s in again] == [False, False, True]
+        assert again[0].run_id == again[1].run_id == first[0].run_id
+        with store.engine.connect() as conn:
+            assert conn.execute(text("SELECT COUNT(*) FROM tasks")).scalar_one() == 4
+    finally:
+        store.close()
+
+
 def test_metadata_matches_migrations(fresh_url: str,
                                      make_engine: Callable[[str], Engine]) -> None:
     engine = make_engine(fresh_url)

@@ -43,6 +43,8 @@ metadata = MetaData()
 ID = String(36)
 Timestamp = Float  # epoch seconds, see module docstring
 EventId = BigInteger().with_variant(Integer(), "sqlite")
+IDEMPOTENCY_INDEX_NAME = "uq_tasks_tenant_idempotency_key_partial"
+IDEMPOTENCY_INDEX_WHERE = "idempotency_key IS NOT NULL"
 
 tasks = Table(
     "tasks",
@@ -65,7 +67,12 @@ tasks = Table(
     Column("requires", Text, nullable=False, server_default=text("''")),  # canonical route key
     Column("parent_task_id", ID),
     Column("estimated_cost_usd", Float),
-    UniqueConstraint("tenant", "idempotency_key", name="uq_tasks_tenant_idempotency_key"),
+    # One task per (tenant, idempotency key); a task without a key has no entry, so an
+    # unkeyed submit writes none (migration 0015). The submit's ON CONFLICT names the
+    # predicate (sql.SUBMIT_WRITE_PG, Store._write_submission).
+    Index(IDEMPOTENCY_INDEX_NAME, "tenant", "idempotency_key", unique=True,
+          postgresql_where=text(IDEMPOTENCY_INDEX_WHERE),
+          sqlite_where=text(IDEMPOTENCY_INDEX_WHERE)),
     # Retention keeps a task another names as its parent (migration 0011).
     Index("ix_tasks_parent", "parent_task_id",
           postgresql_where=text("parent_task_id IS NOT NULL"),
@@ -283,13 +290,9 @@ attempts = Table(
         postgresql_where=text("lease_status = 'ACTIVE'"),
         sqlite_where=text("lease_status = 'ACTIVE'"),
     ),
-    # A worker's heartbeat: its active leases.
-    Index(
-        "ix_attempts_active_lease_worker",
-        "worker_id",
-        postgresql_where=text("lease_status = 'ACTIVE'"),
-        sqlite_where=text("lease_status = 'ACTIVE'"),
-    ),
+    # No index on the worker (migration 0015 dropped ix_attempts_active_lease_worker):
+    # a heartbeat names its runs, and finds their ACTIVE leases by the one above; every
+    # beat is an update of an indexed column (lease_expires_at), an entry in each index.
 )
 
 run_events = Table(

@@ -1021,7 +1021,7 @@ items AS MATERIALIZED (
 new_tasks AS (  -- the tasks with an idempotency key (the others: unkeyed_tasks)
 """ + _TASKS_FROM_ITEMS.format(keyed="NOT NULL") + """
     ORDER BY tenant, idempotency_key  -- the key order: see "Lock order" above
-    ON CONFLICT (tenant, idempotency_key) DO NOTHING
+    ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING task_id),
 -- Without a key a task cannot conflict: a plain insert (no speculative insertion, no
 -- look into the key's index first, no confirmation record in the WAL).
@@ -1376,7 +1376,9 @@ VALUES (:run_id, :attempt_no, :fencing_token, :worker_id, 'RUNNING', 'ACTIVE',
 # the very lease the worker names (``lease_keys``: "run_id token"). Matching the run's
 # token alone let a beat carrying a stale token extend the same worker's newer lease
 # of the run (invariant 3). The run's status rides along as the control signal
-# (CANCEL_REQUESTED).
+# (CANCEL_REQUESTED). The leases are found by their runs (``uq_attempts_one_active_lease``);
+# no index by worker (migration 0015): each beat rewrites an indexed column, so every
+# index an ACTIVE lease is in gets an entry per lease per beat.
 HEARTBEAT = """
 UPDATE attempts
 SET lease_expires_at = {now} + :ttl,

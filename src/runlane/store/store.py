@@ -809,7 +809,8 @@ class Store(SchedulingMixin):
                 if row.policy_version == batch.policy_version else None
         assert batch.now is not None  # SQLite always reads the time first (no presumed version)
         insert_task = sqlite_dialect.insert(tasks).on_conflict_do_nothing(
-            index_elements=["tenant", "idempotency_key"]).returning(tasks.c.task_id)
+            index_elements=["tenant", "idempotency_key"],
+            index_where=tasks.c.idempotency_key.is_not(None)).returning(tasks.c.task_id)
         inserted = set(conn.execute(insert_task, batch.task_rows()).scalars().all())
         created = batch.run_rows(inserted)
         skipped = {item["task_id"] for item in batch.items} - inserted
