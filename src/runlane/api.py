@@ -143,7 +143,8 @@ class Runlane:
             current = migrate.current_revision(self.store.reads)
         except DBAPIError as exc:
             raise DatabaseUnavailable(
-                f"cannot reach the database {self.store.engine.url!r}: {_first_line(exc)}"
+                f"cannot reach the database {_shown_url(self.store.engine.url)}: "
+                f"{_first_line(exc)}"
             ) from None
         migrate.refuse_newer(current)
         if current != migrate.head_revision():
