@@ -156,10 +156,13 @@ def db_upgrade(as_json: bool) -> None:
 @click.option("--tenant", help="Who the run is for.")
 @click.option("--repo", help="Repository URL or local path.")
 @click.option("--prompt", help="What the agent should do.")
-@click.option("--queue")
+@click.option("--queue", help="Queue of the run (default: the policy's, else 'default').")
 @click.option("--priority", help="Integer (lower first) or critical|high|normal|low|batch.")
-@click.option("--idempotency-key")
-@click.option("--max-attempts")
+@click.option("--idempotency-key",
+              help="Per tenant: the same key again returns the same task and run.")
+@click.option("--max-attempts",
+              help="Attempts of this run, 1-100 (default: the policy's, else the setting "
+              "MAX_ATTEMPTS).")
 @click.option("--require", "requires", multiple=True,
               help="Required worker capability: KEY=VALUE, KEY=A,B (set), KEY=N (at least), "
               "KEY>=VERSION (repeatable).")
@@ -298,6 +301,9 @@ def runs_list(status: str | None, tenant: str | None, limit: int, unroutable: bo
         status = status.upper()
         if status not in RunStatus.__members__:
             raise TaskInvalid("--status", f"unknown status; one of {', '.join(RunStatus)}")
+        if unroutable and status != RunStatus.QUEUED.value:
+            # Not ignored: `--unroutable --status SUCCEEDED` listed queued runs.
+            raise TaskInvalid("--status", "--unroutable lists QUEUED runs only")
     # One more than asked for tells whether the limit cut the list.
     fetch = min(limit + 1, MAX_COUNT)
     with _lane() as lane:
