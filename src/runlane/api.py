@@ -19,7 +19,7 @@ from runlane.domain.policy import MAX_COUNT
 from runlane.domain.routing import parse_requirements, requirements_to_mapping
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskInvalid, TaskSpec, parse_task, valid_name
-from runlane.errors import DatabaseUnavailable, RunlaneError, SchemaOutdated
+from runlane.errors import DatabaseUnavailable, NotFound, RunlaneError, SchemaOutdated
 from runlane.services.maintenance import (
     Reaper,
     ReaperConfig,
@@ -81,12 +81,25 @@ def _on_the_database(method: F) -> F:
             return method(self, *args, **kwargs)
         except (OperationalError, InterfaceError) as exc:
             raise DatabaseUnavailable(
-                f"database {_shown_url(self.store.engine.url)}: {_first_line(exc)}") from exc
+                f"database {shown_url(self.store.engine.url)}: {_first_line(exc)}") from exc
 
     return cast(F, wrapper)
 
 
-def _shown_url(url: URL) -> str:
+def _is_text(value: Any) -> bool:
+    """Whether ``value`` is a string the database can be asked about: an argument that
+    is not UTF-8 (``runlane runs show $'\\xff'``) reaches Python with surrogates, which
+    no driver encodes; it names no run or task."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\x00" not in value
+
+
+def shown_url(url: URL) -> str:
     """The URL as the user wrote it, password hidden: SQLAlchemy's rendering
     percent-encodes the database part (``sqlite:///file%3A/...`` for ``file:/...``)."""
     return unquote(url.render_as_string(hide_password=True))
@@ -143,8 +156,7 @@ class Runlane:
             current = migrate.current_revision(self.store.reads)
         except DBAPIError as exc:
             raise DatabaseUnavailable(
-                f"cannot reach the database {_shown_url(self.store.engine.url)}: "
-                f"{_first_line(exc)}"
+                f"cannot reach the database {shown_url(url)}: {_first_line(exc)}"
             ) from None
         migrate.refuse_newer(current)
         if current != migrate.head_revision():
@@ -176,6 +188,8 @@ class Runlane:
 
     @_on_the_database
     def cancel(self, task_id: str) -> CancelResult:
+        if not _is_text(task_id):
+            raise NotFound(f"no task {task_id!r}")
         return self.store.cancel(task_id)
 
     @_on_the_database
@@ -196,6 +210,8 @@ class Runlane:
 
     @_on_the_database
     def run(self, run_id: str) -> dict[str, Any]:
+        if not _is_text(run_id):
+            raise NotFound(f"no run {run_id!r}")
         return self.store.get_run(run_id)
 
     @_on_the_database
@@ -243,8 +259,8 @@ class Runlane:
         _check_worker_arguments(queues, concurrency)
         s = self.settings
         if agent is None:
-            if not agent_command:
-                raise RunlaneError("a worker needs an agent command (--agent-command)")
+            if not agent_command or not agent_command.strip():
+                raise InvalidArgument("a worker needs an agent command (--agent-command)")
             agent = CommandRunner(agent_command, term_grace_seconds=s.agent_term_grace_seconds)
         verifier = (CommandRunner(verify_command, term_grace_seconds=s.agent_term_grace_seconds)
                     if verify_command else None)

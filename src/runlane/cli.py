@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Column, Table
 from sqlalchemy.exc import DBAPIError
 
-from runlane.api import MAX_CONCURRENCY, Runlane
+from runlane.api import MAX_CONCURRENCY, Runlane, shown_url
 from runlane.domain.policy import MAX_COUNT, PolicyInvalid, load_policy
 from runlane.domain.routing import (
     canonical_capabilities,
@@ -141,7 +141,7 @@ def db_upgrade(as_json: bool) -> None:
             before, after = lane.upgrade_schema()
         except DBAPIError as exc:
             raise DatabaseUnavailable(
-                f"cannot upgrade {lane.store.engine.url!r}: "
+                f"cannot upgrade {shown_url(lane.store.engine.url)}: "
                 f"{str(exc.orig).strip().splitlines()[0]}") from None
     if as_json:
         _print_json({"from": before, "to": after, "changed": before != after})
@@ -156,10 +156,13 @@ def db_upgrade(as_json: bool) -> None:
 @click.option("--tenant", help="Who the run is for.")
 @click.option("--repo", help="Repository URL or local path.")
 @click.option("--prompt", help="What the agent should do.")
-@click.option("--queue")
+@click.option("--queue", help="Queue of the run (default: the policy's, else 'default').")
 @click.option("--priority", help="Integer (lower first) or critical|high|normal|low|batch.")
-@click.option("--idempotency-key")
-@click.option("--max-attempts")
+@click.option("--idempotency-key",
+              help="Per tenant: the same key again returns the same task and run.")
+@click.option("--max-attempts",
+              help="Attempts of this run, 1-100 (default: the policy's, else the setting "
+              "MAX_ATTEMPTS).")
 @click.option("--require", "requires", multiple=True,
               help="Required worker capability: KEY=VALUE, KEY=A,B (set), KEY=N (at least), "
               "KEY>=VERSION (repeatable).")
@@ -298,6 +301,9 @@ def runs_list(status: str | None, tenant: str | None, limit: int, unroutable: bo
         status = status.upper()
         if status not in RunStatus.__members__:
             raise TaskInvalid("--status", f"unknown status; one of {', '.join(RunStatus)}")
+        if unroutable and status != RunStatus.QUEUED.value:
+            # Not ignored: `--unroutable --status SUCCEEDED` listed queued runs.
+            raise TaskInvalid("--status", "--unroutable lists QUEUED runs only")
     # One more than asked for tells whether the limit cut the list.
     fetch = min(limit + 1, MAX_COUNT)
     with _lane() as lane:
@@ -394,8 +400,10 @@ def policy_app() -> None:
 def policy_apply(file: Path, as_json: bool) -> None:
     """Validate FILE and store it as a new numbered version (none if unchanged)."""
     policy = load_policy(file)  # PolicyInvalid names the file, the field and the problem
+    # The file's name as a label: one that is not UTF-8 cannot be stored as it is.
+    source = os.fsencode(file).decode("utf-8", errors="replace")
     with _lane() as lane:
-        applied = lane.store.apply_policy(policy, source=str(file))
+        applied = lane.store.apply_policy(policy, source=source)
     if as_json:
         _print_json({"version": applied.version, "digest": applied.digest,
                      "created": applied.created})
@@ -453,6 +461,15 @@ def _finite(_ctx: click.Context, param: click.Parameter, value: float | None
     return value
 
 
+def _command(_ctx: click.Context, param: click.Parameter, value: str | None
+             ) -> str | None:
+    """An agent or verify command that is empty (`--agent-command "$AGENT"` with AGENT
+    unset) is a mistake: no agent to run, or every run unverified."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("must not be empty", param=param)
+    return value
+
+
 def _queue_names(_ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
                  ) -> tuple[str, ...]:
     """As a submit checks them: a worker on an empty or malformed queue name would
@@ -465,8 +482,10 @@ def _queue_names(_ctx: click.Context, param: click.Parameter, values: tuple[str,
 
 
 @app.command()
-@click.option("--agent-command", required=True, help="Run by /bin/sh -c in the workspace.")
-@click.option("--verify-command", help="Run in the workspace after the agent succeeds.")
+@click.option("--agent-command", required=True, callback=_command,
+              help="Run by /bin/sh -c in the workspace.")
+@click.option("--verify-command", callback=_command,
+              help="Run in the workspace after the agent succeeds.")
 @click.option("--queue", "queues", multiple=True, callback=_queue_names,
               help="Queue to claim from (repeatable).")
 @click.option("--concurrency", type=click.IntRange(min=1, max=MAX_CONCURRENCY), default=1,
@@ -505,8 +524,9 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
 @app.command()
 @click.option("--workers", type=click.IntRange(min=1, max=MAX_CONCURRENCY), default=2,
               show_default=True, help="Worker processes to run.")
-@click.option("--agent-command", required=True, help="Passed to every worker.")
-@click.option("--verify-command")
+@click.option("--agent-command", required=True, callback=_command,
+              help="Passed to every worker.")
+@click.option("--verify-command", callback=_command)
 @click.option("--queue", "queues", multiple=True, callback=_queue_names)
 @click.option("--concurrency", type=click.IntRange(min=1, max=MAX_CONCURRENCY), default=1,
               show_default=True, help="Per worker process.")
@@ -589,7 +609,12 @@ def prs_list(as_json: bool) -> None:
     if as_json:
         _print_json(rows)
         return
-    table = Table("run", "repo", "branch", "number", "url")
+    # Whole run ids, as `runs list` prints them (`runs show RUN_ID` takes them from
+    # here); the other columns fold instead.
+    table = Table(Column("run", no_wrap=True,
+                         min_width=max((len(r["run_id"]) for r in rows), default=3)),
+                  *(Column(name, overflow="fold") for name in ("repo", "branch", "number",
+                                                               "url")))
     for r in rows:
         table.add_row(r["run_id"], str(r["repo"]), str(r["branch"]), str(r["number"]),
                       str(r["url"]))
@@ -622,6 +647,9 @@ def audit(as_json: bool) -> None:
 @json_flag
 def maintain(once: bool, as_json: bool) -> None:
     """Reaper, reconciler, scheduler pass and retention; safe on several machines."""
+    if as_json and not once:
+        # Only one pass has counts to print: without --once nothing would ever be.
+        raise click.UsageError("--json needs --once (one pass, then its counts)")
     with _lane() as lane:
         if once:
             counts = lane.maintain_once()

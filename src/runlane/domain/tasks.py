@@ -161,7 +161,29 @@ class TaskSpec(BaseModel):
     @field_validator("depends_on")
     @classmethod
     def _depends_on(cls, value: list[str]) -> list[str]:
+        # Not empty: `--depends-on "$DEP"` with DEP unset named no task, and the insert
+        # then failed on the foreign key as a database error.
+        if any(not task_id for task_id in value):
+            raise ValueError("a task id must not be empty")
         return sorted(set(value))
+
+    @field_validator("parent_task_id")
+    @classmethod
+    def _parent(cls, value: str | None) -> str | None:
+        if value is not None and not value:
+            raise ValueError("must not be empty")
+        return value
+
+    @field_validator("*")
+    @classmethod
+    def _no_nul(cls, value: Any) -> Any:
+        """JSON may carry "\\u0000"; PostgreSQL stores no NUL character (SQLite did):
+        the same task must be refused, as bad input, on both engines."""
+        where = _nul_in(value)
+        if where is not None:
+            raise ValueError("holds a NUL character (\\u0000)"
+                             + (f" in {where}" if where else ""))
+        return value
 
     @field_validator("context")
     @classmethod
@@ -172,6 +194,24 @@ class TaskSpec(BaseModel):
                 f"unknown section(s) {unknown}; known: {list(CONTEXT_TRUNCATION_ORDER)}"
             )
         return value
+
+
+def _nul_in(value: Any, path: str = "") -> str | None:
+    """Where ``value`` (a string, or a list or dict of them, keys too) holds a NUL
+    character: ``""`` for the value itself, else the key or index; None if nowhere."""
+    if isinstance(value, str):
+        return path if "\x00" in value else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _nul_in(key, repr(key)) or _nul_in(item, repr(key))
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            found = _nul_in(item, str(index))
+            if found is not None:
+                return found
+    return None
 
 
 def parse_task(raw: dict[str, Any], where: str = "") -> TaskSpec:
