@@ -265,9 +265,6 @@ def test_runs_list_unroutable_does_not_ignore_status(sqlite_url: str, tmp_path: 
     assert run["run_id"] == sub["run_id"] and run["unroutable_because"]
 
 
-@pytest.mark.xfail(strict=True, reason="store/scheduling.py unroutable_runs() orders by "
-                   "(queue, route) then age, and cuts at --limit in that order: a fix is in "
-                   "the store, not the CLI")
 def test_runs_list_unroutable_is_oldest_first_as_its_help_says(sqlite_url: str,
                                                                tmp_path: Path) -> None:
     """`runs list --help`: "List runs, oldest first: at most --limit of them". With

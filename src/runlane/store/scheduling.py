@@ -375,15 +375,16 @@ class SchedulingMixin:
                 reason = self._unserved_because(lane.queue, lane.route_key, live)
                 if reason is not None:
                     why[(lane.queue, lane.route_key)] = reason
+            # The oldest ``limit`` of each route, then the oldest ``limit`` of them all:
+            # oldest first across routes, as every list is (not route by route).
             found: list[dict[str, Any]] = []
             for (queue, route_key), reason in sorted(why.items()):
-                for r in conn.execute(self._q(sql.QUEUED_IN_ROUTE),
-                                      {"queue": queue, "route_key": route_key,
-                                       "tenant": tenant, "limit": limit - len(found)}):
-                    found.append({**dict(r._mapping), "unroutable_because": reason})
-                if len(found) >= limit:
-                    break
-            return found
+                found += [{**dict(r._mapping), "unroutable_because": reason}
+                          for r in conn.execute(self._q(sql.QUEUED_IN_ROUTE),
+                                                {"queue": queue, "route_key": route_key,
+                                                 "tenant": tenant, "limit": limit})]
+            found.sort(key=lambda run: (run["created_at"], run["run_id"]))
+            return found[:limit]
 
     def _mark_unserved_lanes(self, conn: Connection) -> dict[str, int]:
         """Mark the queued lanes of routes no live worker serves, and clear the mark of
