@@ -91,3 +91,26 @@ def bare_remote(tmp_path: Path) -> Path:
     bare = tmp_path / "repo.git"
     subprocess.run(["git", "clone", "-q", "--bare", str(seed), str(bare)], check=True)
     return bare
+
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The environment of a CLI subprocess: this checkout's code, none of the caller's
+    RUNLANE_* settings or token, forge and workspaces under ``tmp_path``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RUNLANE_") and k != "GITHUB_TOKEN"}
+    env.update({"PYTHONPATH": SRC, "RUNLANE_FORGE_DIR": str(tmp_path / "forge"),
+                "RUNLANE_WORKSPACE_DIR": str(tmp_path / "ws"), **extra})
+    return env
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], code: int, says: str) -> None:
+    """A CLI failure as CONTRACT.md wants it: the exit code, one `error: ...` line
+    saying ``says``, no traceback."""
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert says in result.stderr, result.stderr

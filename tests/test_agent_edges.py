@@ -23,22 +23,12 @@ from runlane.settings import Settings, SettingsInvalid
 from runlane.store.store import Store
 
 from .conftest import POLICY, migrated_sqlite
-from .support import submit
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RUNLANE_") and k != "GITHUB_TOKEN"}
-    env.update({"PYTHONPATH": SRC, "RUNLANE_FORGE_DIR": str(tmp_path / "forge"),
-                "RUNLANE_WORKSPACE_DIR": str(tmp_path / "ws"), **extra})
-    return env
+from .support import cli_env, submit
 
 
 def _cli(tmp_path: Path, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "runlane", *args], cwd=tmp_path,
-                          env=_env(tmp_path, **extra), capture_output=True, text=True,
+                          env=cli_env(tmp_path, **extra), capture_output=True, text=True,
                           timeout=120)
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from runlane.store.store import Store
 
+from .support import one_line_error
 from .test_cli import CLI, cli  # noqa: F401  (the fixture)
 
 
@@ -38,14 +39,6 @@ def _run(url: str, cwd: Path, *args: str, timeout: float = 60,
         err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
         pytest.fail(f"`runlane {' '.join(args)}` still running after {timeout} s; "
                     f"stderr: {(err or '')[-1500:]}")
-
-
-def _one_line_error(result: subprocess.CompletedProcess[str], code: int, says: str) -> None:
-    assert result.returncode == code, (result.returncode, result.stdout, result.stderr[-2000:])
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    assert says in result.stderr, result.stderr
 
 
 def _strict_json(text: str) -> Any:
@@ -135,7 +128,7 @@ def test_worker_huge_concurrency_is_bad_input(db_url: str, tmp_path: Path) -> No
     second forever, even with --exit-when-idle."""
     result = _run(db_url, tmp_path, "worker", "--agent-command", "true", "--exit-when-idle",
                   "--concurrency", "99999999999999999999", timeout=20)
-    _one_line_error(result, 2, "--concurrency")
+    one_line_error(result, 2, "--concurrency")
 
 
 def test_worker_nan_timeout_is_bad_input(db_url: str, tmp_path: Path) -> None:
@@ -143,7 +136,7 @@ def test_worker_nan_timeout_is_bad_input(db_url: str, tmp_path: Path) -> None:
     "never times out" (an attempt with `sleep 3` and --timeout-seconds nan succeeded)."""
     result = _run(db_url, tmp_path, "worker", "--agent-command", "true", "--exit-when-idle",
                   "--timeout-seconds", "nan", timeout=30)
-    _one_line_error(result, 2, "--timeout-seconds")
+    one_line_error(result, 2, "--timeout-seconds")
 
 
 def test_worker_empty_queue_is_bad_input(db_url: str, tmp_path: Path) -> None:
@@ -151,7 +144,7 @@ def test_worker_empty_queue_is_bad_input(db_url: str, tmp_path: Path) -> None:
     `worker --queue "$Q"` with an empty variable silently serves nothing."""
     result = _run(db_url, tmp_path, "worker", "--agent-command", "true", "--exit-when-idle",
                   "--queue", "", timeout=30)
-    _one_line_error(result, 2, "--queue")
+    one_line_error(result, 2, "--queue")
 
 
 # --- settings -------------------------------------------------------------------------
@@ -169,14 +162,14 @@ def test_settings_that_threads_cannot_wait_are_refused(db_url: str, tmp_path: Pa
     process keeps running (a maintain that reaps nothing, a worker with no heartbeat)."""
     extra = {f"RUNLANE_{name}": value}
     result = _run(db_url, tmp_path, "runs", "list", **extra)
-    _one_line_error(result, 2, name)
+    one_line_error(result, 2, name)
 
 
 def test_maintain_with_an_infinite_interval_prints_no_traceback(db_url: str,
                                                                 tmp_path: Path) -> None:
     result = _run(db_url, tmp_path, "maintain", timeout=8,
                   RUNLANE_REAPER_INTERVAL_SECONDS="inf")
-    _one_line_error(result, 2, "REAPER_INTERVAL_SECONDS")
+    one_line_error(result, 2, "REAPER_INTERVAL_SECONDS")
 
 
 def test_settings_come_from_flags_as_the_contract_says(db_url: str, tmp_path: Path) -> None:
@@ -190,7 +183,7 @@ def test_settings_come_from_flags_as_the_contract_says(db_url: str, tmp_path: Pa
     # The flag is the one read, over the environment: its bad value is the one refused.
     refused = _run(db_url, tmp_path, "--lease-ttl-seconds", "-1", "runs", "list",
                    RUNLANE_LEASE_TTL_SECONDS="60")
-    _one_line_error(refused, 2, "LEASE_TTL_SECONDS")
+    one_line_error(refused, 2, "LEASE_TTL_SECONDS")
 
 
 # --- files ------------------------------------------------------------------------------
@@ -216,7 +209,7 @@ def test_demo_directory_that_is_a_file_is_bad_input(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "runlane", "demo", "--directory",
                              str(target), "--json"], capture_output=True, text=True,
                             cwd=tmp_path, env=_env(), timeout=60)
-    _one_line_error(result, 2, str(target))
+    one_line_error(result, 2, str(target))
 
 
 # --- schema ---------------------------------------------------------------------------
@@ -238,10 +231,10 @@ def test_a_schema_newer_than_this_runlane_is_reported_as_such(tmp_path: Path) ->
         conn.execute(text("UPDATE alembic_version SET version_num = '9999'"))
     engine.dispose()
     listed = _run(url, tmp_path, "runs", "list")
-    _one_line_error(listed, 4, "9999")
+    one_line_error(listed, 4, "9999")
     assert "runlane db upgrade" not in listed.stderr  # upgrading cannot help
     upgraded = _run(url, tmp_path, "db", "upgrade")
-    _one_line_error(upgraded, 4, "9999")
+    one_line_error(upgraded, 4, "9999")
 
 
 # --- filters --------------------------------------------------------------------------
@@ -253,7 +246,7 @@ def test_runs_list_with_an_empty_tenant_does_not_list_every_tenant(cli: CLI) -> 
     cli("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p")
     result = _run(cli.url, cli.cwd, "runs", "list", "--tenant", "", "--json")
     if result.returncode == 2:  # refused as bad input: also right
-        _one_line_error(result, 2, "--tenant")
+        one_line_error(result, 2, "--tenant")
         return
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == []

@@ -19,23 +19,16 @@ from typing import Any
 
 import pytest
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+from .support import bare_remote, cli_env, one_line_error
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("RUNLANE_") and k != "GITHUB_TOKEN"}
-    env.update({"PYTHONPATH": SRC, "RUNLANE_FORGE_DIR": str(tmp_path / "forge"),
-                "RUNLANE_WORKSPACE_DIR": str(tmp_path / "ws"), **extra})
-    return env
 
 
 def _run(url: str, cwd: Path, *args: str | bytes,
          timeout: float = 60) -> subprocess.CompletedProcess[str]:
     try:
         return subprocess.run([sys.executable, "-m", "runlane", "--database-url", url, *args],
-                              capture_output=True, text=True, cwd=cwd, env=_env(cwd),
+                              capture_output=True, text=True, cwd=cwd, env=cli_env(cwd),
                               timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr
@@ -52,14 +45,6 @@ def _json(url: str, cwd: Path, *args: str) -> Any:
     return json.loads(_ok(_run(url, cwd, *args, "--json")).stdout)
 
 
-def _one_line_error(result: subprocess.CompletedProcess[str], code: int, says: str) -> None:
-    assert result.returncode == code, (result.returncode, result.stdout, result.stderr[-2000:])
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-    assert says in result.stderr, result.stderr
-
-
 @pytest.fixture
 def url(db_url: str, tmp_path: Path) -> str:
     """A migrated database, SQLite and PostgreSQL (the conftest fixture's pattern)."""
@@ -74,23 +59,6 @@ def sqlite_url(tmp_path: Path) -> str:
     return url
 
 
-def _git(*args: str, cwd: Path | None = None) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
-                          text=True).stdout
-
-
-def _remote(tmp_path: Path) -> Path:
-    bare = tmp_path / "app.git"
-    _git("init", "-q", "--bare", "-b", "main", str(bare))
-    seed = tmp_path / "seed"
-    _git("clone", "-q", str(bare), str(seed))
-    (seed / "README").write_text("hi\n")
-    _git("add", ".", cwd=seed)
-    _git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "init", cwd=seed)
-    _git("push", "-q", "origin", "main", cwd=seed)
-    return bare
-
-
 BASE = ("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p")
 
 
@@ -103,13 +71,13 @@ def test_an_empty_depends_on_is_bad_input_not_a_database_error(url: str,
     checked the named tasks, then the insert hit the foreign key: `error: database:
     FOREIGN KEY constraint failed`, exit 4 (the code for a database that is down)."""
     for value in ("", " "):
-        _one_line_error(_run(url, tmp_path, *BASE, "--depends-on", value), 2, "depends_on")
+        one_line_error(_run(url, tmp_path, *BASE, "--depends-on", value), 2, "depends_on")
     assert _json(url, tmp_path, "runs", "list") == []
 
 
 def test_an_empty_parent_is_refused_not_stored(url: str, tmp_path: Path) -> None:
     """`--parent ""` was stored as parent_task_id '' (a task that does not exist)."""
-    _one_line_error(_run(url, tmp_path, *BASE, "--parent", ""), 2, "parent_task_id")
+    one_line_error(_run(url, tmp_path, *BASE, "--parent", ""), 2, "parent_task_id")
     assert _json(url, tmp_path, "runs", "list") == []
 
 
@@ -126,11 +94,11 @@ def test_a_nul_character_is_bad_input_on_both_engines(url: str, tmp_path: Path) 
                        ("context", {**good, "context": {"summary": "s\u0000"}})):
         path = tmp_path / "tasks.jsonl"
         path.write_text(json.dumps(row) + "\n")
-        _one_line_error(_run(url, tmp_path, "submit", "--batch", str(path)), 2,
+        one_line_error(_run(url, tmp_path, "submit", "--batch", str(path)), 2,
                         f"line 1: {field}")
     context = tmp_path / "context.json"
     context.write_text(json.dumps({"diff": "d\u0000"}))
-    _one_line_error(_run(url, tmp_path, *BASE, "--context", str(context)), 2,
+    one_line_error(_run(url, tmp_path, *BASE, "--context", str(context)), 2,
                     "context: holds a NUL character (\\u0000) in 'diff'")
     assert _json(url, tmp_path, "runs", "list") == []
 
@@ -141,8 +109,8 @@ def test_a_nul_character_is_bad_input_on_both_engines(url: str, tmp_path: Path) 
 def test_an_id_that_is_not_utf8_is_not_found_not_an_internal_error(url: str,
                                                                    tmp_path: Path) -> None:
     """`runs show $'\\xff'`: exit 70, `internal error: UnicodeEncodeError`."""
-    _one_line_error(_run(url, tmp_path, "runs", "show", b"\xff"), 3, "no run")
-    _one_line_error(_run(url, tmp_path, "cancel", b"\xff"), 3, "no task")
+    one_line_error(_run(url, tmp_path, "runs", "show", b"\xff"), 3, "no run")
+    one_line_error(_run(url, tmp_path, "cancel", b"\xff"), 3, "no task")
 
 
 def test_a_policy_file_whose_name_is_not_utf8_can_be_applied(sqlite_url: str,
@@ -163,9 +131,9 @@ def test_an_empty_agent_command_is_bad_input(sqlite_url: str, tmp_path: Path) ->
     """`--agent-command "$AGENT"` with AGENT unset: `worker` exited 1 ("refused"), and
     `up` started, its workers died and were restarted forever."""
     for command in ("worker", "up"):
-        _one_line_error(_run(sqlite_url, tmp_path, command, "--agent-command", "",
+        one_line_error(_run(sqlite_url, tmp_path, command, "--agent-command", "",
                              timeout=20), 2, "--agent-command")
-        _one_line_error(_run(sqlite_url, tmp_path, command, "--agent-command", "  ",
+        one_line_error(_run(sqlite_url, tmp_path, command, "--agent-command", "  ",
                              timeout=20), 2, "--agent-command")
 
 
@@ -173,7 +141,7 @@ def test_an_empty_verify_command_is_bad_input_not_no_verification(sqlite_url: st
                                                                    tmp_path: Path) -> None:
     """`--verify-command "$VERIFY"` with VERIFY unset ran every run unverified."""
     for command in ("worker", "up"):
-        _one_line_error(_run(sqlite_url, tmp_path, command, "--agent-command", "true",
+        one_line_error(_run(sqlite_url, tmp_path, command, "--agent-command", "true",
                              "--verify-command", "", "--exit-when-idle"
                              if command == "worker" else "--workers=1", timeout=20),
                         2, "--verify-command")
@@ -185,7 +153,7 @@ def test_an_empty_verify_command_is_bad_input_not_no_verification(sqlite_url: st
 def test_prs_list_shows_whole_run_ids(sqlite_url: str, tmp_path: Path) -> None:
     """`runs list` prints whole run ids for `runs show RUN_ID`; `prs list` cut them
     (`01a23610-5d28…`) on an 80-column terminal, so none could be used."""
-    repo = _remote(tmp_path)
+    repo = bare_remote(tmp_path)
     sub = _json(sqlite_url, tmp_path, "submit", "--tenant", "acme", "--repo", str(repo),
                 "--prompt", "p")
     _ok(_run(sqlite_url, tmp_path, "worker", "--agent-command", "echo x > x.txt",
@@ -200,7 +168,7 @@ def test_prs_list_shows_whole_run_ids(sqlite_url: str, tmp_path: Path) -> None:
 def test_maintain_json_without_once_is_refused(sqlite_url: str, tmp_path: Path) -> None:
     """`maintain --json` ran forever and never printed a JSON document; only one pass
     (`--once`) has one to print."""
-    _one_line_error(_run(sqlite_url, tmp_path, "maintain", "--json", timeout=20), 2,
+    one_line_error(_run(sqlite_url, tmp_path, "maintain", "--json", timeout=20), 2,
                     "--once")
 
 
@@ -209,10 +177,10 @@ def test_every_database_error_shows_the_url_as_written(tmp_path: Path) -> None:
     the schema check still showed SQLAlchemy's `sqlite:///file%3A/...`."""
     missing = f"sqlite:///file:{tmp_path}/no/such/dir/x.db?mode=rwc&uri=true"
     result = _run(missing, tmp_path, "db", "upgrade")
-    _one_line_error(result, 4, f"file:{tmp_path}/no/such/dir/x.db")
+    one_line_error(result, 4, f"file:{tmp_path}/no/such/dir/x.db")
     (tmp_path / "junk.db").write_text("not a database\n" * 100)
     junk = f"sqlite:///file:{tmp_path}/junk.db?mode=ro&uri=true"
-    _one_line_error(_run(junk, tmp_path, "runs", "list"), 4, f"file:{tmp_path}/junk.db")
+    one_line_error(_run(junk, tmp_path, "runs", "list"), 4, f"file:{tmp_path}/junk.db")
     assert "%3A" not in result.stderr
 
 
@@ -259,7 +227,7 @@ def test_runs_list_unroutable_does_not_ignore_status(sqlite_url: str, tmp_path: 
     """`runs list --unroutable --status SUCCEEDED` printed QUEUED runs: the filter was
     dropped without a word. --unroutable lists queued runs only."""
     sub = _json(sqlite_url, tmp_path, *BASE)
-    _one_line_error(_run(sqlite_url, tmp_path, "runs", "list", "--unroutable", "--status",
+    one_line_error(_run(sqlite_url, tmp_path, "runs", "list", "--unroutable", "--status",
                          "SUCCEEDED"), 2, "--unroutable lists QUEUED runs only")
     [run] = _json(sqlite_url, tmp_path, "runs", "list", "--unroutable", "--status", "queued")
     assert run["run_id"] == sub["run_id"] and run["unroutable_because"]
