@@ -12,19 +12,13 @@ from pathlib import Path
 import pytest
 
 from .conftest import migrated_sqlite
+from .support import one_line_error
 
 
 def _runlane(url: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNLANE_")}
     return subprocess.run([sys.executable, "-m", "runlane", "--database-url", url, *args],
                           capture_output=True, text=True, cwd=cwd, env=env, timeout=60)
-
-
-def _one_line_error(result: subprocess.CompletedProcess[str], code: int, says: str) -> None:
-    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert says in result.stderr, result.stderr
 
 
 def test_a_read_only_uri_filename_reads_and_refuses_writes_clearly(tmp_path: Path) -> None:
@@ -51,13 +45,13 @@ def test_a_read_only_uri_filename_reads_and_refuses_writes_clearly(tmp_path: Pat
 
     # Writing through it: one clear line, exit 4 (database), no traceback, naming the
     # URL as written (SQLAlchemy renders the ':' of 'file:' as '%3A').
-    _one_line_error(_runlane(read_only, tmp_path, "submit", "--tenant", "acme", "--repo",
+    one_line_error(_runlane(read_only, tmp_path, "submit", "--tenant", "acme", "--repo",
                              "/srv/git/a.git", "--prompt", "q"), 4,
                     f"database {read_only}: attempt to write a readonly database")
     # A read-only URI of a file that is not there: the usual fix-it message, naming the
     # file, not the URI.
     missing = tmp_path / "missing.db"
-    _one_line_error(_runlane(f"sqlite:///file:{missing}?mode=ro&uri=true", tmp_path,
+    one_line_error(_runlane(f"sqlite:///file:{missing}?mode=ro&uri=true", tmp_path,
                              "runs", "list"), 4, f"no database at {missing}:")
 
 
