@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import http.server
 import os
+import shutil
 import stat
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,22 +190,46 @@ def test_a_credential_helper_the_agent_planted_never_runs_the_workers_does(
     assert "s3cret" not in str(caught.value)
 
 
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The worker's home directory, where git finds its global configuration."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("GIT_CONFIG_GLOBAL")
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    return home
+
+
 def test_the_workers_own_config_gives_credentials_only(remote: Path, tmp_path: Path,
-                                                      isolated_git: Path) -> None:
+                                                      home: Path) -> None:
     """Of the worker's own configuration git is given what authenticates and reaches
     the remote, nothing that runs a filter or rewrites the push: what is committed and
     where it goes do not depend on the machine."""
     marker = tmp_path / "global-filter-ran"
     decoy = tmp_path / "decoy.git"
     git("init", "--quiet", "--bare", str(decoy))
-    isolated_git.write_text(f'[filter "x"]\n\tclean = touch {marker}; cat\n'
-                            f'[url "{decoy}"]\n\tpushInsteadOf = {remote}\n')
+    (home / ".gitconfig").write_text(f'[filter "x"]\n\tclean = touch {marker}; cat\n'
+                                     f'[url "{decoy}"]\n\tpushInsteadOf = {remote}\n'
+                                     '[credential]\n\thelper = cache\n')
     ws = Workspace.clone(str(remote), tmp_path / "w", "run")
     agent(ws, "echo '* filter=x' > .gitattributes; echo changed > README.md")
     sha = finalize(ws)
     assert not marker.exists()
     assert git("--git-dir", str(remote), "rev-parse", f"refs/heads/{BRANCH}").strip() == sha
     assert git("--git-dir", str(decoy), "for-each-ref") == ""
+
+
+def test_git_as_the_worker_runs_it_reads_no_configuration_file_but_its_own(
+        ws: Workspace, home: Path) -> None:
+    """No system, global (home) or repository file of anyone else: settings come from
+    the command line (the overrides and the worker's carried credential settings) and
+    from the worker's own copy of the git directory."""
+    (home / ".gitconfig").write_text("[core]\n\tpager = cat\n")
+    agent(ws, "git config core.pager cat")
+    done = ws._git(["config", "--list", "--show-origin"])
+    origins = {line.split("\t", 1)[0] for line in done.stdout.decode().splitlines()}
+    assert origins <= {"command line:", f"file:{ws.git_dir}/config"}, origins
 
 
 def test_the_home_directorys_ignore_file_does_not_decide_what_is_committed(
@@ -355,18 +381,26 @@ def test_a_fifo_at_the_lock_path_is_refused_without_hanging(remote: Path, tmp_pa
         Workspace.clone(str(remote), root, "run")
 
 
-def test_removing_a_clone_never_chmods_through_a_link_the_agent_left(ws: Workspace,
+def test_removing_a_clone_never_chmods_through_a_link_the_agent_left(remote: Path,
                                                                      tmp_path: Path) -> None:
-    """Removal makes read-only directories writable again; a symbolic link in one, to a
-    file of the worker's, was chmodded 0700 through."""
+    """Removal makes read-only directories writable again to empty them; a symbolic
+    link in one, to a file of the worker's, had that file chmodded 0700 through it.
+    (Root ignores modes: the removal runs without CAP_DAC_OVERRIDE then.)"""
+    root = tmp_path / "w"
+    ws = Workspace.clone(str(remote), root, "run")
     victim = tmp_path / "credentials"
     victim.write_text("secret\n")
     victim.chmod(0o400)
-    trap = ws.path / "trap"
-    trap.mkdir()
-    (trap / "link").symlink_to(victim)
-    trap.chmod(0o500)
-    ws.remove()
+    agent(ws, f"mkdir trap; ln -s '{victim}' trap/link; chmod 500 trap")
+    ws.release()  # as a killed attempt leaves it
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("root ignores directory modes, and setpriv is missing")
+    as_owner = ([] if os.geteuid() != 0 else
+                ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner"])
+    subprocess.run([*as_owner, sys.executable, "-c",
+                    "import sys; from pathlib import Path; from runlane.workspace import "
+                    "Workspace; assert Workspace.remove_named(Path(sys.argv[1]), 'run')",
+                    str(root)], check=True)
     assert not ws.path.exists()
     assert stat.S_IMODE(victim.stat().st_mode) == 0o400
 
