@@ -135,7 +135,7 @@ def test_a_worker_refuses_a_workspace_root_another_user_can_write(
         says = f"WORKSPACE_DIR {root}: writable by other users (mode 0770); fix: chmod go-w"
     elif unsafe == "world-writable-parent":
         (tmp_path / "shared").chmod(0o777)
-        says = (f"WORKSPACE_DIR {root}: {tmp_path / 'shared'} above it is writable by other "
+        says = (f"WORKSPACE_DIR {root}: {tmp_path / 'shared'}, on its path, is writable by other "
                 "users without the sticky bit")
     else:
         os.chown(root, 65534, 65534)  # the tests run as root

@@ -434,13 +434,13 @@ def test_a_parent_that_lets_another_user_swap_the_root_is_unsafe(tmp_path: Path)
     root.mkdir(parents=True, mode=0o700)
     shared.chmod(0o777)  # anyone may rename ws away and put theirs in its place
     reason = unsafe_workspace_root(root)
-    assert reason is not None and f"{shared} above it is writable by other users" in reason
+    assert reason is not None and f"{shared}, on its path, is writable by other users" in reason
     shared.chmod(0o1777)  # sticky, as /tmp: only the owner of ws may rename it
     assert unsafe_workspace_root(root) is None
     shared.chmod(0o755)
     os.chown(shared, 65534, 65534)
     reason = unsafe_workspace_root(root)
-    assert reason is not None and f"{shared} above it is owned by uid 65534" in reason
+    assert reason is not None and f"{shared}, on its path, is owned by uid 65534" in reason
 
 
 def test_a_symlinked_root_is_checked_where_it_points_and_on_the_way(tmp_path: Path) -> None:
@@ -455,4 +455,4 @@ def test_a_symlinked_root_is_checked_where_it_points_and_on_the_way(tmp_path: Pa
     real.chmod(0o700)
     os.lchown(link, 65534, 65534)  # its owner can point it elsewhere
     reason = unsafe_workspace_root(link)
-    assert reason is not None and f"{link} above it is owned by uid 65534" in reason
+    assert reason is not None and f"{link}, on its path, is owned by uid 65534" in reason

@@ -693,11 +693,11 @@ def unsafe_workspace_root(root: Path) -> str | None:
     for above in (*links, *given.parents, *real.parents):
         st = os.lstat(above)
         if st.st_uid not in (0, me):
-            return (f"{above} above it is owned by uid {st.st_uid}, who can replace it; "
+            return (f"{above}, on its path, is owned by uid {st.st_uid}, who can replace it; "
                     "fix: choose a WORKSPACE_DIR whose parents only root or this user own")
         if (not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o022
                 and not st.st_mode & stat.S_ISVTX):
-            return (f"{above} above it is writable by other users without the sticky bit "
+            return (f"{above}, on its path, is writable by other users without the sticky bit "
                     f"(mode {stat.S_IMODE(st.st_mode):04o}), so they can replace it; fix: "
                     f"chmod go-w {above} (or chmod +t), or choose another WORKSPACE_DIR")
     return None
