@@ -34,6 +34,12 @@ def git(*args: str, cwd: Path | None = None, stdin: str | None = None) -> str:
     return done.stdout
 
 
+def wgit(ws: Workspace, *args: str, stdin: str | None = None) -> str:
+    """git on the worker's own git directory of ``ws`` (where its commits are)."""
+    return git("--git-dir", str(ws.git_dir), "--work-tree", str(ws.path), *args, cwd=ws.path,
+               stdin=stdin)
+
+
 @pytest.fixture(autouse=True)
 def isolated_git(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No user or system git configuration leaks into the tests."""
@@ -233,17 +239,17 @@ def test_check_limits(ws: Workspace) -> None:
 def test_commit_all_puts_every_change_in_one_commit_with_the_trailer(ws: Workspace) -> None:
     edit(ws)
     sha = ws.commit_all(BRANCH, "Fix the flaky test", TRAILER)
-    assert sha == git("rev-parse", f"refs/heads/{BRANCH}", cwd=ws.path).strip()
-    assert git("symbolic-ref", "HEAD", cwd=ws.path).strip() == f"refs/heads/{BRANCH}"
-    message = git("log", "-1", "--format=%B", sha, cwd=ws.path)
+    assert sha == wgit(ws, "rev-parse", f"refs/heads/{BRANCH}").strip()
+    assert wgit(ws, "symbolic-ref", "HEAD").strip() == f"refs/heads/{BRANCH}"
+    message = wgit(ws, "log", "-1", "--format=%B", sha)
     assert message.strip() == f"Fix the flaky test\n\n{TRAILER}"
-    assert git("interpret-trailers", "--parse", cwd=ws.path, stdin=message).strip() == TRAILER
-    who = git("log", "-1", "--format=%an <%ae>|%cn <%ce>", sha, cwd=ws.path).strip()
+    assert wgit(ws, "interpret-trailers", "--parse", stdin=message).strip() == TRAILER
+    who = wgit(ws, "log", "-1", "--format=%an <%ae>|%cn <%ce>", sha).strip()
     assert who == f"{AUTHOR_NAME} <{AUTHOR_EMAIL}>|{AUTHOR_NAME} <{AUTHOR_EMAIL}>"
-    assert git("log", "-1", "--format=%P", sha, cwd=ws.path).strip() == ws.base_sha
-    files = git("ls-tree", "-r", "--name-only", sha, cwd=ws.path).split()
+    assert wgit(ws, "log", "-1", "--format=%P", sha).strip() == ws.base_sha
+    files = wgit(ws, "ls-tree", "-r", "--name-only", sha).split()
     assert sorted(files) == [".gitignore", "README.md", "docs/guide.md", "new.txt", "src/app.py"]
-    assert git("status", "--porcelain", cwd=ws.path) == ""  # index and tree match the commit
+    assert wgit(ws, "status", "--porcelain") == ""  # index and tree match the commit
 
 
 def test_commit_all_squashes_the_agent_commits_onto_the_base(ws: Workspace) -> None:
@@ -252,9 +258,9 @@ def test_commit_all_squashes_the_agent_commits_onto_the_base(ws: Workspace) -> N
     git("checkout", "--quiet", "--detach", cwd=ws.path)  # and left HEAD detached
     (ws.path / "later.txt").write_text("not committed\n")
     sha = ws.commit_all(BRANCH, "msg", TRAILER)
-    assert git("log", "-1", "--format=%P", sha, cwd=ws.path).strip() == ws.base_sha
-    assert git("show", f"{sha}:README.md", cwd=ws.path) == "committed by the agent\n"
-    assert git("show", f"{sha}:later.txt", cwd=ws.path) == "not committed\n"
+    assert wgit(ws, "log", "-1", "--format=%P", sha).strip() == ws.base_sha
+    assert wgit(ws, "show", f"{sha}:README.md") == "committed by the agent\n"
+    assert wgit(ws, "show", f"{sha}:later.txt") == "not committed\n"
 
 
 def test_commit_all_is_repeatable_and_resets_the_branch(ws: Workspace) -> None:
@@ -264,7 +270,7 @@ def test_commit_all_is_repeatable_and_resets_the_branch(ws: Workspace) -> None:
     (ws.path / "more.txt").write_text("more\n")
     second = ws.commit_all(BRANCH, "msg", TRAILER)
     assert second != first
-    assert git("log", "-1", "--format=%P", second, cwd=ws.path).strip() == ws.base_sha
+    assert wgit(ws, "log", "-1", "--format=%P", second).strip() == ws.base_sha
 
 
 def test_commit_all_without_changes_refuses(ws: Workspace) -> None:
@@ -359,7 +365,7 @@ def test_an_empty_remote(tmp_path: Path) -> None:
     (ws.path / "first.txt").write_text("1\n2\n")
     assert ws.changed_files() == ["first.txt"] and ws.diff_line_count() == 2
     sha = ws.commit_all(BRANCH, "first", TRAILER)
-    assert git("log", "-1", "--format=%P", sha, cwd=ws.path).strip() == ""  # a root commit
+    assert wgit(ws, "log", "-1", "--format=%P", sha).strip() == ""  # a root commit
     ws.push(BRANCH)
     assert ws.remote_branch_sha(BRANCH) == sha
 

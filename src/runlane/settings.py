@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,21 @@ class SettingsInvalid(RunlaneError):
 MAX_SECONDS = 365 * 24 * 3600.0
 
 
+def default_workspace_dir() -> Path:
+    """The worker's state directory, not a shared one: ``$XDG_STATE_HOME/runlane/
+    workspaces``, else ``~/.local/state/runlane/workspaces``. (A fixed directory under
+    /tmp could be made first by another user, who then owned every clone.) Without a
+    home directory: ``<tmp>/runlane-<uid>/workspaces``, which the worker's owner check
+    refuses if another user made it."""
+    state = os.environ.get("XDG_STATE_HOME", "")
+    if os.path.isabs(state):  # the XDG spec: a relative path is ignored
+        return Path(state) / "runlane" / "workspaces"
+    try:
+        return Path.home() / ".local" / "state" / "runlane" / "workspaces"
+    except (RuntimeError, KeyError):
+        return Path(tempfile.gettempdir()) / f"runlane-{os.geteuid()}" / "workspaces"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="RUNLANE_", toml_file=CONFIG_FILE, extra="forbid", case_sensitive=False,
@@ -51,7 +67,7 @@ class Settings(BaseSettings):
     retention_days: float = Field(30.0, ge=0)
     max_run_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
     max_run_cost_usd: float | None = Field(None, ge=0)
-    workspace_dir: Path = Path(tempfile.gettempdir()) / "runlane-workspaces"
+    workspace_dir: Path = Field(default_factory=default_workspace_dir)
     artifacts_dir: Path = Path("runlane-artifacts")
     drain_grace_seconds: float = Field(30.0, ge=0, le=MAX_SECONDS)
     agent_term_grace_seconds: float = Field(10.0, ge=0, le=MAX_SECONDS)

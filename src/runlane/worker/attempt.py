@@ -27,7 +27,14 @@ from runlane.settings import SettingsInvalid
 from runlane.store.store import Lease, Store
 from runlane.worker.effects import perform_effect
 from runlane.worker.finalizer import Finalizer
-from runlane.workspace import AgentLeftBadTree, CloneFailed, PushFailed, Workspace
+from runlane.workspace import (
+    AgentLeftBadTree,
+    CloneFailed,
+    PushFailed,
+    Workspace,
+    make_private_dirs,
+    unsafe_workspace_root,
+)
 
 log = structlog.get_logger("runlane.worker")
 S = RunStatus
@@ -130,17 +137,25 @@ class AttemptSettings:
     def check_directories(self) -> None:
         """Create both roots and prove them writable, at worker start-up: a worker that
         cannot make a workspace or an artifacts directory would claim runs only to fail
-        each one (WORKER_ERROR, not retried), emptying the queue. Raises SettingsInvalid."""
+        each one (WORKER_ERROR, not retried), emptying the queue. The workspace root is
+        made 0700 and refused when another user could write it or replace it (see
+        workspace.unsafe_workspace_root). Raises SettingsInvalid."""
         for name, root in (("WORKSPACE_DIR", self.workspace_root),
                            ("ARTIFACTS_DIR", self.artifacts_root)):
             try:
-                root.mkdir(parents=True, exist_ok=True)
+                if name == "WORKSPACE_DIR":
+                    make_private_dirs(root)  # 0700: the clones are no one else's
+                else:
+                    root.mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryFile(dir=root):
                     pass
+                unsafe = unsafe_workspace_root(root) if name == "WORKSPACE_DIR" else None
             except OSError as exc:
                 raise SettingsInvalid(
                     f"{name} {root}: not a usable directory "
                     f"({exc.strerror or type(exc).__name__}: {exc.filename or root})") from None
+            if unsafe is not None:
+                raise SettingsInvalid(f"{name} {root}: {unsafe}")
 
 
 class AttemptDriver:
