@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
 import pytest
 
 from runlane.domain.policy import parse_policy
@@ -113,11 +114,14 @@ autonomous_agents = false
 
 @pytest.mark.parametrize("policy", DENY_ONE_SPELLING)
 def test_a_deny_rule_for_one_spelling_denies_every_other(store: Store, policy: str) -> None:
-    """At submit: each spelling is denied, whichever one the rule was written in."""
+    """At submit: each spelling is denied, whichever one the rule was written in, on
+    its own and in one batch."""
     apply(store, policy)
-    subs = store.submit([spec(repo=r) for r in
-                         (*FOUR, "acme/app", "ssh://git@github.com:22/acme/app.git",
-                          "https://x-access-token:ghp_SECRET@github.com/ACME/app.git")])
+    spellings = (*FOUR, "acme/app", "ssh://git@github.com:22/acme/app.git",
+                 "https://x-access-token:ghp_SECRET@github.com/ACME/app.git")
+    alone = [store.submit([spec(repo=r)])[0].status for r in reversed(spellings)]
+    assert alone == ["POLICY_DENIED"] * len(spellings)
+    subs = store.submit([spec(repo=r) for r in spellings])
     assert {s.status for s in subs} == {"POLICY_DENIED"}
     assert store.submit([spec(repo="https://github.com/acme/other")])[0].status == "QUEUED"
 

@@ -36,8 +36,8 @@ from runlane.domain.admission import (
 )
 from runlane.domain.ids import new_id
 from runlane.domain.policy import Policy
-from runlane.domain.repos import canonical_repo
 from runlane.domain.reasons import Reason
+from runlane.domain.repos import canonical_repo
 from runlane.domain.retry import RetryPolicy, RunBudget, decide
 from runlane.domain.routing import parse_requirements
 from runlane.domain.states import (
