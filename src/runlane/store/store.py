@@ -131,7 +131,7 @@ class Lease:
     worker_id: str
     expires_at: float
     tenant: str
-    repo: str
+    repo: str  # the run's canonical repository (its identity); the task's is cloned
     queue: str
     priority: int
     max_attempts: int
