@@ -6,16 +6,19 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from runlane.clock import ManualClock
 from runlane.domain.policy import parse_policy
 from runlane.store.store import Store
 
-from .conftest import CLAIM_PATHS, claim_path_database
+from .conftest import CLAIM_PATHS, POLICY, claim_path_database
 from .support import cli_env, spec
 
 # The issue's four spellings of one repository.
@@ -26,9 +29,18 @@ TTL = 60.0
 
 
 @pytest.fixture(params=CLAIM_PATHS)
-def db_url(request: pytest.FixtureRequest, tmp_path: Path,
-           monkeypatch: pytest.MonkeyPatch) -> str:
+def claim_url(request: pytest.FixtureRequest, tmp_path: Path,
+              monkeypatch: pytest.MonkeyPatch) -> str:
+    """A database for each claim path: SQLite, PostgreSQL's one statement and its
+    transaction (the other tests run on the two engines, ``store``)."""
     return claim_path_database(request, tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def claim_store(claim_url: str, clock: ManualClock) -> Iterator[Store]:
+    s = Store(claim_url, clock=clock, retry_policy=POLICY, rng=random.Random(1))
+    yield s
+    s.close()
 
 
 def apply(store: Store, text_: str) -> int:
@@ -44,10 +56,12 @@ def apply(store: Store, text_: str) -> int:
     "[[repositories]]\nmatch = 'git@github.com:acme/app.git'\nmax_active = 1\n",
     "[[repositories]]\nmatch = 'https://GitHub.com/acme/*.git'\nmax_active = 1\n",
 ])
-def test_a_repository_limit_of_1_holds_across_four_spellings(store: Store, limit: str) -> None:
+def test_a_repository_limit_of_1_holds_across_four_spellings(claim_store: Store,
+                                                             limit: str) -> None:
     """Four runs on one repository, each written differently: one claim of 4 takes
     one, and the next claims take none until it ends (each spelling was a scope of its
     own: 4 ran at once). On SQLite, PostgreSQL's one statement and its transaction."""
+    store = claim_store
     apply(store, limit)
     subs = store.submit([spec(repo=r) for r in FOUR])
     assert {s.status for s in subs} == {"QUEUED"}
@@ -63,7 +77,8 @@ def test_a_repository_limit_of_1_holds_across_four_spellings(store: Store, limit
 
 def test_four_claimers_racing_take_one_run_of_one_repository(db_url: str) -> None:
     """Four processes claim at once, each for up to 4 runs, over four spellings of
-    one repository limited to 1: exactly one run is claimed in all."""
+    one repository limited to 1: exactly one run is claimed in all. (Processes claim
+    on PostgreSQL's default path: a test's switch does not reach them.)"""
     store = Store(db_url)
     apply(store, "[concurrency]\nper_repository_max_active = 1\n")
     store.submit([spec(repo=r) for r in FOUR])
@@ -128,9 +143,11 @@ def test_a_deny_rule_for_one_spelling_denies_every_other(store: Store, policy: s
 
 @pytest.mark.parametrize("policy", DENY_ONE_SPELLING[:1] + DENY_ONE_SPELLING[3:4])
 def test_a_deny_rule_applied_later_stops_queued_runs_of_every_spelling(
-        store: Store, policy: str) -> None:
+        claim_store: Store, policy: str) -> None:
     """At claim: runs queued before the rule, under any spelling, are denied when
-    claimed, not started."""
+    claimed, not started (each claim path re-admits, or refuses a decision made under
+    an older version)."""
+    store = claim_store
     store.submit([spec(repo=r) for r in FOUR])
     apply(store, policy)
     assert store.claim("w1", limit=4, lease_ttl=TTL) == []
