@@ -102,3 +102,14 @@ def backlog_passes(url: str, go: Any, stop: Any, results: Any) -> None:
         time.sleep(0.002)
     store.close()
     results.put(("passes", totals))
+
+
+def claim_once(url: str, worker_id: str, start: Any, results: Any) -> None:
+    """One claim of up to 4 runs at ``start``, the leases kept; reports the runs claimed.
+    For the repository-identity race (four spellings of one repository)."""
+    configure_logging("WARNING")
+    store = Store(url)
+    start.wait()
+    leases = store.claim(worker_id, limit=4, lease_ttl=60)
+    store.close()
+    results.put((worker_id, [lease.run_id for lease in leases]))

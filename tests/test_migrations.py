@@ -426,6 +426,121 @@ def test_0015_submit_dedups_keyed_tasks_through_the_partial_index(
         store.close()
 
 
+# One repository, as an older runlane stored it: four spellings, one with credentials.
+SPELLINGS = ("git@github.com:acme/app.git", "https://github.com/acme/app.git",
+             "github.com/acme/app/", "https://x-access-token:ghp_SECRET@github.com/acme/app")
+CANONICAL = "https://github.com/acme/app"
+
+
+def _insert_spelled_run(conn: Connection, n: int, repo: str, status: str,
+                        admission: dict[str, Any] | None = None) -> None:
+    conn.execute(text(
+        "INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, max_attempts,"
+        " context, truncated_sections, payload_bytes, created_at) "
+        "VALUES (:t, 'acme', :repo, 'p', 'default', 2, 9, '{}', '[]', 2, 1)"),
+        {"t": f"task-{n}", "repo": repo})
+    conn.execute(text(
+        "INSERT INTO runs (run_id, task_id, tenant, repo, queue, priority, status,"
+        " max_attempts, visible_at, created_at, updated_at, admission) "
+        "VALUES (:r, :t, 'acme', :repo, 'default', 2, :status, 9, 1, 1, 1, :admission)"),
+        {"r": f"run-{n}", "t": f"task-{n}", "repo": repo, "status": status,
+         "admission": json.dumps(admission) if admission is not None else None})
+
+
+def _json(value: Any) -> Any:
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def test_0016_brings_runs_live_scopes_counters_and_blocks_to_the_canonical_form(
+        fresh_url: str, make_engine: Callable[[str], Engine]) -> None:
+    """Rows an older runlane wrote under four spellings of one repository: after the
+    upgrade the runs name it once (the tasks keep what was written), the live attempts
+    hold one scope, the two counters are one at the slots they hold, a lane asleep on a
+    spelling's scope sleeps on the canonical one, and a new policy version makes the
+    waiting runs' decisions be made again. A claim then sees the repository full."""
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine, "0015")
+    with engine.begin() as conn:
+        conn.execute(text(
+            "INSERT INTO policy_versions (version, digest, document, source, created_at) "
+            "VALUES (1, 'd', :doc, 'policy.toml', 1)"),
+            {"doc": json.dumps({"concurrency": {"per_repository_max_active": 1}})})
+        for n, (repo, status) in enumerate(zip(SPELLINGS, ("RUNNING", "RUNNING", "QUEUED",
+                                                           "SUCCEEDED"), strict=True), 1):
+            _insert_spelled_run(conn, n, repo, status,
+                                {"decision": "ADMIT", "concurrency": {f"repo:{repo}": 1,
+                                                                      "global": 5}})
+        for n in (1, 2):
+            _insert_attempt(conn, n, 1, "ACTIVE")
+            conn.execute(text("UPDATE attempts SET limit_scopes = :s WHERE run_id = :r"),
+                         {"s": json.dumps(sorted(["global", f"repo:{SPELLINGS[n - 1]}",
+                                                  "tenant:acme"])), "r": f"run-{n}"})
+            conn.execute(text("INSERT INTO limit_counters (scope, active, max_active) "
+                              "VALUES (:s, 1, 1)"), {"s": f"repo:{SPELLINGS[n - 1]}"})
+        for repo in SPELLINGS[2:]:
+            conn.execute(text("INSERT INTO lane_blocks (scope, lane_id) VALUES (:s, 7)"),
+                         {"s": f"repo:{repo}"})
+    assert migrate.upgrade(engine) == ("0015", HEAD)
+
+    with engine.connect() as conn:
+        repos = conn.execute(text(
+            "SELECT r.run_id, r.repo, t.repo AS written, r.admission FROM runs r "
+            "JOIN tasks t ON t.task_id = r.task_id ORDER BY r.run_id")).all()
+        scopes = conn.execute(text(
+            "SELECT limit_scopes FROM attempts ORDER BY run_id")).scalars().all()
+        counters = conn.execute(text(
+            "SELECT scope, active, max_active FROM limit_counters")).all()
+        blocks = conn.execute(text("SELECT scope, lane_id FROM lane_blocks")).all()
+        versions = conn.execute(text(
+            "SELECT version, source, document FROM policy_versions ORDER BY version")).all()
+    assert [r.repo for r in repos] == [CANONICAL] * 4
+    assert [r.written for r in repos] == list(SPELLINGS)  # cloned as written
+    assert [_json(r.admission)["concurrency"] for r in repos] == [
+        {f"repo:{CANONICAL}": 1, "global": 5}] * 4
+    assert [_json(s) for s in scopes] == [["global", f"repo:{CANONICAL}", "tenant:acme"]] * 2
+    assert [tuple(c) for c in counters] == [(f"repo:{CANONICAL}", 2, 1)]
+    assert [tuple(b) for b in blocks] == [(f"repo:{CANONICAL}", 7)]
+    assert [v.version for v in versions] == [1, 2] and "0016" in versions[1].source
+    assert _json(versions[1].document)["concurrency"]["per_repository_max_active"] == 1
+
+    store = Store(fresh_url, engine=engine)
+    assert [v for v in store.audit() if v.check == "slot_count_drift"] == []
+    from runlane.domain.tasks import parse_task
+    [sub] = store.submit([parse_task({"tenant": "acme", "repo": "acme/app", "prompt": "p"})])
+    assert store.claim("w9") == []  # 2 live of 1 allowed: the fifth spelling waits
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT repo, status FROM runs WHERE run_id = :r"),
+                            {"r": sub.run_id}).one() == (CANONICAL, "QUEUED")
+
+
+def test_0016_a_run_queued_under_a_spelling_is_admitted_again_under_the_canonical_form(
+        fresh_url: str, make_engine: Callable[[str], Engine]) -> None:
+    """A run an older runlane admitted because the deny rule named its repository in
+    another spelling is denied at its first claim after the upgrade: the upgrade stores
+    the policy again (its patterns in the canonical form), so no claim trusts the
+    decision recorded under the spelling (PostgreSQL's one-statement claim would)."""
+    from runlane.domain.tasks import parse_task
+
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine, "0015")
+    written = "https://github.com/acme/secret.git"
+    Store(fresh_url, engine=engine).submit(
+        [parse_task({"tenant": "acme", "repo": written, "prompt": "p"})])
+    rule = {"when": {"repo": ["git@github.com:acme/secret.git"]}, "action": "deny"}
+    with engine.begin() as conn:  # as an older runlane left it: admitted under v1
+        conn.execute(text(
+            "INSERT INTO policy_versions (version, digest, document, source, created_at) "
+            "VALUES (1, 'd', :doc, 'policy.toml', 1)"), {"doc": json.dumps({"rules": [rule]})})
+        conn.execute(text("UPDATE runs SET repo = :w, policy_version = 1"), {"w": written})
+    assert migrate.upgrade(engine) == ("0015", HEAD)
+    store = Store(fresh_url, engine=engine)
+    assert store.current_policy()[0] == 2
+    assert store.claim("w1") == []
+    [run] = store.list_runs()
+    assert (run["repo"], run["status"]) == ("https://github.com/acme/secret", "POLICY_DENIED")
+    assert "policy v2" in run["message"]
+
+
 def test_metadata_matches_migrations(fresh_url: str,
                                      make_engine: Callable[[str], Engine]) -> None:
     engine = make_engine(fresh_url)

@@ -15,6 +15,7 @@ from runlane.codehost.github import (
     parse_github_repo,
 )
 from runlane.codehost.local_forge import FORGE_DIR_ENV, LocalForge, default_forge_dir, is_local_repo
+from runlane.domain.repos import host_path_url, shorthand_host_from_env
 
 GITHUB_HOSTS = frozenset({"github.com", "www.github.com"})
 
@@ -55,14 +56,17 @@ def clone_source(repo: str, *, env: Mapping[str, str] | None = None) -> str:
     ``https://HOST/OWNER/NAME.git``, HOST being github.com or, with
     ``RUNLANE_GITHUB_API_URL`` set, its host (GitHub Enterprise). Given as is, git
     took ``OWNER/NAME`` for a local path and the run failed TASK_CONTRACT_INVALID
-    (a review of 2026-12-02). A path that exists on disk stays a path."""
+    (a review of 2026-12-02); so it took ``github.com/OWNER/NAME``, now cloned from
+    ``https://github.com/OWNER/NAME``. A path that exists on disk stays a path."""
     env = os.environ if env is None else env
-    if is_local_repo(repo) or github_host(repo) is not None:
+    if is_local_repo(repo):
+        return repo
+    if (url := host_path_url(repo)) is not None:
+        return url
+    if github_host(repo) is not None:
         return repo
     try:
         owner, name = parse_github_repo(repo)
     except CodeHostError:
         return repo  # not a repository name code_host_for knows: git says what is wrong
-    api_url = (env.get("RUNLANE_GITHUB_API_URL") or DEFAULT_API_URL).rstrip("/")
-    host = "github.com" if api_url == DEFAULT_API_URL else urlsplit(api_url).hostname
-    return f"https://{host or 'github.com'}/{owner}/{name}.git"
+    return f"https://{shorthand_host_from_env(env)}/{owner}/{name}.git"

@@ -23,6 +23,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from runlane.codehost.base import CodeHostError, PullRequest, PullRequestExists
+from runlane.domain.repos import host_path_url
 
 DEFAULT_API_URL = "https://api.github.com"
 API_VERSION = "2022-11-28"
@@ -48,8 +49,10 @@ def _strip_git(name: str) -> str:
 
 def parse_github_repo(repo: str) -> tuple[str, str]:
     """``(owner, name)`` from ``OWNER/NAME``, ``https://HOST/OWNER/NAME(.git)``,
-    ``ssh://git@HOST/OWNER/NAME.git`` or ``git@HOST:OWNER/NAME.git``."""
+    ``HOST/OWNER/NAME`` (that URL without its scheme), ``ssh://git@HOST/OWNER/NAME.git``
+    or ``git@HOST:OWNER/NAME.git``."""
     text = repo.strip()
+    text = host_path_url(text) or text
     short = _SHORT.match(text)
     scp = _SCP.match(text)
     if short:
@@ -74,6 +77,7 @@ def parse_github_repo(repo: str) -> tuple[str, str]:
 def github_host(repo: str) -> str | None:
     """The host named in a repository URL (``github.com`` ...), None for ``OWNER/NAME``."""
     text = repo.strip()
+    text = host_path_url(text) or text
     if _SHORT.match(text):
         return None
     if scp := _SCP.match(text):

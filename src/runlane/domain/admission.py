@@ -25,7 +25,7 @@ DecisionKind = Literal["ADMIT", "DENY", "DEFER"]
 @dataclass(frozen=True)
 class AdmissionRequest:
     tenant: str
-    repo: str
+    repo: str  # the canonical form (domain/repos.py): what scopes and patterns name
     queue: str | None = None  # None: the repository rule's queue, else the default
     priority: int | None = None
     user: str | None = None

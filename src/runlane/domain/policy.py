@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from runlane.domain.repos import canonical_pattern
 from runlane.domain.retry import RetryPolicy
 from runlane.domain.routing import (
     KEY_PATTERN,
@@ -93,6 +94,16 @@ def _globs(value: Any) -> tuple[str, ...]:
 
 
 Globs = Annotated[tuple[str, ...], PlainValidator(_globs), PlainSerializer(list)]
+
+
+def _repo_globs(value: Any) -> tuple[str, ...]:
+    """Repository globs in the canonical form of repositories (domain/repos.py), as the
+    runs they are matched against: ``git@github.com:acme/app.git`` and
+    ``https://github.com/acme/app`` are one pattern, and match one repository."""
+    return tuple(sorted({canonical_pattern(g) for g in _globs(value)}))
+
+
+RepoGlobs = Annotated[tuple[str, ...], PlainValidator(_repo_globs), PlainSerializer(list)]
 
 
 # The largest count a policy may set: the database's integer (a larger limit was
@@ -212,7 +223,14 @@ class RepositoryPolicy(_Model):
     def _risk_class(cls, value: str | None) -> str | None:
         return None if value is None else _risk(value)
 
+    @field_validator("match")
+    @classmethod
+    def _match(cls, value: str) -> str:
+        return canonical_pattern(value)
+
     def matches(self, repo: str) -> bool:
+        """``repo``: the run's canonical repository (``domain.repos.canonical_repo``);
+        ``match`` was brought to that form when the policy was read."""
         return fnmatchcase(repo, self.match)
 
 
@@ -220,7 +238,7 @@ class RuleWhen(_Model):
     """Globs on the run's facts; every given field must match (an empty table always does)."""
 
     tenant: Globs | None = None
-    repo: Globs | None = None
+    repo: RepoGlobs | None = None  # matched against the run's canonical repository
     queue: Globs | None = None
     user: Globs | None = None
     risk_class: Globs | None = None

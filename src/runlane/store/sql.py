@@ -1009,7 +1009,7 @@ clock AS MATERIALIZED (SELECT {now} AS now),  -- see "Time" above
 items AS MATERIALIZED (
     SELECT i.*, d.queue, d.priority, d.max_attempts, d.requires
     FROM json_to_recordset(CAST(:items AS json)) AS i(
-        task_id text, run_id text, tenant text, repo text, prompt text,
+        task_id text, run_id text, tenant text, repo text, repo_key text, prompt text,
         idempotency_key text, context json, truncated_sections json,
         payload_bytes integer, user_id text, parent_task_id text,
         estimated_cost_usd double precision, decision_no integer, status text)
@@ -1044,7 +1044,9 @@ decisions AS MATERIALIZED (
         weight double precision, event_message text, status text,
         visible_at double precision)),
 new_runs AS (
-    SELECT i.run_id, i.task_id, i.tenant, i.repo, i.user_id,
+    -- The run's repository is its canonical form (domain/repos.py), the task's as
+    -- written (it is cloned): the item has repo_key only where the two differ.
+    SELECT i.run_id, i.task_id, i.tenant, COALESCE(i.repo_key, i.repo) AS repo, i.user_id,
            COALESCE(i.status, d.status) AS status,
            d.visible_at,  -- a DEFER's retry-after; else the time (below)
            CAST(NULL AS double precision) AS ended_at,  -- a DENY's: the time (below)

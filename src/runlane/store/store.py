@@ -37,6 +37,7 @@ from runlane.domain.admission import (
 from runlane.domain.ids import new_id
 from runlane.domain.policy import Policy
 from runlane.domain.reasons import Reason
+from runlane.domain.repos import canonical_repo
 from runlane.domain.retry import RetryPolicy, RunBudget, decide
 from runlane.domain.routing import parse_requirements
 from runlane.domain.states import (
@@ -61,6 +62,7 @@ from runlane.errors import (
     LeaseLost,
     NotFound,
     TransitionRefused,
+    redact_credentials,
 )
 from runlane.store import sql
 from runlane.store.engine import build_engine, dialect_of
@@ -129,7 +131,7 @@ class Lease:
     worker_id: str
     expires_at: float
     tenant: str
-    repo: str
+    repo: str  # the run's canonical repository (its identity); the task's is cloned
     queue: str
     priority: int
     max_attempts: int
@@ -253,14 +255,15 @@ _RUN_COLUMNS = ("run_id", "task_id", "tenant", "repo", "queue", "priority", "sta
                 "limits", "estimated_cost_usd")
 
 
-def _admission_request_key(spec: TaskSpec) -> tuple[Any, ...] | None:
-    """What admission reads of a task, as a key; None when its requirements are not
-    plain JSON (a set from the Python API): such a task is decided on its own."""
+def _admission_request_key(spec: TaskSpec, repo: str) -> tuple[Any, ...] | None:
+    """What admission reads of a task (``repo``: its canonical repository), as a key;
+    None when its requirements are not plain JSON (a set from the Python API): such a
+    task is decided on its own."""
     try:
         requires = json.dumps(spec.requires, sort_keys=True) if spec.requires else ""
     except (TypeError, ValueError):
         return None
-    return (spec.tenant, spec.repo, spec.queue, spec.priority, spec.user, spec.max_attempts,
+    return (spec.tenant, repo, spec.queue, spec.priority, spec.user, spec.max_attempts,
             requires)
 
 
@@ -278,7 +281,9 @@ class _SubmitBatch:
     An item holds what is the task's own (ids, tenant, repo, prompt, ...), and only
     the keys that are set: a missing key is NULL (or the column's empty value) to
     SUBMIT_WRITE_PG, which fills in the rest from the item's decision and the time.
-    SQLite writes the full rows (``task_rows``, ``run_rows``)."""
+    SQLite writes the full rows (``task_rows``, ``run_rows``). ``repo`` is the
+    repository as written (the task's, cloned); ``repo_key`` its canonical form (the
+    run's identity, domain/repos.py), set only where the two differ."""
 
     now: float | None  # None: decided without the time; the write stamps its own
     actor: str
@@ -307,12 +312,15 @@ class _SubmitBatch:
             else f"{d.decision} under policy v{d.policy_version}: {d.message}"})
         return len(self.decisions) - 1
 
-    def add(self, spec: TaskSpec, report: PayloadReport, number: int) -> None:
-        """One task and its run, under decision ``number``."""
+    def add(self, spec: TaskSpec, report: PayloadReport, number: int, repo_key: str) -> None:
+        """One task and its run, under decision ``number``; ``repo_key``: the canonical
+        form of its repository."""
         status = self.statuses[number]
         item = {"task_id": new_id(), "run_id": new_id(), "tenant": spec.tenant,
                 "repo": spec.repo, "prompt": spec.prompt,
                 "payload_bytes": report.size_bytes, "decision_no": number}
+        if repo_key != spec.repo:
+            item["repo_key"] = repo_key
         if spec.idempotency_key is not None:
             item["idempotency_key"] = spec.idempotency_key
         if spec.context:
@@ -358,7 +366,7 @@ class _SubmitBatch:
             record = self.records[item["decision_no"]]
             rows.append({
                 **record, "run_id": item["run_id"], "task_id": item["task_id"],
-                "tenant": item["tenant"], "repo": item["repo"],
+                "tenant": item["tenant"], "repo": item.get("repo_key", item["repo"]),
                 "user_id": item.get("user_id"), "status": status.value,
                 "visible_at": record["visible_at"] if status is S.WAITING_CAPACITY
                 and record["visible_at"] is not None else self.now,
@@ -617,6 +625,9 @@ class Store(SchedulingMixin):
         idempotency key) again returns the existing task and run.
         """
         fitted = [enforce_payload_cap(spec, self.payload_cap_bytes) for spec in specs]
+        # The identity of each repository (its runs' scope, what the policy matches):
+        # here, before any transaction, as it may read the file system (a local path).
+        repo_keys = {spec.repo: canonical_repo(spec.repo) for spec, _ in fitted}
         # PostgreSQL writes a submit in one statement (SUBMIT_WRITE_PG), atomic by itself,
         # unless a task names others: their dependency rows, and the release of a run
         # whose dependencies already ended, are more writes, and the named tasks' runs
@@ -630,8 +641,8 @@ class Store(SchedulingMixin):
             presumed = self._submit_policy_seen if self.is_postgres else None
             while True:
                 batch, planned, aliases = self._plan_submission(
-                    conn, fitted, default_max_attempts=default_max_attempts, actor=actor,
-                    presumed=presumed)
+                    conn, fitted, repo_keys, default_max_attempts=default_max_attempts,
+                    actor=actor, presumed=presumed)
                 skipped = self._write_submission(conn, batch) if planned else set()
                 if skipped is not None:
                     break
@@ -696,7 +707,8 @@ class Store(SchedulingMixin):
         return submissions
 
     def _plan_submission(self, conn: Connection, fitted: list[tuple[TaskSpec, PayloadReport]],
-                         *, default_max_attempts: int, actor: str, presumed: int | None
+                         repo_keys: dict[str, str], *, default_max_attempts: int, actor: str,
+                         presumed: int | None
                          ) -> tuple[_SubmitBatch, list[int], dict[int, int]]:
         """Read the time and the policy in force, check the tasks the specs name and
         decide admission: the batch to write, the spec of each planned task and run,
@@ -716,7 +728,7 @@ class Store(SchedulingMixin):
             assert presumed is not None
             try:
                 return self._decide_submission(
-                    fitted, policy, presumed, None, {}, {},
+                    fitted, repo_keys, policy, presumed, None, {}, {},
                     default_max_attempts=default_max_attempts, actor=actor)
             except TimeNeeded:
                 pass
@@ -729,15 +741,17 @@ class Store(SchedulingMixin):
         known = {r.task_id: r.tenant for r in conn.execute(
             self._q(sql.NAMED_TASKS, "task_ids"), {"task_ids": referenced})
         } if referenced else {}
-        return self._decide_submission(fitted, policy, version, now, usage, known,
+        return self._decide_submission(fitted, repo_keys, policy, version, now, usage, known,
                                        default_max_attempts=default_max_attempts, actor=actor)
 
     @staticmethod
-    def _decide_submission(fitted: list[tuple[TaskSpec, PayloadReport]], policy: Policy,
+    def _decide_submission(fitted: list[tuple[TaskSpec, PayloadReport]],
+                           repo_keys: dict[str, str], policy: Policy,
                            version: int, now: float | None, usage: dict[str, TenantUsage],
                            known: dict[str, str], *, default_max_attempts: int,
                            actor: str) -> tuple[_SubmitBatch, list[int], dict[int, int]]:
-        """Admission for each spec under ``policy``, with what was read for it."""
+        """Admission for each spec under ``policy``, with what was read for it; each run
+        is decided on its repository's canonical form (``repo_keys``), never a spelling."""
         needs_usage = policy_needs_usage(policy)
         batch = _SubmitBatch(now=now, actor=actor, policy_version=version)
         first_of_key: dict[tuple[str, str], int] = {}
@@ -762,13 +776,14 @@ class Store(SchedulingMixin):
             # Without usage, admission is a function of the request alone (the
             # policy, version and time are the batch's): decide each distinct one
             # once. With usage, every admitted run changes the next decision.
-            request = None if needs_usage else _admission_request_key(spec)
+            repo = repo_keys[spec.repo]
+            request = None if needs_usage else _admission_request_key(spec, repo)
             number = None if request is None else decided.get(request)
             if number is None:
                 tenant_usage = usage.get(spec.tenant, TenantUsage())
                 decision = admit(
                     AdmissionRequest(
-                        tenant=spec.tenant, repo=spec.repo, queue=spec.queue,
+                        tenant=spec.tenant, repo=repo, queue=spec.queue,
                         priority=spec.priority, user=spec.user,
                         max_attempts=spec.max_attempts,
                         requires=parse_requirements(spec.requires)),
@@ -780,7 +795,7 @@ class Store(SchedulingMixin):
                 number = batch.add_decision(decision)
                 if request is not None:
                     decided[request] = number
-            batch.add(spec, report, number)
+            batch.add(spec, report, number, repo)
             planned.append(i)
         return batch, planned, aliases
 
@@ -1380,14 +1395,23 @@ class Store(SchedulingMixin):
                           row.fencing_token, result)
 
     def pull_requests(self) -> list[dict[str, Any]]:
-        """Pull requests opened (or adopted) by runs, as recorded in the ledger."""
+        """Pull requests opened (or adopted) by runs, as recorded in the ledger. ``repo``
+        is the run's repository identity (canonical, without credentials: what
+        ``runs list`` shows), not the spelling the code host was called with."""
+        opened = [e for e in self.side_effects()
+                  if e.effect_key == PULL_REQUEST_EFFECT and e.status == "DONE"]
+        with self.reads.connect() as conn:
+            repos = {r.run_id: r.repo for r in conn.execute(text(
+                "SELECT r.run_id, r.repo FROM side_effects s JOIN runs r ON r.run_id = s.run_id"
+                " WHERE s.effect_key = :key AND s.status = 'DONE'"),
+                {"key": PULL_REQUEST_EFFECT})}
         return [
-            {"run_id": e.run_id, "repo": (e.result or {}).get("repo"),
+            {"run_id": e.run_id,
+             "repo": repos.get(e.run_id) or redact_credentials(str((e.result or {}).get("repo"))),
              "branch": (e.result or {}).get("head_branch"),
              "number": (e.result or {}).get("number"), "url": (e.result or {}).get("url"),
              "adopted": bool((e.result or {}).get("adopted"))}
-            for e in self.side_effects()
-            if e.effect_key == PULL_REQUEST_EFFECT and e.status == "DONE"
+            for e in opened
         ]
 
     def side_effects(self, run_id: str | None = None) -> list[SideEffect]:
