@@ -323,6 +323,17 @@ def test_every_limit_the_policy_accepts_is_enforced_and_documented() -> None:
         assert f"| `{name}` |" in docs, name
 
 
+def test_a_limit_field_nothing_enforces_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard itself: were a limit field added without what enforces it, a policy
+    that sets it would be refused, not recorded and ignored."""
+    from runlane.domain import policy
+
+    monkeypatch.delitem(policy.LIMIT_ENFORCEMENT, "max_tool_calls")
+    with pytest.raises(policy.PolicyInvalid, match="max_tool_calls: runlane does not enforce"):
+        policy.parse_policy("[defaults.limits]\nmax_tool_calls = 5\n", "p.toml")
+    policy.parse_policy("[defaults.limits]\nmax_cost_usd = 5\n", "p.toml")  # others are fine
+
+
 def test_policy_apply_refuses_a_limit_that_cannot_be_enforced(db_url: str,
                                                               tmp_path: Path) -> None:
     from .support import one_line_error

@@ -107,12 +107,19 @@ def test_what_the_shell_leaves_behind_is_judged_before_it_is_terminated(
     assert result.limit is not None and result.limit.startswith("max_processes 32 exceeded")
 
 
-def test_a_memory_hog_ends_limit_exceeded(agent: Agent, reaps: None) -> None:
-    result = agent.run(MEMORY_HOG, FakeControl(), limits(wall=60, max_memory_mb=64))
+def test_a_memory_hog_ends_limit_exceeded_killed_without_a_grace(agent: Agent,
+                                                                 reaps: None) -> None:
+    """It ignores SIGTERM, and the runner's grace is 30 s: a tree over a resource limit
+    gets SIGKILL at once (it would go on growing through a grace)."""
+    hog = MEMORY_HOG.replace("import time", "import signal, time\n"
+                             "signal.signal(signal.SIGTERM, signal.SIG_IGN)")
+    started = time.monotonic()
+    result = agent.run(hog, FakeControl(), limits(wall=60, max_memory_mb=64),
+                       term_grace_seconds=30)
     assert result.stopped is StopReason.LIMIT_EXCEEDED, (result, agent.log()[-500:])
     assert result.limit is not None and result.limit.startswith("max_memory_mb 64 exceeded")
-    # Killed at once (no TERM grace for a tree over a resource limit).
-    assert result.killed is False or result.signal == signal.SIGKILL
+    assert result.signal == signal.SIGKILL
+    assert time.monotonic() - started < 20
 
 
 def test_memory_a_process_only_maps_from_a_file_is_not_counted(
