@@ -7,6 +7,7 @@ with the watch broken, the test fails and the machine is fine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -107,6 +108,43 @@ def test_what_the_shell_leaves_behind_is_judged_before_it_is_terminated(
     assert result.limit is not None and result.limit.startswith("max_processes 32 exceeded")
 
 
+def test_orphans_in_a_session_of_their_own_stay_in_the_tree(agent: Agent,
+                                                            reaps: None) -> None:
+    """A double fork into a new session: the intermediate exits at once, so the
+    sleepers are orphans outside the agent's group and session. The agent's first
+    process is a child subreaper: they are re-parented to it and counted, not lost to
+    init (or to the worker). (Were a sample to see the intermediate in its one
+    millisecond of life, the session would be known anyway: without the subreaper this
+    test fails nearly always, not always.)"""
+    result = agent.run("sleep 0.3; (setsid sh -c 'for i in $(seq 40); do sleep 60 & done; "
+                       "wait' &); sleep 60", FakeControl(), limits(wall=5, max_processes=32))
+    assert result.stopped is StopReason.LIMIT_EXCEEDED, (result, agent.log()[-500:])
+    assert result.limit is not None and result.limit.startswith("max_processes 32 exceeded")
+
+
+def test_kill_reaches_processes_that_left_the_process_group(tmp_path: Path) -> None:
+    """A tree that sampled nothing yet knows only the root's group: the kill finds the
+    rest (a new session's processes) pass by pass and kills them by pid."""
+    import subprocess
+    proc = subprocess.Popen(["/bin/sh", "-c", "setsid sh -c 'sleep 60 & sleep 60 & wait' & wait"],
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            seen = ProcessTree(proc.pid).sample()
+            if len(seen.members) >= 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert len(seen.members) == 4, seen  # sh, the setsid'd sh, two sleeps
+        ProcessTree(proc.pid).kill()
+        assert wait_gone(seen.members)
+    finally:
+        for pid in seen.members:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_a_memory_hog_ends_limit_exceeded_killed_without_a_grace(agent: Agent,
                                                                  reaps: None) -> None:
     """It ignores SIGTERM, and the runner's grace is 30 s: a tree over a resource limit
@@ -197,12 +235,17 @@ def test_the_tree_counts_threads_descendants_and_group_orphans(tmp_path: Path) -
 # --- the kernel's rlimits --------------------------------------------------------------
 
 
-def test_the_agent_runs_under_the_rlimits_of_its_limits(agent: Agent) -> None:
-    result = agent.run("cat /proc/self/limits > limits.txt", FakeControl(), limits(
-        max_cpu_seconds=10, max_file_size_mb=2, max_open_files=64, max_address_space_mb=4096))
-    assert result.exit_code == 0
-    rows = {line[:26].strip(): line[26:].split()[:2]
+def rlimits_of_the_agent(agent: Agent, lim: AttemptLimits) -> dict[str, list[str]]:
+    """The agent's /proc/self/limits: name -> [soft, hard]."""
+    result = agent.run("cat /proc/self/limits > limits.txt", FakeControl(), lim)
+    assert result.exit_code == 0, agent.log()
+    return {line[:26].strip(): line[26:].split()[:2]
             for line in (agent.workspace / "limits.txt").read_text().splitlines()[1:]}
+
+
+def test_the_agent_runs_under_the_rlimits_of_its_limits(agent: Agent) -> None:
+    rows = rlimits_of_the_agent(agent, limits(
+        max_cpu_seconds=10, max_file_size_mb=2, max_open_files=64, max_address_space_mb=4096))
     assert rows["Max cpu time"] == ["11", "13"]  # the backstop: a second above the watch
     assert rows["Max file size"] == [str(2 << 20)] * 2
     assert rows["Max open files"] == ["64", "64"]
@@ -210,11 +253,15 @@ def test_the_agent_runs_under_the_rlimits_of_its_limits(agent: Agent) -> None:
 
 
 def test_a_limit_never_loosens_what_the_worker_runs_under(agent: Agent) -> None:
+    """The worker runs with a lower soft limit than its hard one (an administrator's
+    choice): a policy limit above both keeps the agent under both."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    result = agent.run("ulimit -n > nofile.txt", FakeControl(),
-                       limits(max_open_files=hard + 1000))
-    assert result.exit_code == 0
-    assert int((agent.workspace / "nofile.txt").read_text()) == soft
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        rows = rlimits_of_the_agent(agent, limits(max_open_files=hard + 1000))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert rows["Max open files"] == ["256", str(hard)]
 
 
 def test_a_file_past_max_file_size_ends_limit_exceeded(agent: Agent) -> None:

@@ -322,33 +322,37 @@ class ProcessTree:
 
     def kill(self, *, timeout: float = 5.0) -> None:
         """SIGKILL every process of the tree, those that left its process group too.
-        Each process group first, one atomic
-        SIGKILL each (a fork racing with it fails): a fork bomb in its group ends there,
-        whatever its size. Then, pass after pass until one finds no process not yet
-        stopped, the groups found and a SIGSTOP to each live member (a stopped process
-        cannot fork); then SIGKILL to those stopped."""
-        for group in self._groups:
-            _kill_group(group)
+        Frozen first, so that none exits meanwhile and orphans its children out of the
+        tree's sight, and none forks: SIGSTOP to the root's process group (one atomic
+        signal, a fork racing with it fails: a fork bomb in the group stops growing
+        there, whatever its size), then pass after pass to the groups found and to each
+        live process not yet stopped, until a pass finds none; then SIGKILL to all."""
+        _signal_group(self.root, signal.SIGSTOP)
         stopped: dict[int, int] = {}
+        groups: set[int] = {self.root}
         deadline = time.monotonic() + timeout
         while True:
             members, _, _ = self._scan()
-            live = {pid: f[2] for pid, (st, f) in members.items() if not st.zombie}
-            new = {pid: start for pid, start in live.items() if stopped.get(pid) != start}
+            new = {pid: f[2] for pid, (st, f) in members.items()
+                   if not st.zombie and stopped.get(pid) != f[2]}
             if not new or time.monotonic() >= deadline:
                 break
-            for group in {members[pid][0].pgrp for pid in new}:
-                _kill_group(group)
+            found = {members[pid][0].pgrp for pid in new} - groups
+            for group in found:  # each seen in this scan: not a number given away since
+                _signal_group(group, signal.SIGSTOP)
+            groups |= found
             for pid, start in new.items():
                 if _signal(pid, start, signal.SIGSTOP, self.proc):
                     stopped[pid] = start
+        for group in groups:
+            _signal_group(group, signal.SIGKILL)
         for pid, start in stopped.items():
             _signal(pid, start, signal.SIGKILL, self.proc)
 
 
-def _kill_group(group: int) -> None:
+def _signal_group(group: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(group, signal.SIGKILL)
+        os.killpg(group, sig)
 
 
 def _signal(pid: int, start: int, sig: signal.Signals, proc: str) -> bool:
