@@ -49,6 +49,9 @@ MB = 1 << 20
 # tree's sum, which is at least any one process's time, within one sample.
 CPU_BACKSTOP_SECONDS = 1
 CPU_KILL_AFTER_SECONDS = 2
+# Every this many samples, the watch reads every process again, not only the tree's
+# and the new ones (at a 50 ms poll: once a second).
+FULL_SCAN_EVERY = 20
 # The limits the watch samples, and those set only as rlimits.
 WATCHED = ("max_processes", "max_memory_mb", "max_cpu_seconds")
 KERNEL_ONLY = ("max_file_size_mb", "max_open_files", "max_address_space_mb")
@@ -251,6 +254,13 @@ class ProcessTree:
         self._root_start: int | None = None
         self._groups: set[int] = {root}
         self._sessions: set[int] = {root}
+        # The pids a complete scan found outside the tree: not read again (most of a
+        # scan's cost), since a process outside never joins it (its parent, group
+        # and session can only become ones of its own or init's). A pid is given to a
+        # new process only after the kernel went round all of them; every
+        # FULL_SCAN_EVERY-th scan reads every process again all the same.
+        self._outside: set[int] = set()
+        self._scans = 0
 
     def sample(self, *, memory: bool = True, stop_above: int | None = None) -> Usage:
         """One look at /proc. ``stop_above``: stop reading once the tree has more tasks
@@ -264,8 +274,14 @@ class ProcessTree:
         at = bisect.bisect_left(pids, self.root)
         members: _Members = {}
         others: list[_Stat] = []
+        outside = set() if self._scans % FULL_SCAN_EVERY == 0 else self._outside
+        still_outside: list[int] = []
+        self._scans += 1
         tasks = 0
         for pid in pids[at:] + pids[:at]:
+            if pid in outside:
+                still_outside.append(pid)
+                continue
             st = _stat(pid, self.proc)
             if st is None:
                 continue
@@ -288,6 +304,7 @@ class ProcessTree:
                 else:
                     rest.append(st)
             others = rest
+        self._outside = {st.pid for st in others}.union(still_outside)
         self._groups = {st.pgrp for st, _ in members.values()}
         self._sessions = {st.session for st, _ in members.values()}
         return members, tasks, True
