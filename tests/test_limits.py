@@ -237,7 +237,7 @@ def test_a_fork_bomb_and_a_memory_hog_end_limit_exceeded_and_the_worker_serves_o
             "max_wall_clock_minutes = 1\n"), source="test")
         # One agent command; each run's prompt says what it does.
         agent = (f'case "$RUNLANE_PROMPT" in '
-                 f'bomb) {confined(FORK_BOMB + "; wait", bomb_uid)} ;; '
+                 f'bomb) {confined(FORK_BOMB + "; sleep 60", bomb_uid)} ;; '
                  f'hog) {MEMORY_HOG} ;; '
                  f'*) echo served > served.txt ;; esac')
         runs = {prompt: store.submit([_spec(remote, prompt)])[0].run_id

@@ -77,7 +77,7 @@ def limits(wall: float = 60.0, **resources: float) -> AttemptLimits:
 def test_a_fork_bomb_ends_limit_exceeded_and_nothing_of_it_is_left(
         agent: Agent, bomb_uid: int, reaps: None) -> None:
     started = time.monotonic()
-    result = agent.run(confined(FORK_BOMB + '; wait', bomb_uid), FakeControl(),
+    result = agent.run(confined(FORK_BOMB + '; sleep 60', bomb_uid), FakeControl(),
                        limits(wall=30, max_processes=32))
     assert result.stopped is StopReason.LIMIT_EXCEEDED, (result, agent.log()[-500:])
     assert result.limit is not None and result.limit.startswith("max_processes 32 exceeded")
