@@ -337,8 +337,8 @@ class AttemptDriver:
             if verdict.stopped is StopReason.TIMEOUT and by_verifier_limit:
                 return self._fail(
                     state, Reason.LIMIT_EXCEEDED,
-                    f"max_verifier_minutes {(verifier_seconds or 0.0) / 60:g} exceeded: the verify "
-                    f"command ran {verdict.duration_seconds or 0.0:.1f} s")
+                    f"max_verifier_minutes {verifier_minutes:g} exceeded: the verify command "
+                    f"ran {verdict.duration_seconds or 0.0:.1f} s")
             if verdict.stopped is not None:
                 return self._stopped(state, verdict.stopped, verdict.limit)
             if verdict.exit_code != 0:
