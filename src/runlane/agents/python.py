@@ -79,6 +79,9 @@ class ToolCall:
         self.started = time.monotonic()
 
     def __enter__(self) -> ToolCall:
+        if self.shell:  # the same id again: not another call; its clock starts
+            self.started = time.monotonic()
+            self.ctx.control.tool_call(self.id, self.name, shell=True)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
@@ -130,9 +133,10 @@ class AgentContext:
     def tool_call(self, name: str, *, shell: bool = False) -> ToolCall:
         """Count one tool call against ``max_tool_calls`` (raises AgentStopped when the
         run is over a limit). ``with ctx.tool_call("bash", shell=True): ...`` also
-        reports its end: a shell command is held to ``max_shell_command_seconds``."""
+        times it: a shell command is held to ``max_shell_command_seconds`` when it ends
+        (the agent's own thread runs it: nothing can stop it before)."""
         call = ToolCall(self, f"py-{next(self._call_ids)}", name, shell)
-        self.control.tool_call(call.id, name, shell=shell)
+        self.control.tool_call(call.id, name)
         self.checkpoint()
         return call
 
