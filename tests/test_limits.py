@@ -170,6 +170,16 @@ def test_the_cost_limit_names_itself(lane: Runlane, remote: Path, forge_dir: Pat
     assert_over(run_one(lane, remote, forge_dir, agent), "max_cost_usd 0.5 exceeded: run ")
 
 
+@pytest.mark.parametrize(("limit", "agent", "message"), [
+    ("max_changed_files", "touch a b c", "max_changed_files 2 exceeded: 3 changed files"),
+    ("max_diff_lines", "seq 1 50 > a", "max_diff_lines 2 exceeded: 50 changed lines"),
+])
+def test_the_size_limits_name_themselves(lane: Runlane, remote: Path, forge_dir: Path,
+                                         limit: str, agent: str, message: str) -> None:
+    limits(lane, **{limit: 2})
+    assert_over(run_one(lane, remote, forge_dir, agent), message)
+
+
 # --- verifier minutes -------------------------------------------------------------------
 
 
