@@ -478,12 +478,12 @@ class Workspace:
         if limits.max_changed_files is not None:
             files = len(self.changed_files())
             if files > limits.max_changed_files:
-                return (f"{files} changed files, over the limit of "
-                        f"{limits.max_changed_files}")
+                return (f"max_changed_files {limits.max_changed_files} exceeded: "
+                        f"{files} changed files")
         if limits.max_diff_lines is not None:
             lines = self.diff_line_count()
             if lines > limits.max_diff_lines:
-                return f"{lines} changed lines, over the limit of {limits.max_diff_lines}"
+                return f"max_diff_lines {limits.max_diff_lines} exceeded: {lines} changed lines"
         return None
 
     # --- the run's commit and its push -----------------------------------------

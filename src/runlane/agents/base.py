@@ -8,6 +8,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
+from runlane.agents.resources import ResourceLimits
+
 
 class StopReason(StrEnum):
     """Why a runner stopped the agent before it finished on its own."""
@@ -30,6 +32,16 @@ class AttemptControl(Protocol):
 
     def progress(self, message: str) -> None: ...
 
+    def tool_call(self, call_id: str | None, name: str | None, *, shell: bool = False,
+                  seconds: float | None = None) -> None:
+        """The agent started (or, with ``seconds``, ended) a tool call: counted against
+        ``max_tool_calls``; a shell command is timed against ``max_shell_command_seconds``."""
+        ...
+
+    def iteration(self) -> None:
+        """The agent began one more iteration of its loop (``max_agent_iterations``)."""
+        ...
+
     def effect(self, key: str, *, find: Callable[[], dict[str, Any] | None],
                do: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Perform an external side effect at most once per run (the ledger)."""
@@ -50,6 +62,9 @@ class AttemptLimits:
     wall_clock_seconds: float | None = None
     max_changed_files: int | None = None
     max_diff_lines: int | None = None
+    # The process tree's limits (agents/resources.py): the command runner applies them;
+    # an in-process agent is the worker's own thread and cannot be held to them.
+    resources: ResourceLimits = field(default_factory=ResourceLimits)
 
 
 @dataclass
@@ -64,6 +79,7 @@ class AgentResult:
     signal: int | None = None  # the signal that ended the agent's shell, if one did
     killed: bool = False  # True when the process group had to be SIGKILLed after the grace
     duration_seconds: float | None = None  # wall-clock time from start to the group gone
+    limit: str | None = None  # with LIMIT_EXCEEDED by the runner: the limit and its figures
 
     @property
     def succeeded(self) -> bool:

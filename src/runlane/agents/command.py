@@ -31,6 +31,7 @@ from typing import IO, Any
 import structlog
 
 from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, Failure, StopReason
+from runlane.agents.resources import ResourceWatch
 from runlane.domain.reasons import Reason
 
 log = structlog.get_logger("runlane.agents")
@@ -79,7 +80,24 @@ class ProgressReport:
     message: str
 
 
-ControlMessage = Failure | CostReport | ProgressReport
+@dataclass(frozen=True)
+class ToolCallReport:
+    """A tool call begins (``seconds`` None) or ended after ``seconds``; a line whose
+    ``id`` was reported before is the same call, not another."""
+
+    id: str | None = None
+    name: str | None = None
+    shell: bool = False
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class IterationReport:
+    """The agent begins one more iteration of its loop."""
+
+
+ControlMessage = Failure | CostReport | ProgressReport | ToolCallReport | IterationReport
+MAX_ID_CHARS = 200  # a tool call's id and name are cut to this length
 
 
 def parse_control_line(line: str) -> ControlMessage | None:
@@ -109,7 +127,32 @@ def parse_control_line(line: str) -> ControlMessage | None:
         if not isinstance(message, str):
             raise MalformedControlLine('"progress" needs a string "message"')
         return ProgressReport(message[:MAX_MESSAGE_CHARS])
-    raise MalformedControlLine(f"unknown kind {kind!r} (expected fail, cost or progress)")
+    if kind == "tool_call":
+        return _parse_tool_call(obj)
+    if kind == "iteration":
+        return IterationReport()
+    raise MalformedControlLine(
+        f"unknown kind {kind!r} (expected fail, cost, progress, tool_call or iteration)")
+
+
+def _parse_tool_call(obj: dict[str, Any]) -> ToolCallReport:
+    call_id = obj.get("id")
+    if isinstance(call_id, int) and not isinstance(call_id, bool):
+        call_id = str(call_id)
+    if call_id is not None and not isinstance(call_id, str):
+        raise MalformedControlLine('"id" of a tool_call must be a string')
+    name = obj.get("name")
+    if name is not None and not isinstance(name, str):
+        raise MalformedControlLine('"name" of a tool_call must be a string')
+    shell = obj.get("shell", False)
+    if not isinstance(shell, bool):
+        raise MalformedControlLine('"shell" of a tool_call must be true or false')
+    seconds = obj.get("seconds")
+    if seconds is not None:
+        seconds = _number(seconds, "seconds")
+    return ToolCallReport(id=None if call_id is None else call_id[:MAX_ID_CHARS],
+                          name=None if name is None else name[:MAX_ID_CHARS],
+                          shell=shell, seconds=seconds)
 
 
 def _parse_fail(obj: dict[str, Any]) -> Failure:
@@ -363,8 +406,9 @@ class CommandRunner:
                 ["/bin/sh", "-c", self.command], cwd=workspace,
                 env={**agent_environment(os.environ), **env},
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, close_fds=True)
-        except OSError as exc:
+                start_new_session=True, close_fds=True,
+                preexec_fn=limits.resources.preexec())  # the kernel's resource limits
+        except (OSError, subprocess.SubprocessError) as exc:
             out.note(f"ERROR could not start the agent command: {exc}")
             out.close()
             log.error("agent_start_failed", error=str(exc), workspace=str(workspace))
@@ -376,16 +420,33 @@ class CommandRunner:
         pump.start()
         deadline = (started + limits.wall_clock_seconds
                     if limits.wall_clock_seconds is not None else None)
+        watch = ResourceWatch(limits.resources, proc.pid) if limits.resources.watched else None
         stopped: StopReason | None = None
+        limit: str | None = None  # the resource limit the runner stopped it for
         killed = False
         try:
-            stopped = self._watch(proc, control, deadline)
-            if stopped is not None:
+            stopped = self._watch(proc, control, deadline, watch)
+            if watch is not None and watch.exceeded is not None:
+                # Over a resource limit the tree itself is the danger (a fork bomb, a
+                # memory hog): no grace, SIGKILL to every process of it at once.
+                limit = watch.exceeded
+                log.warning("agent_resource_limit", limit=limit, pgid=pgid)
+                out.note(f"stopping the agent: {limit}: SIGKILL to its processes")
+                watch.kill()
+            elif stopped is not None:
                 out.note(f"stopping the agent ({stopped.value}): SIGTERM to its process group")
                 log.info("agent_stopping", reason=stopped.value, pgid=pgid)
         finally:
             # Also on an exception (or KeyboardInterrupt) here: nothing of the group survives.
-            killed = self._end_group(proc, pgid, out, requested=stopped is not None)
+            killed = self._end_group(proc, pgid, out, requested=stopped is not None,
+                                     watch=watch)
+            if stopped is None:
+                # A kernel limit whose signal ended the agent command (SIGXFSZ, SIGXCPU).
+                limit = limits.resources.ended_by(proc.returncode)
+                if limit is not None:
+                    stopped = StopReason.LIMIT_EXCEEDED
+                    out.note(f"the agent command ended over a limit: {limit}")
+                    log.warning("agent_resource_limit", limit=limit, pgid=pgid)
             if not pump.finish(self.drain_seconds):
                 out.note("WARNING a process outside the agent's process group still holds its "
                          "output open; stopped reading")
@@ -398,27 +459,35 @@ class CommandRunner:
             failure=lines.failure, stopped=stopped, log_path=log_path,
             progress=lines.progress,
             signal=-code if code is not None and code < 0 else None, killed=killed,
-            duration_seconds=time.monotonic() - started)
+            duration_seconds=time.monotonic() - started, limit=limit)
 
     def _watch(self, proc: subprocess.Popen[bytes], control: AttemptControl,
-               deadline: float | None) -> StopReason | None:
+               deadline: float | None, watch: ResourceWatch | None) -> StopReason | None:
         """Wait for the shell to exit; the stop reason when it must be stopped first."""
         while True:
             reason = control.stop_reason()
             if reason is None and deadline is not None and time.monotonic() >= deadline:
                 reason = StopReason.TIMEOUT
+            if reason is None and watch is not None and watch.check() is not None:
+                reason = StopReason.LIMIT_EXCEEDED
             if reason is not None:
                 return reason
             try:
                 proc.wait(timeout=self.poll_seconds)
-                return None
             except subprocess.TimeoutExpired:
                 continue
+            # The shell is gone; what it left behind (a fork bomb whose first process
+            # returns at once) is judged before it is terminated as leftovers.
+            if watch is not None and watch.check() is not None:
+                return StopReason.LIMIT_EXCEEDED
+            return None
 
     def _end_group(self, proc: subprocess.Popen[bytes], pgid: int, out: _Log, *,
-                   requested: bool) -> bool:
+                   requested: bool, watch: ResourceWatch | None = None) -> bool:
         """SIGTERM, grace, SIGKILL to whatever of the group still runs; then wait until
-        the group no longer exists. True when SIGKILL was needed."""
+        the group no longer exists. True when SIGKILL was needed. The resource watch
+        goes on through the grace: a process tree that goes over a limit while it is
+        being stopped is killed at once."""
         killed = False
         proc.poll()  # reap the shell if it exited, so it is not counted as alive
         if _group_state(pgid) is _Group.ALIVE:
@@ -431,6 +500,10 @@ class CommandRunner:
                 proc.poll()
                 if _group_state(pgid) is not _Group.ALIVE:
                     break
+                if watch is not None and watch.exceeded is None and watch.check() is not None:
+                    out.note(f"{watch.exceeded} while stopping: SIGKILL to its processes")
+                    watch.kill()
+                    killed = True
                 if time.monotonic() >= grace_end:
                     out.note(f"the process group outlived the {self.term_grace_seconds:g} s "
                              "grace: SIGKILL")
@@ -487,6 +560,11 @@ class _ControlLines:
         elif isinstance(message, CostReport):
             self._call("report_cost", lambda: self._control.report_cost(
                 message.usd, message.input_tokens, message.output_tokens))
+        elif isinstance(message, ToolCallReport):
+            self._call("tool_call", lambda: self._control.tool_call(
+                message.id, message.name, shell=message.shell, seconds=message.seconds))
+        elif isinstance(message, IterationReport):
+            self._call("iteration", self._control.iteration)
         else:
             self.progress.append(message.message)
             self._call("progress", lambda: self._control.progress(message.message))

@@ -2,26 +2,35 @@
 
 The agent receives an ``AgentContext``. It calls ``checkpoint()`` between steps
 (it raises as soon as the run is cancelled, the lease is lost, the wall clock is
-over, or the worker drains), reports cost, and performs any external side effect
-through ``effect(key, find=…, do=…)`` so a retried attempt never repeats it. To
-fail with a reason code it raises ``AgentFailed``.
+over, a limit is exceeded, or the worker drains), reports cost, iterations and tool
+calls (held to the run's limits as a command agent's control lines are), and
+performs any external side effect through ``effect(key, find=…, do=…)`` so a
+retried attempt never repeats it. To fail with a reason code it raises
+``AgentFailed``.
 
     def my_agent(ctx: AgentContext) -> None:
         for step in plan(ctx.prompt):
-            ctx.checkpoint()
-            apply(step, ctx.workspace)
+            ctx.iteration()
+            with ctx.tool_call("bash", shell=True):
+                apply(step, ctx.workspace)
             ctx.report_cost(0.01, input_tokens=900, output_tokens=120)
+
+An in-process agent is the worker's own thread: the process resource limits
+(``max_memory_mb`` and the others of agents/resources.py) cannot apply to it, and a
+shell command it runs itself is timed when it ends, not stopped while it runs.
 
     Runlane(...).worker(agent=PythonAgentRunner(my_agent)).run()
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from runlane.agents.base import (
@@ -57,6 +66,32 @@ class AgentFailed(Exception):
         self.failure = Failure(reason_code, message, retry_after_seconds)
 
 
+class ToolCall:
+    """One tool call of an in-process agent (``AgentContext.tool_call``). Used as a
+    context manager, its end is reported with its duration (a shell command's is held
+    to ``max_shell_command_seconds``)."""
+
+    def __init__(self, ctx: AgentContext, call_id: str, name: str, shell: bool) -> None:
+        self.ctx = ctx
+        self.id = call_id
+        self.name = name
+        self.shell = shell
+        self.started = time.monotonic()
+
+    def __enter__(self) -> ToolCall:
+        if self.shell:  # the same id again: not another call; its clock starts
+            self.started = time.monotonic()
+            self.ctx.control.tool_call(self.id, self.name, shell=True)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.ctx.control.tool_call(self.id, self.name, shell=self.shell,
+                                   seconds=time.monotonic() - self.started)
+        if kind is None:
+            self.ctx.checkpoint()
+
+
 @dataclass
 class AgentContext:
     workspace: Path
@@ -64,6 +99,7 @@ class AgentContext:
     env: dict[str, str]
     control: AttemptControl
     deadline: float | None
+    _call_ids: itertools.count[int] = field(default_factory=itertools.count)
 
     @property
     def prompt(self) -> str:
@@ -93,6 +129,22 @@ class AgentContext:
 
     def progress(self, message: str) -> None:
         self.control.progress(message)
+
+    def tool_call(self, name: str, *, shell: bool = False) -> ToolCall:
+        """Count one tool call against ``max_tool_calls`` (raises AgentStopped when the
+        run is over a limit). ``with ctx.tool_call("bash", shell=True): ...`` also
+        times it: a shell command is held to ``max_shell_command_seconds`` when it ends
+        (the agent's own thread runs it: nothing can stop it before)."""
+        call = ToolCall(self, f"py-{next(self._call_ids)}", name, shell)
+        self.control.tool_call(call.id, name)
+        self.checkpoint()
+        return call
+
+    def iteration(self) -> None:
+        """Count one iteration of the agent's loop against ``max_agent_iterations``
+        (raises AgentStopped when the run is over a limit)."""
+        self.control.iteration()
+        self.checkpoint()
 
     def effect(self, key: str, *, find: Callable[[], dict[str, Any] | None],
                do: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -131,6 +183,11 @@ class PythonAgentRunner:
         deadline = (started + limits.wall_clock_seconds
                     if limits.wall_clock_seconds is not None else None)
         ctx = AgentContext(workspace, artifacts_dir, env, control, deadline)
+        unheld = [name for name, value in vars(limits.resources).items() if value is not None]
+        if unheld:  # said in the attempt's log, not silently ignored
+            with log_path.open("a") as fh:
+                fh.write(f"[runlane] in-process agent: {', '.join(unheld)} apply only to "
+                         "agent commands, not to this agent\n")
         try:
             self.agent(ctx)
         except AgentStopped as stop:

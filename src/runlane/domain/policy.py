@@ -116,6 +116,45 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
+# Who holds a run to each limit (docs/policy.md says the same, field by field):
+# "worker" (the attempt driver), "store" (cost and tokens, as reported), "watch" (the
+# runner samples the process tree; kernel rlimits behind it), "kernel" (an rlimit
+# alone), "agent" (its own control lines: an agent that never reports is not held).
+# A limit without an entry here is refused at `policy apply`: a limit the policy
+# accepts is never silently ignored.
+LIMIT_ENFORCEMENT: dict[str, str] = {
+    "max_wall_clock_minutes": "worker",
+    "max_agent_iterations": "agent",
+    "max_tool_calls": "agent",
+    "max_shell_command_seconds": "agent",
+    "max_verifier_minutes": "worker",
+    "max_changed_files": "worker",
+    "max_diff_lines": "worker",
+    "max_model_input_tokens": "store",
+    "max_model_output_tokens": "store",
+    "max_cost_usd": "store",
+    "max_cpu_seconds": "watch",
+    "max_memory_mb": "watch",
+    "max_processes": "watch",
+    "max_file_size_mb": "kernel",
+    "max_open_files": "kernel",
+    "max_address_space_mb": "kernel",
+}
+
+# The largest size in MB a limit may give (an rlimit counts bytes in 63 bits).
+MAX_MB = float(2**40)
+
+
+def _unset_is_absent(value: Any) -> bool:
+    return value is None
+
+
+def unenforced(limits: dict[str, Any], enforcement: dict[str, str]) -> list[str]:
+    """The limits set in ``limits`` that nothing in ``enforcement`` holds a run to."""
+    return [name for name, value in limits.items()
+            if value is not None and name not in enforcement]
+
+
 class Limits(_Model):
     """Per-run limits (seed 000 §28), snapshotted on each run at admission."""
 
@@ -129,6 +168,31 @@ class Limits(_Model):
     max_model_input_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     max_model_output_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     max_cost_usd: float | None = Field(default=None, ge=0)
+    # The agent's process tree (agents/resources.py). Left out of the canonical
+    # document when unset, so that a policy that sets none keeps the digest it had
+    # before they existed (applying it again after an upgrade makes no new version).
+    max_cpu_seconds: float | None = Field(default=None, gt=0, le=MAX_MB,
+                                          exclude_if=_unset_is_absent)
+    max_memory_mb: float | None = Field(default=None, gt=0, le=MAX_MB,
+                                        exclude_if=_unset_is_absent)
+    # At least 1: the agent's own shell is a process; 0 could never run an agent.
+    max_processes: int | None = Field(default=None, ge=1, le=MAX_COUNT,
+                                      exclude_if=_unset_is_absent)
+    max_file_size_mb: float | None = Field(default=None, gt=0, le=MAX_MB,
+                                           exclude_if=_unset_is_absent)
+    # At least 3: stdin, stdout and stderr; fewer and no agent command could start.
+    max_open_files: int | None = Field(default=None, ge=3, le=MAX_COUNT,
+                                       exclude_if=_unset_is_absent)
+    max_address_space_mb: float | None = Field(default=None, gt=0, le=MAX_MB,
+                                               exclude_if=_unset_is_absent)
+
+    @model_validator(mode="after")
+    def _enforced(self) -> Limits:
+        missing = unenforced(dict(self), LIMIT_ENFORCEMENT)
+        if missing:
+            raise ValueError(f"{missing[0]}: runlane does not enforce this limit "
+                             "(remove it from the policy)")
+        return self
 
     def snapshot(self) -> dict[str, float | int]:
         return {k: v for k, v in self.model_dump().items() if v is not None}

@@ -1632,6 +1632,12 @@ UPDATE runs SET cost_usd = cost_usd + :usd, updated_at = {now}
 WHERE run_id = :run_id AND fencing_token = :token
 RETURNING cost_usd, {now} AS now
 """
+# The model tokens of a run, all its attempts (its token limits count them like cost).
+RUN_TOKENS = """
+SELECT COALESCE(SUM(input_tokens), 0) AS input_tokens,
+       COALESCE(SUM(output_tokens), 0) AS output_tokens
+FROM attempts WHERE run_id = :run_id
+"""
 
 # --- side-effect ledger -------------------------------------------------------------
 

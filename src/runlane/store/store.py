@@ -1177,7 +1177,23 @@ class Store(SchedulingMixin):
         maximum = lease.limits.get("max_cost_usd")
         if maximum is not None and total > float(maximum):
             raise CostLimitExceeded(
-                f"run {lease.run_id} has cost ${total:.4f}, over its maximum ${maximum}")
+                f"max_cost_usd {maximum} exceeded: run {lease.run_id} has cost ${total:.4f}")
+        self._check_token_limits(lease)
+
+    def _check_token_limits(self, lease: Lease) -> None:
+        """The run's model tokens against its limits: like its cost, summed over all its
+        attempts (a retry does not start the count again). Raises CostLimitExceeded."""
+        limits = {kind: lease.limits.get(f"max_model_{kind}_tokens")
+                  for kind in ("input", "output")}
+        if all(v is None for v in limits.values()):
+            return
+        used = self._transaction(lambda conn: conn.execute(
+            self._q(sql.RUN_TOKENS), {"run_id": lease.run_id}).one(), autocommit=True)
+        for kind, maximum in limits.items():
+            total = int(getattr(used, f"{kind}_tokens"))
+            if maximum is not None and total > int(maximum):
+                raise CostLimitExceeded(f"max_model_{kind}_tokens {maximum} exceeded: run "
+                                        f"{lease.run_id} has used {total} {kind} tokens")
 
     def fail(self, lease: Lease, reason: str, *, message: str | None = None,
              retry_after_seconds: float | None = None) -> RunStatus:

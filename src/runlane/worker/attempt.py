@@ -18,8 +18,10 @@ import structlog
 from sqlalchemy.exc import DBAPIError
 
 from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, StopReason
+from runlane.agents.resources import ResourceLimits
 from runlane.codehost.base import CodeHost, CodeHostError, PullRequestExists
 from runlane.codehost.factory import clone_source
+from runlane.domain.agent_limits import CooperativeLimits
 from runlane.domain.reasons import WORKER_ONLY, Reason
 from runlane.domain.states import RunStatus
 from runlane.errors import CancelRequested, CostLimitExceeded, LeaseLost, PolicyDenied
@@ -75,7 +77,11 @@ class AttemptState:
     lost: threading.Event = field(default_factory=threading.Event)
     drain: threading.Event = field(default_factory=threading.Event)
     over_budget: threading.Event = field(default_factory=threading.Event)
-    over_budget_message: str = ""  # the figures, for the run's message
+    over_budget_message: str = ""  # the limit and its figures, for the run's message
+    # The agent's tool calls and iterations against the run's limits: reported on the
+    # output-reader thread, checked on the attempt's (hence the lock).
+    _counts: CooperativeLimits | None = None
+    _counting: threading.Lock = field(default_factory=threading.Lock)
 
     def extended(self, sent_at: float, ttl: float) -> None:
         self.local_deadline = sent_at + ttl - min(ttl * 0.2, 5.0) - self.stop_grace
@@ -84,6 +90,11 @@ class AttemptState:
         if not self.lost.is_set() and time.monotonic() >= self.local_deadline:
             self.deadline_fired = True
             self.lost.set()
+        if self._counts is not None and self._counts.timing:  # a shell command is open
+            with self._counting:
+                over = self._counts.overdue(time.monotonic())
+            if over is not None:
+                self.exceeded(over)
         if self.lost.is_set():
             return StopReason.LEASE_LOST
         if self.cancel.is_set():
@@ -102,8 +113,35 @@ class AttemptState:
             self.lost.set()
         except CostLimitExceeded as exc:
             log.warning("cost_limit_exceeded", run_id=self.lease.run_id, message=str(exc))
-            self.over_budget_message = str(exc)
+            self.exceeded(str(exc))
+
+    def exceeded(self, message: str) -> None:
+        """The run is over one of its limits: the agent is stopped, the attempt ends
+        LIMIT_EXCEEDED with this message (the first limit reported wins)."""
+        if not self.over_budget.is_set():
+            self.over_budget_message = message
             self.over_budget.set()
+
+    def _cooperative(self) -> CooperativeLimits:
+        if self._counts is None:
+            self._counts = CooperativeLimits.from_snapshot(self.lease.limits)
+        return self._counts
+
+    def tool_call(self, call_id: str | None, name: str | None, *, shell: bool = False,
+                  seconds: float | None = None) -> None:
+        with self._counting:
+            over = self._cooperative().tool_call(call_id, name, shell=shell, seconds=seconds,
+                                                 now=time.monotonic())
+        if over is not None:
+            log.warning("agent_limit_exceeded", run_id=self.lease.run_id, message=over)
+            self.exceeded(over)
+
+    def iteration(self) -> None:
+        with self._counting:
+            over = self._cooperative().iteration()
+        if over is not None:
+            log.warning("agent_limit_exceeded", run_id=self.lease.run_id, message=over)
+            self.exceeded(over)
 
     def progress(self, message: str) -> None:
         log.info("agent_progress", run_id=self.lease.run_id, attempt_id=self.lease.attempt_id,
@@ -268,7 +306,7 @@ class AttemptDriver:
                      env: dict[str, str], task: dict[str, Any], result: AgentResult) -> str:
         lease = state.lease
         if result.stopped is not None:
-            return self._stopped(state, result.stopped)
+            return self._stopped(state, result.stopped, result.limit)
         if state.over_budget.is_set():  # its cost went over the run's maximum before it
             # exited: LIMIT_EXCEEDED, never retried, whatever the agent said after
             return self._stopped(state, StopReason.LIMIT_EXCEEDED)
@@ -297,12 +335,27 @@ class AttemptDriver:
                 if left <= 0:
                     return self._stopped(state, StopReason.TIMEOUT)
                 limits = replace(limits, wall_clock_seconds=left)
+            # max_verifier_minutes bounds the verify stage on its own. Over it the attempt
+            # ends LIMIT_EXCEEDED, not TIMEOUT: the same tree verifies as slowly again, so
+            # a retry (TIMEOUT is retried) would only spend the time once more.
+            verifier_minutes = lease.limits.get("max_verifier_minutes")
+            verifier_seconds = (None if verifier_minutes is None
+                                else float(verifier_minutes) * 60)
+            by_verifier_limit = verifier_seconds is not None and (
+                limits.wall_clock_seconds is None or verifier_seconds < limits.wall_clock_seconds)
+            if by_verifier_limit:
+                limits = replace(limits, wall_clock_seconds=verifier_seconds)
             self.store.advance(lease, S.VERIFYING)
             verdict = self.verifier.run(workspace=workspace.path, artifacts_dir=artifacts,
                                         env=env, control=state, limits=limits,
                                         log_name="verify.log")
+            if verdict.stopped is StopReason.TIMEOUT and by_verifier_limit:
+                return self._fail(
+                    state, Reason.LIMIT_EXCEEDED,
+                    f"max_verifier_minutes {verifier_minutes:g} exceeded: the verify command "
+                    f"ran {verdict.duration_seconds or 0.0:.1f} s")
             if verdict.stopped is not None:
-                return self._stopped(state, verdict.stopped)
+                return self._stopped(state, verdict.stopped, verdict.limit)
             if verdict.exit_code != 0:
                 return self._fail(state, Reason.VERIFIER_FAILED,
                                   f"verify command exited with status {verdict.exit_code}")
@@ -315,7 +368,8 @@ class AttemptDriver:
         state.check()
         return self.finalizer.finalize(lease, workspace, task)
 
-    def _stopped(self, state: AttemptState, reason: StopReason) -> str:
+    def _stopped(self, state: AttemptState, reason: StopReason,
+                 limit: str | None = None) -> str:
         if reason is StopReason.LEASE_LOST:
             if state.deadline_fired:
                 # Stopped on the local deadline, without word from the database: if the
@@ -334,10 +388,10 @@ class AttemptDriver:
             return "released"
         if reason is StopReason.TIMEOUT:
             return self._fail(state, Reason.TIMEOUT, "the run's wall-clock limit passed")
-        # A cost over the run's maximum says so with its figures (the store's message),
-        # not only "limit_exceeded" (a review of 2026-12-02).
+        # A limit names itself with its figures (the runner's resource watch, else the
+        # store's cost check or the agent's counts), not only "limit_exceeded".
         return self._fail(state, Reason.LIMIT_EXCEEDED,
-                          state.over_budget_message or reason.value)
+                          limit or state.over_budget_message or reason.value)
 
     def _finish_cancel(self, state: AttemptState) -> str:
         lease = state.lease
@@ -389,11 +443,15 @@ class AttemptDriver:
             return theirs if mine is None else min(mine, theirs)
 
         minutes = run.get("max_wall_clock_minutes")
+        resources = ResourceLimits.from_snapshot(run)
         return AttemptLimits(
             wall_clock_seconds=tighter(own.wall_clock_seconds,
                                        None if minutes is None else float(minutes) * 60),
             max_changed_files=tighter(own.max_changed_files, run.get("max_changed_files")),
-            max_diff_lines=tighter(own.max_diff_lines, run.get("max_diff_lines")))
+            max_diff_lines=tighter(own.max_diff_lines, run.get("max_diff_lines")),
+            resources=ResourceLimits(**{
+                name: tighter(getattr(own.resources, name), getattr(resources, name))
+                for name in ResourceLimits.__dataclass_fields__}))
 
     @staticmethod
     def _env(lease: Lease, task: dict[str, Any], workspace: Path, artifacts: Path
