@@ -25,6 +25,7 @@ from runlane.domain.retry import RetryPolicy
 from runlane.domain.states import RunStatus
 from runlane.errors import LeaseLost
 from runlane.services.maintenance import Reaper, ReaperConfig, Reconciler, ReconcilerConfig
+from runlane.settings import SettingsInvalid, load_settings
 from runlane.store.store import Lease, Store
 from runlane.worker.attempt import AttemptState
 
@@ -524,3 +525,15 @@ def test_a_worker_drained_again_and_again_is_charged_past_the_cap(
     assert [a.reason_code for a in attempts_of(dbstore, sub.run_id)] == [
         "LEASE_RELEASED", "LEASE_RELEASED_OVER_CAP"]
     assert dbstore.audit() == []
+
+
+def test_the_setting_is_validated_and_defaults_to_five(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)  # no runlane.toml
+    assert load_settings().max_uncharged_releases == 5
+    monkeypatch.setenv("RUNLANE_MAX_UNCHARGED_RELEASES", "0")
+    assert load_settings().max_uncharged_releases == 0
+    for bad in ("-1", "1001", "two"):
+        monkeypatch.setenv("RUNLANE_MAX_UNCHARGED_RELEASES", bad)
+        with pytest.raises(SettingsInvalid, match="setting MAX_UNCHARGED_RELEASES"):
+            load_settings()
