@@ -89,8 +89,9 @@ class AttemptState:
 
     def report_cost(self, usd: float, input_tokens: int, output_tokens: int) -> None:
         """Every cost line is money spent: while the lease is held, the attempt's cost;
-        once it is lost (the agent is being stopped, and may print more), the attempt's
-        late cost, one write per line, still counted in the tenant's day."""
+        once it is lost, or given up on the local deadline (the agent is being stopped,
+        and may print more), the attempt's late cost: one write per line, counted in
+        the tenant's day all the same."""
         if self.lost.is_set():
             self.store.report_late_cost(self.lease, usd)
             return
