@@ -112,6 +112,26 @@ def test_a_lease_that_cannot_be_reaped_blocks_no_later_pass_and_is_tried_again(
     assert run_row(store, bad.run_id).status == S.QUEUED.value
 
 
+def test_a_lease_whose_statement_fails_on_its_row_is_passed_over(
+        store: Store, clock: ManualClock) -> None:
+    """A row the statement itself cannot process: an attempt whose slot list is not a
+    JSON array, which ending the attempt reads (SQLite: "malformed JSON", an
+    OperationalError like a locked file's; PostgreSQL: a data error). The database
+    still answers, so it is the row's failure: passed over, the others reaped."""
+    store.apply_policy(parse_policy("[concurrency]\nglobal_max_active = 100\n"),
+                       source="test")
+    bad, *_ = claim_one_by_one(store, clock, 3)
+    execute(store, "UPDATE attempts SET limit_scopes = :s WHERE run_id = :r",
+            s="not json" if store.dialect == "sqlite" else '{"not": "a list"}',
+            r=bad.run_id)
+    clock.advance(TTL + 1)
+    with capture_logs() as logs:
+        counts = Reaper(store, ReaperConfig(batch_size=1)).run_once()
+    assert counts == {"expired_leases": 2, "rows_failed": 1}
+    assert failures(logs) == [("reaper", bad.run_id)]
+    assert active_leases(store) == {bad.run_id}
+
+
 def test_the_reaper_pass_walks_leases_expired_at_the_same_moment(
         store: Store, clock: ManualClock) -> None:
     """Leases with one expiry (claimed together) are told apart by run id: a walk one

@@ -12,6 +12,10 @@ dialects of a statement that differs.
 
 from __future__ import annotations
 
+# Whether the database answers at all (after a row's repair failed: the row's doing,
+# or the database's?).
+PING = "SELECT 1"
+
 # Below every key: times are epoch seconds, run ids non-empty text.
 FIRST_KEY: tuple[float, str] = (float("-inf"), "")
 

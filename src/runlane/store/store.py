@@ -24,7 +24,7 @@ from psycopg.rows import namedtuple_row
 from sqlalchemy import Connection, Engine, Table, event, insert, select, text
 from sqlalchemy.dialects import postgresql as postgresql_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from runlane.clock import Clock, DatabaseClock
 from runlane.domain.admission import (
@@ -1577,22 +1577,29 @@ class Store(SchedulingMixin):
                   ) -> bool | None:
         """``work`` on one maintenance row, in a transaction of its own: what it returns,
         or None when it raised (rolled back; logged with the row's run and token). A
-        row that cannot be processed (a status this runlane does not know, a snapshot
-        it cannot read, a bug) must not stop the rest of a pass. An error of the
-        database itself (unreachable, locked, a deadlock) is not the row's: raised, it
-        ends the pass, and the next pass tries again."""
+        row that cannot be processed (a status this runlane does not know, a value its
+        statement cannot read, a bug) must not stop the rest of a pass. When the
+        database itself is gone (a ping fails too), that is not the row's doing: the
+        error is raised, it ends the pass, and the next pass tries again. (The error's
+        class cannot tell: SQLite reports malformed JSON in a row as an
+        OperationalError, as it does a locked file.)"""
         try:
             return self._transaction(work)
-        except (OperationalError, InterfaceError):
-            raise
         except Exception as exc:
-            if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+            if isinstance(exc, DBAPIError) and not self._database_answers():
                 raise
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             log.error("maintenance_row_failed", service=service, run_id=row.run_id,
                       fencing_token=getattr(row, "fencing_token", None),
                       error=f"{type(exc).__name__}: {first}")
             return None
+
+    def _database_answers(self) -> bool:
+        try:
+            self._transaction(lambda conn: conn.execute(self._q(msql.PING)).scalar())
+        except DBAPIError:
+            return False
+        return True
 
     def reconcile(self, *, admitted_grace: float = 60.0, active_grace: float = 60.0,
                   worker_grace: float = 180.0, max_attempt_seconds: float = 7200.0,
