@@ -14,8 +14,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 from structlog.testing import capture_logs
 
 from runlane.clock import ManualClock
@@ -26,11 +29,14 @@ from runlane.domain.states import RunStatus
 from runlane.errors import LeaseLost
 from runlane.services.maintenance import Reaper, ReaperConfig, Reconciler, ReconcilerConfig
 from runlane.settings import SettingsInvalid, load_settings
+from runlane.store.engine import build_engine
+from runlane.store.migrate import upgrade
 from runlane.store.store import Lease, Store
 from runlane.worker.attempt import AttemptState
 
-from .conftest import POLICY, T0
+from .conftest import ADMIN_URL, POLICY, RUN_TAG, T0
 from .support import attempts_of, bare_remote, execute, run_row, spec, submit
+from .test_recovery_edges import AfterListing
 from .test_worker import WorkerProcess, wait_until
 
 S = RunStatus
@@ -557,3 +563,36 @@ def test_the_setting_is_validated_and_defaults_to_five(monkeypatch: pytest.Monke
         monkeypatch.setenv("RUNLANE_MAX_UNCHARGED_RELEASES", bad)
         with pytest.raises(SettingsInvalid, match="setting MAX_UNCHARGED_RELEASES"):
             load_settings()
+
+
+def test_a_database_gone_mid_pass_ends_the_pass_instead_of_failing_every_row(
+        pg_databases: Callable[[str], str], clock: ManualClock) -> None:
+    """When a row fails because the database itself went away (here it stops taking
+    connections right after the reaper listed its batch), the ping fails too: the
+    pass ends with the error, as before, rather than log and count every row of the
+    batch as the row's failure."""
+    url = pg_databases(f"runlane_maint_gone_{RUN_TAG}")
+    engine = build_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    store = AfterListing(url, clock=clock, retry_policy=POLICY)
+    name = make_url(url).database
+
+    def database_gone() -> None:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE datname = %s", [name])
+
+    try:
+        submit(store, 3)
+        store.claim("w1", limit=3, lease_ttl=TTL)
+        clock.advance(TTL + 1)
+        store.between = database_gone
+        with capture_logs() as logs, pytest.raises(OperationalError):
+            Reaper(store).run_once()
+        assert failures(logs) == []
+    finally:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+            admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+        store.close()
