@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ from runlane.store.store import Lease, Store
 from runlane.worker.attempt import AttemptState
 
 from .conftest import ADMIN_URL, POLICY, RUN_TAG, T0
-from .support import attempts_of, bare_remote, execute, run_row, spec, submit
+from .support import attempts_of, bare_remote, cli_env, execute, run_row, spec, submit
 from .test_recovery_edges import AfterListing
 from .test_worker import WorkerProcess, wait_until
 
@@ -280,8 +282,17 @@ def spend(store: Store, tenant: str = "acme") -> float:
                                        "WHERE tenant = :t"), {"t": tenant}).scalar_one())
 
 
+def runlane_cli(store: Store, tmp_path: Path, *args: str) -> Any:
+    """``runlane ARGS`` on the store's database, in a process of its own: its JSON."""
+    done = subprocess.run([sys.executable, "-m", "runlane", "--database-url", store.url,
+                           *args], env=cli_env(tmp_path), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
 def test_cost_reported_after_the_lease_is_reaped_counts_against_the_tenants_budget(
-        store: Store, clock: ManualClock) -> None:
+        store: Store, clock: ManualClock, tmp_path: Path) -> None:
     """The reaper takes the lease back, then the agent's cost line arrives: refused as
     the attempt's cost (LeaseLost), recorded as its late cost and in the tenant's
     spend, the run untouched; the next admission sees the spend and defers."""
@@ -303,6 +314,8 @@ def test_cost_reported_after_the_lease_is_reaped_counts_against_the_tenants_budg
     assert tuple(run_row(store, sub.run_id)) == tuple(before)  # cost_usd 0.25 included
     assert len(store.get_run(sub.run_id)["events"]) == events
     assert store.audit() == []
+    shown = runlane_cli(store, tmp_path, "runs", "show", sub.run_id, "--json")
+    assert (shown["late_cost_usd"], shown["attempts"][0]["late_cost_usd"]) == (1.5, 1.5)
     [deferred] = submit(store)
     assert (deferred.status, deferred.reason_code) == (
         S.WAITING_CAPACITY.value, Reason.TENANT_DAILY_MODEL_BUDGET_EXCEEDED)

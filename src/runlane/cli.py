@@ -354,7 +354,7 @@ def runs_show(run_id: str, as_json: bool) -> None:
         document["unroutable_because"] = run["unroutable_because"]
     document["attempts"] = [_times({k: a[k] for k in ATTEMPT_FIELDS}) for a in run["attempts"]]
     # Cost reported after a lease was lost: in the tenant's spend, not in cost_usd.
-    document["late_cost_usd"] = sum(float(a["late_cost_usd"]) for a in run["attempts"])
+    document["late_cost_usd"] = sum((float(a["late_cost_usd"]) for a in run["attempts"]), 0.0)
     document["events"] = [_times({k: v for k, v in e.items() if k != "run_id"})
                           for e in run["events"]]
     if as_json:
@@ -377,12 +377,12 @@ def runs_show(run_id: str, as_json: bool) -> None:
                   + (f", retry after {admission['retry_after']}"
                      if admission.get("retry_after") else ""))
     attempts = Table("#", "status", "reason", "worker", "token", "lease", "started", "ended",
-                     "cost", "late cost")
+                     "late $")
     for a in document["attempts"]:
         attempts.add_row(str(a["attempt_no"]), a["status"], a["reason_code"] or "",
                          a["worker_id"], str(a["fencing_token"]), a["lease_status"],
-                         str(a["started_at"]), str(a["ended_at"] or ""), str(a["cost_usd"]),
-                         str(a["late_cost_usd"]) if a["late_cost_usd"] else "")
+                         str(a["started_at"]), str(a["ended_at"] or ""),
+                         f"{a['late_cost_usd']:g}" if a["late_cost_usd"] else "")
     out.print(attempts)
     events = Table("at", "actor", "from", "to", "reason", "token")
     for e in document["events"]:
