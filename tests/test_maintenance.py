@@ -530,6 +530,8 @@ def test_a_cost_line_after_the_lease_is_lost_counts_in_the_tenants_spend(
     worker = worker_processes(SPENDING_AGENT)
     started = tmp_path / "artifacts" / sub.run_id / "1" / "started"
     wait_on(worker, started.exists, 30, "the agent to start")
+    # Its first cost line is read by the worker's reader thread: counted soon after.
+    wait_on(worker, lambda: spend(dbstore) >= 0.25, 30, "the first cost line")
     assert spend(dbstore) == pytest.approx(0.25)
     assert dbstore.reconcile(max_attempt_seconds=0.001)["overlong_attempts_timed_out"] == 1
     wait_on(worker, lambda: spend(dbstore) >= 2.75, 30, "the late cost line to be counted")
