@@ -9,8 +9,9 @@ from dataclasses import dataclass, fields
 
 import structlog
 
+from runlane.store.maintenance import WALL_CLOCK_MARGIN_SECONDS
 from runlane.store.maintenance_sql import FIRST_KEY
-from runlane.store.store import WALL_CLOCK_MARGIN_SECONDS, Store
+from runlane.store.store import Store
 
 log = structlog.get_logger("runlane.maintenance")
 
