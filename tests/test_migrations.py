@@ -541,6 +541,41 @@ def test_0016_a_run_queued_under_a_spelling_is_admitted_again_under_the_canonica
     assert "policy v2" in run["message"]
 
 
+# The revision 0017 follows after 0016.
+BEFORE_0017 = "0016"
+
+
+def test_0017_attempts_keep_late_cost_and_downgrade_with_their_rows(
+        fresh_url: str, make_engine: Callable[[str], Engine],
+        tmp_path: Path, fresh_pg: Callable[[str], str]) -> None:
+    """0017 adds ``attempts.late_cost_usd`` (0 for the attempts already there); its
+    downgrade drops it, every row kept, and leaves the schema exactly as the revision
+    before made it: on SQLite the table is rebuilt, and the partial indexes of ACTIVE
+    leases (invariant 2, the reaper's scan) must come back with their predicates."""
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine, BEFORE_0017)
+    with engine.begin() as conn:
+        _insert_task_and_run(conn, 1)
+        _insert_attempt(conn, 1, 1, "ACTIVE")
+    assert migrate.upgrade(engine) == (BEFORE_0017, HEAD)
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT late_cost_usd FROM attempts")).scalar_one() == 0
+        conn.execute(text("UPDATE attempts SET late_cost_usd = 1.5"))
+    if engine.dialect.name == "sqlite":
+        reference = make_engine(f"sqlite:///{tmp_path / 'before.db'}")
+    else:
+        reference = make_engine(fresh_pg("before_0017"))
+    migrate.upgrade(reference, BEFORE_0017)
+    assert migrate.downgrade(engine, BEFORE_0017) == (HEAD, BEFORE_0017)
+    assert reflect_schema(engine) == reflect_schema(reference)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT run_id, lease_status FROM attempts")).one() == (
+            "run-1", "ACTIVE")
+    assert migrate.upgrade(engine) == (BEFORE_0017, HEAD)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT late_cost_usd FROM attempts")).scalar_one() == 0
+
+
 def test_metadata_matches_migrations(fresh_url: str,
                                      make_engine: Callable[[str], Engine]) -> None:
     engine = make_engine(fresh_url)

@@ -57,6 +57,9 @@ RETRYABLE_REASONS = sorted(DEFAULT_RETRYABLE)
 FATAL_REASONS = [Reason.AGENT_FAILED, Reason.VERIFIER_FAILED, Reason.JUDGE_REJECTED,
                  Reason.TASK_CONTRACT_INVALID, Reason.POLICY_DENIED, Reason.LIMIT_EXCEEDED]
 EPS = 1e-3  # seconds; epoch floats near 1.8e9 carry ~2e-7 s of rounding
+# Uncharged releases a run may have (MAX_UNCHARGED_RELEASES): small, so that examples
+# reach the charged release past it.
+RELEASE_CAP = 1
 
 Submitted = tuple[str, str | None, int, int | None]  # tenant, key, priority, max attempts
 BATCHES = st.lists(
@@ -87,6 +90,7 @@ class ModelRun:
     fencing_token: int = 0
     attempt_count: int = 0
     charged: int = 0  # attempts that count against max_attempts (drained ones do not)
+    released: int = 0  # attempts ended LEASE_RELEASED (uncharged), at most RELEASE_CAP
     cost_usd: float = 0.0
     token_at_cancel: int | None = None  # set once its task is cancelled
 
@@ -162,6 +166,7 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = ManualClock(T0)
         self.store = Store(self.open_database(), clock=self.clock, retry_policy=POLICY,
+                           max_uncharged_releases=RELEASE_CAP,
                            rng=SeededJitter(0))
         try:
             self.prepare_database()
@@ -213,7 +218,8 @@ class StoreMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(candidates), label="lease")
 
     def row_state(self, run_id: str) -> tuple[Any, ...]:
-        """Everything a refused worker write must leave untouched."""
+        """Everything a refused worker write must leave untouched (a refused cost
+        report records the money as its attempt's late cost, checked apart)."""
         with self.store.engine.connect() as conn:
             run = conn.execute(text("SELECT * FROM runs WHERE run_id = :r"), {"r": run_id}).one()
             attempts = conn.execute(
@@ -221,7 +227,8 @@ class StoreMachine(RuleBasedStateMachine):
                 {"r": run_id}).all()
             events = conn.execute(text("SELECT COUNT(*) FROM run_events WHERE run_id = :r"),
                                   {"r": run_id}).scalar_one()
-        return tuple(run), tuple(tuple(a) for a in attempts), events
+        return tuple(run), tuple(tuple(v for k, v in a._mapping.items()
+                                       if k != "late_cost_usd") for a in attempts), events
 
     def expect_refusal(self, h: Held, expected: type[Exception], write: Any) -> None:
         """``write()`` must raise exactly ``expected`` and change nothing."""
@@ -234,6 +241,16 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.row_state(h.lease.run_id) == before, "a refused write changed the run"
         assert (h.lease.stage, h.lease.expires_at, h.lease.fencing_token) == lease_before
         event(f"refused with {expected.__name__}")
+
+    def attempts(self, run_id: str) -> list[Any]:
+        with self.store.engine.connect() as conn:
+            return list(conn.execute(text("SELECT * FROM attempts WHERE run_id = :r "
+                                          "ORDER BY attempt_no"), {"r": run_id}))
+
+    def late_cost(self, h: Held) -> float:
+        [attempt] = [a for a in self.attempts(h.lease.run_id)
+                     if a.fencing_token == h.lease.fencing_token]
+        return float(attempt.late_cost_usd)
 
     def visible_at(self, run_id: str) -> float:
         with self.store.engine.connect() as conn:
@@ -446,6 +463,15 @@ class StoreMachine(RuleBasedStateMachine):
         run = self.runs[h.lease.run_id]
         before = run.status
         status = self.store.fail(h.lease, reason, retry_after_seconds=retry_after)
+        if reason == Reason.LEASE_RELEASED:  # uncharged up to the cap, charged past it
+            if run.released < RELEASE_CAP:
+                run.released += 1
+            else:
+                reason = Reason.LEASE_RELEASED_OVER_CAP
+                event("fail: a release past the cap, charged")
+            [attempt] = [a for a in self.attempts(run.run_id)
+                         if a.fencing_token == h.lease.fencing_token]
+            assert attempt.reason_code == reason
         predicted = self.attempt_ended(h, reason, retry_after)
         assert status is predicted, f"fail from {before}: store says {status}"
         event(f"fail: {before} -> {status}")
@@ -490,7 +516,10 @@ class StoreMachine(RuleBasedStateMachine):
     def report_cost(self, data: st.DataObject, usd: float) -> None:
         h = self.pick(data, self.held)
         if not h.live(self.now()):
+            late = self.late_cost(h)
             self.expect_refusal(h, LeaseLost, lambda: self.store.report_cost(h.lease, usd))
+            # Spent all the same: the attempt's late cost, not the run's (checked above).
+            assert self.late_cost(h) == pytest.approx(late + usd)
         else:
             self.store.report_cost(h.lease, usd, input_tokens=10, output_tokens=5)
             self.runs[h.lease.run_id].cost_usd += usd
@@ -568,6 +597,7 @@ class StoreMachine(RuleBasedStateMachine):
             # Every run needs nothing a worker lacks: no lane is ever unserved.
             "lanes_marked_unserved": 0,
             "lanes_served_again": 0,
+            "rows_failed": 0,
         }
         for h in overlong:
             event(f"reconcile timeout: {self.attempt_ended(h, Reason.TIMEOUT, None)}")

@@ -121,6 +121,7 @@ class Runlane:
             retry_policy=self.settings.retry_policy(),
             payload_cap_bytes=self.settings.payload_cap_bytes,
             rng=rng,
+            max_uncharged_releases=self.settings.max_uncharged_releases,
             engine=build_engine(
                 self.settings.database_url,
                 idle_in_transaction_timeout=self.settings.idle_in_transaction_timeout_seconds),

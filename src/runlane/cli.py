@@ -118,7 +118,7 @@ RUN_FIELDS = ("run_id", "task_id", "tenant", "repo", "queue", "status", "priorit
 ATTEMPT_FIELDS = ("attempt_no", "status", "reason_code", "message", "worker_id",
                   "fencing_token", "lease_status", "lease_expires_at", "started_at", "ended_at",
                   "retry_after_seconds", "cost_usd", "estimated_cost_usd", "input_tokens",
-                  "output_tokens")
+                  "output_tokens", "late_cost_usd")
 
 
 def run_document(run: dict[str, Any]) -> dict[str, Any]:
@@ -353,6 +353,8 @@ def runs_show(run_id: str, as_json: bool) -> None:
     if "unroutable_because" in run:
         document["unroutable_because"] = run["unroutable_because"]
     document["attempts"] = [_times({k: a[k] for k in ATTEMPT_FIELDS}) for a in run["attempts"]]
+    # Cost reported after a lease was lost: in the tenant's spend, not in cost_usd.
+    document["late_cost_usd"] = sum((float(a["late_cost_usd"]) for a in run["attempts"]), 0.0)
     document["events"] = [_times({k: v for k, v in e.items() if k != "run_id"})
                           for e in run["events"]]
     if as_json:
@@ -360,7 +362,8 @@ def runs_show(run_id: str, as_json: bool) -> None:
         return
     for key in ("run_id", "task_id", "tenant", "repo", "queue", "status", "priority",
                 "attempt_count", "reason_code", "message", "outcome", "cost_usd",
-                "estimated_cost_usd", "policy_version", "route_key", "parent_task_id",
+                "late_cost_usd", "estimated_cost_usd", "policy_version", "route_key",
+                "parent_task_id",
                 "depends_on", "created_at"):
         out.print(f"[bold]{key}[/bold]: {document[key]}")
     admission = document["admission"] or {}
@@ -373,11 +376,13 @@ def runs_show(run_id: str, as_json: bool) -> None:
                      if admission.get("reason_code") else "")
                   + (f", retry after {admission['retry_after']}"
                      if admission.get("retry_after") else ""))
-    attempts = Table("#", "status", "reason", "worker", "token", "lease", "started", "ended")
+    attempts = Table("#", "status", "reason", "worker", "token", "lease", "started", "ended",
+                     "late $")
     for a in document["attempts"]:
         attempts.add_row(str(a["attempt_no"]), a["status"], a["reason_code"] or "",
                          a["worker_id"], str(a["fencing_token"]), a["lease_status"],
-                         str(a["started_at"]), str(a["ended_at"] or ""))
+                         str(a["started_at"]), str(a["ended_at"] or ""),
+                         f"{a['late_cost_usd']:g}" if a["late_cost_usd"] else "")
     out.print(attempts)
     events = Table("at", "actor", "from", "to", "reason", "token")
     for e in document["events"]:

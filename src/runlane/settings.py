@@ -15,7 +15,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from runlane.domain.retry import RetryPolicy
+from runlane.domain.retry import DEFAULT_MAX_UNCHARGED_RELEASES, RetryPolicy
 from runlane.errors import RunlaneError
 from runlane.store.engine import IDLE_IN_TRANSACTION_TIMEOUT_SECONDS
 
@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     # holding row locks); 0 never does. See store/engine.py.
     idle_in_transaction_timeout_seconds: float = Field(
         IDLE_IN_TRANSACTION_TIMEOUT_SECONDS, ge=0, le=MAX_SECONDS)
+    # Releases of one run not charged against its attempts (drain, local lease
+    # deadline); the next one is charged (LEASE_RELEASED_OVER_CAP). 0 charges every one.
+    max_uncharged_releases: int = Field(DEFAULT_MAX_UNCHARGED_RELEASES, ge=0, le=1000)
 
     @model_validator(mode="after")
     def _heartbeat_well_inside_the_lease(self) -> Settings:

@@ -27,8 +27,10 @@ MARKER = re.compile(r"<!-- agent-run-id: (\S+) -->")
 # in this set-up), so each must be the one its behaviour planned for that attempt.
 AGENT_ONLY_REASONS = frozenset({"PROVIDER_RATE_LIMIT", "SANDBOX_START_TIMEOUT",
                                 "JUDGE_REJECTED", "AGENT_FAILED", "VERIFIER_FAILED"})
-# Reasons the harness's faults cause by design.
-FAULT_REASONS = frozenset({"WORKER_LOST", "LEASE_RELEASED", "CANCELLED_BY_USER"})
+# Reasons the harness's faults cause by design (a run drained past its cap of
+# uncharged releases is charged: LEASE_RELEASED_OVER_CAP).
+FAULT_REASONS = frozenset({"WORKER_LOST", "LEASE_RELEASED", "LEASE_RELEASED_OVER_CAP",
+                           "CANCELLED_BY_USER"})
 RESTART_SETTLE_SECONDS = 3.0
 
 

@@ -74,13 +74,13 @@ def plant_no_fencing() -> None:
 
 
 def plant_no_lease_expiry() -> None:
-    from runlane.store import sql, store
+    from runlane.store import maintenance_sql, sql, store
 
     active = "WHERE a.lease_status = 'ACTIVE'"
-    if active not in sql.EXPIRED_LEASES:
+    if active not in maintenance_sql.EXPIRED_LEASES:
         raise PlantFailed("planted bug: EXPIRED_LEASES changed shape")
-    sql.EXPIRED_LEASES = sql.EXPIRED_LEASES.replace(active, "WHERE 1 = 0 AND a.lease_status "
-                                                    "= 'ACTIVE'")
+    maintenance_sql.EXPIRED_LEASES = maintenance_sql.EXPIRED_LEASES.replace(
+        active, "WHERE 1 = 0 AND a.lease_status = 'ACTIVE'")
     sql.HEARTBEAT = _without(sql.HEARTBEAT, r"\n\s*AND attempts\.lease_expires_at > \{now\}",
                              "HEARTBEAT")
     sql.SET_RUN_STATUS_FENCED = _without(sql.SET_RUN_STATUS_FENCED,

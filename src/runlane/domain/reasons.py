@@ -31,6 +31,9 @@ class Reason(StrEnum):
     RETRY_BUDGET_EXHAUSTED = "RETRY_BUDGET_EXHAUSTED"
     # Lease given back on purpose (drain past its grace period).
     LEASE_RELEASED = "LEASE_RELEASED"
+    # A release past the run's cap of uncharged ones (MAX_UNCHARGED_RELEASES): charged
+    # against its attempts, retried with backoff while attempts remain.
+    LEASE_RELEASED_OVER_CAP = "LEASE_RELEASED_OVER_CAP"
     # Reconciler repairs (seed 000 §25), each recorded with its own code.
     RECONCILED_ADMITTED_NOT_QUEUED = "RECONCILED_ADMITTED_NOT_QUEUED"
     RECONCILED_TERMINAL_LEASE = "RECONCILED_TERMINAL_LEASE"
@@ -59,6 +62,7 @@ DEFAULT_RETRYABLE: frozenset[Reason] = frozenset(
         Reason.TIMEOUT,
         Reason.LEASE_RELEASED,
         Reason.CODE_HOST_FAILED_TRANSIENT,
+        Reason.LEASE_RELEASED_OVER_CAP,
     }
 )
 
@@ -69,6 +73,7 @@ DEFAULT_RETRYABLE: frozenset[Reason] = frozenset(
 WORKER_ONLY: frozenset[Reason] = frozenset(
     {
         Reason.LEASE_RELEASED,
+        Reason.LEASE_RELEASED_OVER_CAP,
         Reason.LEASE_LOST,
         Reason.WORKER_LOST,
         Reason.WORKER_ERROR,

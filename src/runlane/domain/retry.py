@@ -7,6 +7,11 @@ from dataclasses import dataclass, field
 
 from runlane.domain.reasons import DEFAULT_RETRYABLE, Reason
 
+# Releases of one run that do not count against its attempts (a drain, a local lease
+# deadline); the next one is charged (LEASE_RELEASED_OVER_CAP). Without a cap a run
+# could be claimed and given back forever (the MAX_UNCHARGED_RELEASES setting).
+DEFAULT_MAX_UNCHARGED_RELEASES = 5
+
 
 @dataclass(frozen=True)
 class RetryPolicy:

@@ -5,30 +5,64 @@ several machines at once: they claim work with SKIP LOCKED and write with CAS.""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import structlog
 
+from runlane.store.maintenance import WALL_CLOCK_MARGIN_SECONDS
+from runlane.store.maintenance_sql import FIRST_KEY
 from runlane.store.store import Store
 
 log = structlog.get_logger("runlane.maintenance")
 
 
+def _check_config(config: object) -> None:
+    """Every count at least 1, every duration at least 0 (a negative grace would
+    repair runs that need nothing; a batch of 0 would walk nothing)."""
+    for f in fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        if isinstance(value, int) and value < 1:
+            raise ValueError(f"{type(config).__name__}.{f.name} must be at least 1, "
+                             f"not {value}")
+        if isinstance(value, float) and not value >= 0:
+            raise ValueError(f"{type(config).__name__}.{f.name} must be at least 0, "
+                             f"not {value}")
+
+
 @dataclass(frozen=True)
 class ReaperConfig:
+    """``interval_seconds`` between passes (5); a pass walks the expired leases oldest
+    first, ``batch_size`` (100) at a time, until a batch comes back short or
+    ``max_batches_per_pass`` (50) batches."""
+
     interval_seconds: float = 5.0
     batch_size: int = 100
     max_batches_per_pass: int = 50
 
+    def __post_init__(self) -> None:
+        _check_config(self)
+
 
 @dataclass(frozen=True)
 class ReconcilerConfig:
+    """``interval_seconds`` between passes (60); each repair's candidates walked
+    ``batch_size`` (100) at a time, at most ``max_batches_per_pass`` (50) batches; the
+    graces of repairs 1, 4 and 5 (60, 60, 180); repair 6 times out an attempt past its
+    run's ``max_wall_clock_minutes`` plus ``wall_clock_margin_seconds`` (1800: clone
+    and finalize, which the limit does not cover), or past ``max_attempt_seconds``
+    (7200, MAX_ATTEMPT_SECONDS) when its run has no wall-clock limit."""
+
     interval_seconds: float = 60.0
     batch_size: int = 100
     admitted_grace_seconds: float = 60.0
     active_grace_seconds: float = 60.0
     worker_grace_seconds: float = 180.0
     max_attempt_seconds: float = 7200.0
+    wall_clock_margin_seconds: float = WALL_CLOCK_MARGIN_SECONDS
+    max_batches_per_pass: int = 50
+
+    def __post_init__(self) -> None:
+        _check_config(self)
 
 
 def worker_grace_seconds(heartbeat_seconds: float, lease_ttl_seconds: float) -> float:
@@ -64,7 +98,13 @@ class MaintenanceService:
 
 
 class Reaper(MaintenanceService):
-    """Expires leases whose time has passed and recovers their runs (WORKER_LOST)."""
+    """Expires leases whose time has passed and recovers their runs (WORKER_LOST).
+
+    A pass walks the expired leases with a keyset, (expiry, run id) past the last one
+    seen, never re-reading a fixed head: a lease whose recovery raises is logged,
+    counted (``rows_failed``) and passed over, and every lease behind it is still
+    reaped in the same pass. The next pass starts from the oldest again, so the
+    failing lease is tried again (it may have been fixed) without holding up others."""
 
     name = "reaper"
 
@@ -74,15 +114,18 @@ class Reaper(MaintenanceService):
         self.interval_seconds = self.config.interval_seconds
 
     def run_once(self) -> dict[str, int]:
-        total = 0
+        reaped = failed = 0
+        after = FIRST_KEY
         for _ in range(self.config.max_batches_per_pass):
-            listed, reaped = self.store.reap_expired_batch(limit=self.config.batch_size)
-            total += reaped
+            batch = self.store.reap_expired_batch(limit=self.config.batch_size, after=after)
+            reaped += batch.reaped
+            failed += batch.failed
             # Not ``reaped < batch_size``: with several reapers, one that finds its
             # batch taken by another (reaped 0) would end its pass with more waiting.
-            if listed < self.config.batch_size:
+            if batch.listed < self.config.batch_size or batch.last is None:
                 break
-        return {"expired_leases": total}
+            after = batch.last
+        return {"expired_leases": reaped, "rows_failed": failed}
 
 
 class Reconciler(MaintenanceService):
@@ -100,5 +143,6 @@ class Reconciler(MaintenanceService):
         return self.store.reconcile(
             admitted_grace=c.admitted_grace_seconds, active_grace=c.active_grace_seconds,
             worker_grace=c.worker_grace_seconds, max_attempt_seconds=c.max_attempt_seconds,
-            limit=c.batch_size,
+            wall_clock_margin=c.wall_clock_margin_seconds, limit=c.batch_size,
+            max_pages=c.max_batches_per_pass,
         )

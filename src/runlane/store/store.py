@@ -38,7 +38,12 @@ from runlane.domain.ids import new_id
 from runlane.domain.policy import Policy
 from runlane.domain.reasons import Reason
 from runlane.domain.repos import canonical_repo
-from runlane.domain.retry import RetryPolicy, RunBudget, decide
+from runlane.domain.retry import (
+    DEFAULT_MAX_UNCHARGED_RELEASES,
+    RetryPolicy,
+    RunBudget,
+    decide,
+)
 from runlane.domain.routing import parse_requirements
 from runlane.domain.states import (
     LEASED,
@@ -64,8 +69,10 @@ from runlane.errors import (
     TransitionRefused,
     redact_credentials,
 )
+from runlane.store import maintenance_sql as msql
 from runlane.store import sql
 from runlane.store.engine import build_engine, dialect_of
+from runlane.store.maintenance import WALL_CLOCK_MARGIN_SECONDS, MaintenanceMixin, ReapBatch
 from runlane.store.scheduling import (
     BLOCKED_LANE_RECHECK_SECONDS,
     FREED_SCOPES,
@@ -375,7 +382,7 @@ class _SubmitBatch:
         return rows
 
 
-class Store(SchedulingMixin):
+class Store(SchedulingMixin, MaintenanceMixin):
     def __init__(
         self,
         url: str,
@@ -385,8 +392,12 @@ class Store(SchedulingMixin):
         payload_cap_bytes: int = DEFAULT_PAYLOAD_CAP_BYTES,
         engine: Engine | None = None,
         rng: random.Random | None = None,
+        max_uncharged_releases: int = DEFAULT_MAX_UNCHARGED_RELEASES,
     ) -> None:
+        if max_uncharged_releases < 0:
+            raise ValueError(f"max_uncharged_releases must be >= 0, not {max_uncharged_releases}")
         self.url = url
+        self.max_uncharged_releases = max_uncharged_releases
         self.dialect = dialect_of(url)
         self.engine = engine or build_engine(url)
         self.clock: Clock = clock or DatabaseClock()
@@ -1163,17 +1174,24 @@ class Store(SchedulingMixin):
 
     def report_cost(self, lease: Lease, usd: float, *, input_tokens: int = 0,
                     output_tokens: int = 0) -> None:
-        def work(conn: Connection) -> float:
+        """Add an agent's cost to its attempt, its run and its tenant's day. Once the
+        lease is no longer live the money was spent all the same: it is recorded as
+        the attempt's late cost (``report_late_cost``), and LeaseLost is raised."""
+        def work(conn: Connection) -> float | None:
             params = {"run_id": lease.run_id, "token": lease.fencing_token, "usd": usd,
                       "input_tokens": input_tokens, "output_tokens": output_tokens,
                       "now": self.clock.now()}
             if conn.execute(self._q(sql.ADD_ATTEMPT_COST), params).rowcount != 1:
-                raise LeaseLost(f"run {lease.run_id}: cost refused, lease not live")
+                self._add_late_cost(conn, lease, usd)
+                return None
             row = conn.execute(self._q(sql.ADD_RUN_COST), params).one()
             self._add_tenant_spend(conn, lease.tenant, usd, float(row.now))
             return float(row.cost_usd)
 
         total = self._transaction(work)
+        if total is None:
+            raise LeaseLost(f"run {lease.run_id}: lease with token {lease.fencing_token} "
+                            "is no longer live; its cost was recorded as late cost")
         maximum = lease.limits.get("max_cost_usd")
         if maximum is not None and total > float(maximum):
             raise CostLimitExceeded(
@@ -1212,8 +1230,11 @@ class Store(SchedulingMixin):
             if snap is None or not snap.lease_live:
                 raise LeaseLost(f"run {lease.run_id}: lease with token "
                                 f"{lease.fencing_token} is no longer live")
-            return self._end_attempt(conn, snap, reason, actor=lease.worker_id,
-                                     lease_status="RELEASED", message=message,
+            reason_, message_ = reason, message
+            if reason == Reason.LEASE_RELEASED:
+                reason_, message_ = self._release_charge(conn, snap, message)
+            return self._end_attempt(conn, snap, reason_, actor=lease.worker_id,
+                                     lease_status="RELEASED", message=message_,
                                      retry_after=retry_after)
 
         status = self._transaction(work)
@@ -1488,12 +1509,14 @@ class Store(SchedulingMixin):
     def reap_expired_leases(self, *, limit: int = 100) -> int:
         """Expire up to ``limit`` leases past their expiry and recover their runs: how
         many this call recovered (:meth:`reap_expired_batch`)."""
-        return self.reap_expired_batch(limit=limit)[1]
+        return self.reap_expired_batch(limit=limit).reaped
 
-    def reap_expired_batch(self, *, limit: int = 100) -> tuple[int, int]:
-        """Expire leases past their expiry (database clock) and recover their runs:
-        ``(listed, reaped)``. A batch listed full may have more behind it even when
-        another reaper took all of it (reaped 0).
+    def reap_expired_batch(self, *, limit: int = 100,
+                           after: tuple[float, str] = msql.FIRST_KEY) -> ReapBatch:
+        """Expire leases past their expiry (database clock) and recover their runs: one
+        page of the reaper's walk, the leases past ``after`` (expiry, run id), oldest
+        first. A batch listed full may have more behind it even when another reaper
+        took all of it (reaped 0): the walk goes on from ``ReapBatch.last``.
 
         One short transaction lists the expired leases; then each is ended in its own
         transaction, which locks that run (and attempt) first, then its limit counters,
@@ -1501,9 +1524,13 @@ class Store(SchedulingMixin):
         would lock lanes in expiry order and deadlock with claims and the reconciler.
         A run requeued here wakes an idle worker of its queue (NOTIFY), as a submit does.
         A lease whose run another transaction holds is left to the next pass.
+        A lease whose recovery raises is logged with its run and token, counted
+        (``failed``) and passed over (``_isolated``): the walk goes on past it, and the
+        next pass, which starts from the oldest again, tries it again.
         """
         expired = self._transaction(lambda conn: conn.execute(
-            self._q(sql.EXPIRED_LEASES), {"limit": limit, "now": self.clock.now()}).all())
+            self._q(msql.EXPIRED_LEASES), {"limit": limit, "now": self.clock.now(),
+                                           "after_at": after[0], "after_id": after[1]}).all())
 
         def reap_one(conn: Connection, run_id: str, token: int, worker_id: str) -> bool:
             queue = conn.execute(self._q(_REAP_LOCK), {"run_id": run_id, "token": token}
@@ -1521,14 +1548,20 @@ class Store(SchedulingMixin):
                 self._notify(conn, WAKEUP_CHANNEL, queue)
             return True
 
-        reaped = sum(self._transaction(functools.partial(
-            reap_one, run_id=r.run_id, token=r.fencing_token, worker_id=r.worker_id))
-            for r in expired)
-        return len(expired), reaped
+        reaped = failed = 0
+        for r in expired:
+            done = self._isolated("reaper", r, functools.partial(
+                reap_one, run_id=r.run_id, token=r.fencing_token, worker_id=r.worker_id))
+            reaped += bool(done)
+            failed += done is None
+        last = (float(expired[-1].lease_expires_at), str(expired[-1].run_id)) if expired \
+            else None
+        return ReapBatch(len(expired), reaped, failed, last)
 
     def reconcile(self, *, admitted_grace: float = 60.0, active_grace: float = 60.0,
                   worker_grace: float = 180.0, max_attempt_seconds: float = 7200.0,
-                  limit: int = 100) -> dict[str, int]:
+                  wall_clock_margin: float = WALL_CLOCK_MARGIN_SECONDS,
+                  limit: int = 100, max_pages: int = 50) -> dict[str, int]:
         """The six conservative repairs of seed 000 §25, each recorded with a reason.
 
         The candidates are listed first (``SKIP LOCKED``: rows a worker holds are left
@@ -1537,27 +1570,43 @@ class Store(SchedulingMixin):
         keeps, and checks again that the run still needs the repair (compare-and-set).
         In one transaction, a repaired run's lane came before the next run's counters
         and the recount's (repair 7): a wait cycle with a claim
-        (``tests/test_lock_order.py``)."""
-        def listed(conn: Connection) -> dict[str, Any]:
-            now = self._now(conn)
-            p = {"now": now, "limit": limit}
-            return {
-                "now": now,
-                "admitted": conn.execute(self._q(sql.ADMITTED_NOT_QUEUED),
-                                         {**p, "grace": admitted_grace}).all(),
-                "unleased": conn.execute(self._q(sql.UNLEASED_WITH_LEASE, "unleased"), {
-                    **p, "unleased": [s.value for s in TERMINAL | WAITING]}).all(),
-                "cancelled": conn.execute(self._q(sql.QUEUED_OF_CANCELLED_TASK, "waiting"), {
-                    **p, "waiting": [s.value for s in WAITING]}).all(),
-                "active": conn.execute(self._q(sql.ACTIVE_WITHOUT_LEASE, "active"), {
-                    **p, "active": [s.value for s in RECOVERABLE],
-                    "grace": active_grace}).all(),
-                "overlong": conn.execute(self._q(sql.OVERLONG_ATTEMPTS),
-                                         {**p, "max_seconds": max_attempt_seconds}).all(),
-            }
+        (``tests/test_lock_order.py``).
 
-        found = self._transaction(listed)
-        now = found["now"]
+        Each repair's candidates are walked with a keyset (``maintenance_sql``),
+        ``limit`` at a time and at most ``max_pages`` pages a pass: every repair's first
+        page in one transaction, then the next page of each whose page came back full.
+        A candidate whose repair raises is logged, counted (``rows_failed``) and passed
+        over (``_isolated``); the next pass tries it again.
+
+        Repair 6 bounds an attempt by its run's own wall-clock limit
+        (``max_wall_clock_minutes`` in its limits snapshot) plus ``wall_clock_margin``,
+        and by ``max_attempt_seconds`` only when the run has no such limit: a lease
+        heartbeating within its run's limit is never revoked."""
+        listings: dict[str, tuple[str, tuple[str, ...], dict[str, Any]]] = {
+            "admitted": (msql.ADMITTED_NOT_QUEUED, (), {"grace": admitted_grace}),
+            "unleased": (msql.UNLEASED_WITH_LEASE, ("unleased",),
+                         {"unleased": [s.value for s in TERMINAL | WAITING]}),
+            "cancelled": (msql.QUEUED_OF_CANCELLED_TASK, ("waiting",),
+                          {"waiting": [s.value for s in WAITING]}),
+            "active": (msql.ACTIVE_WITHOUT_LEASE, ("active",),
+                       {"active": [s.value for s in RECOVERABLE], "grace": active_grace}),
+            "overlong": (msql.OVERLONG_ATTEMPTS[self.dialect], (),
+                         {"max_seconds": max_attempt_seconds, "margin": wall_clock_margin}),
+        }
+
+        def listed(conn: Connection, pending: dict[str, tuple[float, str]]
+                   ) -> tuple[float, dict[str, list[Any]]]:
+            now = self._now(conn)
+            pages: dict[str, list[Any]] = {}
+            for name, (after_at, after_id) in pending.items():
+                statement, expanding, params = listings[name]
+                pages[name] = list(conn.execute(self._q(statement, *expanding), {
+                    **params, "now": now, "limit": limit, "after_at": after_at,
+                    "after_id": after_id}))
+            return now, pages
+
+        # The time of the page being repaired (the repairs below read it when called).
+        now = 0.0
 
         # 1. Runs admitted but never queued (a lost enqueue): queue them.
         def requeue(conn: Connection, run_id: str) -> bool:
@@ -1569,7 +1618,7 @@ class Store(SchedulingMixin):
         # run's would fail every claim of it). True only if this pass revoked it.
         def revoke(conn: Connection, run_id: str, token: int, status: str) -> bool:
             waiting = S(status) in WAITING
-            revoked = conn.execute(self._q(sql.REVOKE_LEASE, "unleased"), {
+            revoked = conn.execute(self._q(msql.REVOKE_LEASE, "unleased"), {
                 "now": now, "run_id": run_id, "token": token,
                 "unleased": [s.value for s in (WAITING if waiting else TERMINAL)],
                 "reason_code": Reason.RECONCILED_WAITING_LEASE if waiting
@@ -1589,7 +1638,7 @@ class Store(SchedulingMixin):
                 reason_code=Reason.RECONCILED_CANCELLED_TASK)
 
         # 4. Runs in a leased, cancelling or recovery-marker state with no live lease
-        # at all, and 6. attempts running longer than the maximum: their attempt ends.
+        # at all, and 6. attempts running longer than their bound: their attempt ends.
         # Checked again under the run's lock (a worker may have ended the attempt, or
         # another reconciler repaired the run, since the listing): True only if this
         # pass repaired it.
@@ -1608,33 +1657,59 @@ class Store(SchedulingMixin):
                               lease_status="REVOKED", message=message)
             return True
 
-        def each(work: Callable[..., bool], *args: Any) -> int:
-            return int(self._transaction(lambda conn: work(conn, *args)))
+        def overlong(r: Any) -> str:
+            if r.wall_clock_minutes is None:
+                return f"attempt ran over {r.bound_seconds:.0f}s (MAX_ATTEMPT_SECONDS)"
+            return (f"attempt ran over {r.bound_seconds:.0f}s: its run's "
+                    f"max_wall_clock_minutes {r.wall_clock_minutes:g} plus "
+                    f"{wall_clock_margin:.0f}s for clone and finalize")
 
-        counts: dict[str, int] = {
-            "admitted_requeued": sum(each(requeue, r.run_id) for r in found["admitted"]),
-            "terminal_leases_revoked": sum(
-                each(revoke, r.run_id, r.fencing_token, r.status)
-                for r in found["unleased"] if S(r.status) in TERMINAL),
-            "waiting_leases_revoked": sum(
-                each(revoke, r.run_id, r.fencing_token, r.status)
-                for r in found["unleased"] if S(r.status) in WAITING),
-            "cancelled_task_runs_cancelled": sum(each(cancel, r.run_id)
-                                                 for r in found["cancelled"]),
-            "active_without_lease_recovered": sum(
-                each(end, r.run_id, r.fencing_token, Reason.WORKER_LOST,
-                     Reason.RECONCILED_ACTIVE_WITHOUT_LEASE.value) for r in found["active"]),
-        }
+        # Each candidate: the count it adds to, and its repair.
+        def repair_of(name: str, r: Any) -> tuple[str, Callable[[Connection], bool]]:
+            if name == "admitted":
+                return "admitted_requeued", functools.partial(requeue, run_id=r.run_id)
+            if name == "unleased":
+                return ("terminal_leases_revoked" if S(r.status) in TERMINAL
+                        else "waiting_leases_revoked"), functools.partial(
+                    revoke, run_id=r.run_id, token=r.fencing_token, status=r.status)
+            if name == "cancelled":
+                return "cancelled_task_runs_cancelled", functools.partial(
+                    cancel, run_id=r.run_id)
+            if name == "active":
+                return "active_without_lease_recovered", functools.partial(
+                    end, run_id=r.run_id, token=r.fencing_token, reason=Reason.WORKER_LOST,
+                    message=Reason.RECONCILED_ACTIVE_WITHOUT_LEASE.value)
+            return "overlong_attempts_timed_out", functools.partial(
+                end, run_id=r.run_id, token=r.fencing_token, reason=Reason.TIMEOUT,
+                message=overlong(r))
+
+        counts: dict[str, int] = dict.fromkeys((
+            "admitted_requeued", "terminal_leases_revoked", "waiting_leases_revoked",
+            "cancelled_task_runs_cancelled", "active_without_lease_recovered",
+            "workers_marked_dead", "overlong_attempts_timed_out"), 0)
+        failed = 0
+        pending = dict.fromkeys(listings, msql.FIRST_KEY)
+        for _ in range(max_pages):
+            now, pages = self._transaction(functools.partial(listed, pending=pending))
+            for name, rows in pages.items():
+                for r in rows:
+                    count, work = repair_of(name, r)
+                    done = self._isolated(f"reconciler:{name}", r, work)
+                    counts[count] += bool(done)
+                    failed += done is None
+            pending = {name: (float(rows[-1].updated_at) if name == "admitted"
+                              else msql.FIRST_KEY[0], str(rows[-1].run_id))
+                       for name, rows in pages.items() if len(rows) >= limit}
+            if not pending:
+                break
         # 5. Workers whose heartbeat stopped: DEAD.
         counts["workers_marked_dead"] = self._transaction(lambda conn: len(conn.execute(
-            self._q(sql.STALE_WORKERS), {"now": now, "grace": worker_grace}).all()))
-        counts["overlong_attempts_timed_out"] = sum(
-            each(end, r.run_id, r.fencing_token, Reason.TIMEOUT,
-                 f"attempt ran over {max_attempt_seconds:.0f}s") for r in found["overlong"])
+            self._q(msql.STALE_WORKERS), {"now": now, "grace": worker_grace}).all()))
         # 7. The scheduler's bookkeeping, recounted from the truth.
         counts.update(self._transaction(self._repair_scheduling_counts))
         # 8. Lanes of routes no live worker serves leave the virtual time.
         counts.update(self._transaction(self._mark_unserved_lanes))
+        counts["rows_failed"] = failed
         if any(counts.values()):
             log.info("reconciled", **counts)
         return counts
@@ -1722,9 +1797,10 @@ class Store(SchedulingMixin):
     def audit(self) -> list[Violation]:
         """Check the invariants of DESIGN.md on the live database."""
         found: list[Violation] = []
-        params = {"now": self.clock.now(), "recheck": BLOCKED_LANE_RECHECK_SECONDS}
+        params = {"now": self.clock.now(), "recheck": BLOCKED_LANE_RECHECK_SECONDS,
+                  "max_uncharged_releases": self.max_uncharged_releases}
         with self.reads.connect() as conn:
-            for check, statement in sql.AUDIT_CHECKS.items():
+            for check, statement in {**sql.AUDIT_CHECKS, **msql.AUDIT_CHECKS}.items():
                 used = {k: v for k, v in params.items() if f":{k}" in statement
                         or (k == "now" and "{now}" in statement)}
                 for r in conn.execute(self._q(statement), used):

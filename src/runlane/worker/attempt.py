@@ -106,10 +106,17 @@ class AttemptState:
         return None
 
     def report_cost(self, usd: float, input_tokens: int, output_tokens: int) -> None:
+        """Every cost line is money spent: while the lease is held, the attempt's cost;
+        once it is lost, or given up on the local deadline (the agent is being stopped,
+        and may print more), the attempt's late cost: one write per line, counted in
+        the tenant's day all the same."""
+        if self.lost.is_set():
+            self.store.report_late_cost(self.lease, usd)
+            return
         try:
             self.store.report_cost(self.lease, usd, input_tokens=input_tokens,
                                    output_tokens=output_tokens)
-        except LeaseLost:
+        except LeaseLost:  # recorded as late cost by the store
             self.lost.set()
         except CostLimitExceeded as exc:
             log.warning("cost_limit_exceeded", run_id=self.lease.run_id, message=str(exc))
