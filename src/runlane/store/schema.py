@@ -275,7 +275,7 @@ attempts = Table(
     # Concurrency scopes this attempt holds a slot in, given back when it ends (0004).
     Column("limit_scopes", JSON),
     # Cost reported after the attempt's lease was lost (0017): spent all the same, and
-    # counted in the run's cost and its tenant's day (Store.report_late_cost).
+    # counted in its tenant's day, not in the run's cost_usd (Store.report_late_cost).
     Column("late_cost_usd", Float, nullable=False, server_default="0"),
     UniqueConstraint("run_id", "fencing_token", name="uq_attempts_run_fencing_token"),
     # Invariant 2: at most one ACTIVE lease per run, enforced by the database.
