@@ -50,6 +50,10 @@ class AttemptLimits:
     wall_clock_seconds: float | None = None
     max_changed_files: int | None = None
     max_diff_lines: int | None = None
+    # The sandbox's terms from the run's policy: the host network or none, and the
+    # names of the worker's variables given to the agent as files (runlane.sandbox).
+    network: bool = True
+    secrets: tuple[str, ...] = ()
 
 
 @dataclass

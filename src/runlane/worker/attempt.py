@@ -283,6 +283,9 @@ class AttemptDriver:
                     return self._stopped(state, StopReason.TIMEOUT)
                 limits = replace(limits, wall_clock_seconds=left)
             self.store.advance(lease, S.VERIFYING)
+            # The repository's own code runs here (its tests): the policy's secrets are
+            # the agent's (its model's API key), not the verify command's.
+            limits = replace(limits, secrets=())
             verdict = self.verifier.run(workspace=workspace.path, artifacts_dir=artifacts,
                                         env=env, control=state, limits=limits,
                                         log_name="verify.log")
@@ -374,11 +377,14 @@ class AttemptDriver:
             return theirs if mine is None else min(mine, theirs)
 
         minutes = run.get("max_wall_clock_minutes")
+        network = run.get("network")  # absent: a run admitted before the field existed
         return AttemptLimits(
             wall_clock_seconds=tighter(own.wall_clock_seconds,
                                        None if minutes is None else float(minutes) * 60),
             max_changed_files=tighter(own.max_changed_files, run.get("max_changed_files")),
-            max_diff_lines=tighter(own.max_diff_lines, run.get("max_diff_lines")))
+            max_diff_lines=tighter(own.max_diff_lines, run.get("max_diff_lines")),
+            network=own.network if network is None else bool(network) and own.network,
+            secrets=tuple(run.get("secrets") or ()))
 
     @staticmethod
     def _env(lease: Lease, task: dict[str, Any], workspace: Path, artifacts: Path
