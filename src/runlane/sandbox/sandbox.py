@@ -9,7 +9,7 @@ and stop every process it becomes. With ``SANDBOX=bwrap`` that is::
           [--unshare-net] --die-with-parent --new-session --cap-drop ALL
           --info-fd N  <the view: sandbox/view.py>  --chdir WORKSPACE
           [--perms 0400 --ro-bind-data FD /run/secrets/NAME]...
-          /bin/sh -c COMMAND
+          --remount-ro /  /bin/sh -c COMMAND
 
 ``--die-with-parent``: bwrap gets SIGKILL when the worker (the thread that started
 it) dies, and the namespace's PID 1 when bwrap does; the kernel then kills every
@@ -216,7 +216,7 @@ class Sandbox:
             os.lseek(fd, 0, os.SEEK_SET)
             argv += ["--perms", "0400", "--ro-bind-data", str(fd), f"{SECRETS_DIR}/{name}"]
         spawn.pass_fds = tuple(spawn._child_fds)
-        return [*argv, "/bin/sh", "-c", command]
+        return [*argv, "--remount-ro", "/", "/bin/sh", "-c", command]
 
     def view(self, workspace: Path, artifacts_dir: Path) -> View:
         return View(read_only=(*worker_python_paths(), *self.config.read_only_paths),

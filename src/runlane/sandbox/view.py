@@ -87,11 +87,13 @@ class _Ops:
             out += args
         for dest in self.remount:
             out += ["--remount-ro", dest]
-        return [*out, "--remount-ro", "/"]
+        return out
 
 
 def mount_args(view: View) -> list[str]:
-    """bwrap's file system arguments for ``view`` (see the module's docstring)."""
+    """bwrap's file system arguments for ``view`` (see the module's docstring). The root
+    itself is left writable, for files added after these (the secrets): the caller ends
+    with ``--remount-ro /``."""
     ops = _Ops()
     # (where it appears in the sandbox, the host path it shows): every visible bind.
     visible: list[tuple[str, str]] = []
