@@ -256,6 +256,7 @@ class Runlane:
         ``agent_command`` (the CONTRACT.md protocol) does the work."""
         from runlane.agents.command import CommandRunner
         from runlane.codehost.factory import code_host_for as default_code_host_for
+        from runlane.sandbox.guard import start as start_guard
 
         _check_worker_arguments(queues, concurrency)
         s = self.settings
@@ -269,6 +270,7 @@ class Runlane:
         if agent is None or verify_command:  # a command will run: it must be able to
             sandbox.check(workspace_root=attempts.workspace_root,
                           artifacts_root=attempts.artifacts_root)
+            start_guard()
         if agent is None:
             assert agent_command is not None
             agent = CommandRunner(agent_command, sandbox=sandbox,

@@ -311,8 +311,10 @@ class CommandRunner:
         assert proc.stdout is not None and proc.stderr is not None
         pgid = proc.pid  # start_new_session: bwrap (or the shell) leads its own group
         members = spawn.members(proc)
-        # A guard process ends the agent at its lease deadline if this worker cannot.
+        # A guard process ends the agent at its lease deadline if this worker cannot;
+        # the command runs once it is watched.
         control, guard_key = guard(members, control, self.term_grace_seconds)
+        spawn.release()
         lines = _ControlLines(control, out)
         pump = _Pump(proc.stdout, proc.stderr, lines.stdout_line, out.line, out)
         pump.start()

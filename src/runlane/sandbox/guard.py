@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import select
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from runlane.sandbox.processes import Members, Namespace, ProcessGroup
 log = structlog.get_logger("runlane.sandbox")
 
 SCRIPT = Path(__file__).with_name("guard_process.py")
+START_TIMEOUT_SECONDS = 30.0
 
 
 class _GuardProcess:
@@ -37,18 +39,36 @@ class _GuardProcess:
     def key(self) -> str:
         return str(next(self._keys))
 
+    def start(self) -> None:
+        """Start the guard (if it is not running) and wait until it reads commands."""
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
+        if self._failed or (self._proc is not None and self._proc.poll() is None):
+            return
+        try:
+            # Its own session: a Ctrl-C meant for the worker does not end it (it ends at
+            # the end of its input, when the worker does).
+            self._proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(SCRIPT)], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, start_new_session=True, close_fds=True)
+            self._stdin = self._proc.stdin
+            assert self._proc.stdout is not None
+            ready, _, _ = select.select([self._proc.stdout], [], [], START_TIMEOUT_SECONDS)
+            if not ready or self._proc.stdout.readline().strip() != b"ready":
+                raise OSError(f"the guard did not start within {START_TIMEOUT_SECONDS:g} s")
+        except OSError as exc:
+            self._failed = True
+            log.error("sandbox_guard_failed", error=str(exc),
+                      consequence="an agent of a paused worker may outlive its lease")
+
     def send(self, line: str) -> None:
         with self._lock:
+            self._start()
             if self._failed:
                 return
             try:
-                if self._proc is None or self._proc.poll() is not None:
-                    # Its own session: a Ctrl-C meant for the worker does not end it (it
-                    # ends at the end of its input, when the worker does).
-                    self._proc = subprocess.Popen(
-                        [sys.executable, "-I", "-S", str(SCRIPT)], stdin=subprocess.PIPE,
-                        stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True)
-                    self._stdin = self._proc.stdin
                 assert self._stdin is not None
                 self._stdin.write(line.encode() + b"\n")
                 self._stdin.flush()
@@ -116,6 +136,12 @@ def guard(members: Members, control: AttemptControl, grace: float
     key = _GUARD.key()
     _GUARD.send(f"watch {key} {target} {deadline!r} {grace!r}")
     return GuardedControl(control, key), key
+
+
+def start() -> None:
+    """Start this process's guard now (a worker does, before it claims anything): not at
+    the first agent, when a busy machine could take a second to start a Python."""
+    _GUARD.start()
 
 
 def forget(key: str | None) -> None:

@@ -26,6 +26,7 @@ once, and the guard exits.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import select
@@ -72,8 +73,9 @@ def _signal(entry: Entry, sig: signal.Signals) -> None:
 
 
 def _say(event: str, key: str, **fields: object) -> None:
+    at = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
     print(json.dumps({"event": event, "level": "warning", "logger": "runlane.sandbox.guard",
-                      "key": key, **fields}), file=sys.stderr, flush=True)
+                      "key": key, **fields, "timestamp": at}), file=sys.stderr, flush=True)
 
 
 class Guard:
@@ -124,6 +126,7 @@ def main() -> int:
         signal.signal(sig, signal.SIG_IGN)  # it ends when its worker does: end of input
     guard = Guard()
     pending = b""
+    print("ready", flush=True)  # the worker waits for this before it claims anything
     while True:
         ready, _, _ = select.select([0], [], [], guard.due(time.monotonic()))
         if not ready:

@@ -7,7 +7,7 @@ and stop every process it becomes. With ``SANDBOX=bwrap`` that is::
 
     bwrap --unshare-pid --unshare-ipc --unshare-uts --unshare-cgroup-try
           [--unshare-net] --die-with-parent --new-session --cap-drop ALL
-          --info-fd N  <the view: sandbox/view.py>  --chdir WORKSPACE
+          --info-fd N --block-fd M  <the view: sandbox/view.py>  --chdir WORKSPACE
           [--perms 0400 --ro-bind-data FD /run/secrets/NAME]...
           --remount-ro /  /bin/sh -c COMMAND
 
@@ -15,7 +15,9 @@ and stop every process it becomes. With ``SANDBOX=bwrap`` that is::
 it) dies, and the namespace's PID 1 when bwrap does; the kernel then kills every
 process of the PID namespace, including one that called ``setsid`` and forked twice.
 ``--cap-drop ALL`` with bwrap's ``no_new_privs``: no capability, even as root, and
-none regained by executing anything.
+none regained by executing anything. ``--info-fd`` tells the runner the namespace
+(runlane.sandbox.processes); ``--block-fd`` holds the command until the guard
+(runlane.sandbox.guard) watches it.
 
 Secrets never go on an argv (``/proc/PID/cmdline`` is readable by every process of
 the host): bwrap copies each from a memfd into a read-only file.
@@ -115,6 +117,7 @@ class Spawn:
     notes: list[str] = field(default_factory=list)  # for the attempt's log
     preexec_fn: Callable[[], None] | None = None
     _info_read: int | None = None
+    _release_write: int | None = None
     _child_fds: list[int] = field(default_factory=list)
     _cleanup: list[Callable[[], None]] = field(default_factory=list)
     _members: Members | None = None
@@ -124,6 +127,16 @@ class Spawn:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._child_fds.clear()
+
+    def release(self) -> None:
+        """Let the command run: bwrap holds it (``--block-fd``) until told, so that the
+        guard watches it before it runs a single instruction (a worker paused in between
+        would otherwise leave an agent nobody ends)."""
+        if self._release_write is not None:
+            with contextlib.suppress(OSError):
+                os.write(self._release_write, b"x")
+            os.close(self._release_write)
+            self._release_write = None
 
     def members(self, proc: subprocess.Popen[bytes]) -> Members:
         """The processes ``proc`` became, to watch and to signal."""
@@ -139,6 +152,7 @@ class Spawn:
 
     def close(self) -> None:
         self.started()
+        self.release()
         if self._info_read is not None:
             os.close(self._info_read)
             self._info_read = None
@@ -202,11 +216,14 @@ class Sandbox:
         read, write = os.pipe()
         spawn._info_read = read
         spawn._child_fds.append(write)
+        block, release = os.pipe()
+        spawn._release_write = release
+        spawn._child_fds.append(block)
         argv = [shutil.which("bwrap", path=self.environ.get("PATH")) or "bwrap", *NAMESPACES]
         if not network:
             argv.append("--unshare-net")
         argv += ["--die-with-parent", "--new-session", "--cap-drop", "ALL",
-                 "--info-fd", str(write)]
+                 "--info-fd", str(write), "--block-fd", str(block)]
         argv += mount_args(self.view(workspace, artifacts_dir))
         argv += ["--chdir", os.path.abspath(workspace)]
         for name, value in secrets.items():
@@ -281,22 +298,29 @@ class Sandbox:
             spawn = self.prepare("exit 0", workspace=Path(ws), artifacts_dir=Path(art), env={},
                                  network=False)
             try:
-                done = subprocess.run(spawn.argv, env=spawn.env, pass_fds=spawn.pass_fds,
-                                      cwd=ws, stdin=subprocess.DEVNULL,
-                                      capture_output=True, timeout=PROBE_TIMEOUT_SECONDS)
-            except subprocess.TimeoutExpired:
-                raise SandboxUnavailable(
-                    f"SANDBOX=bwrap but a test sandbox did not finish within "
-                    f"{PROBE_TIMEOUT_SECONDS:g} s; {INSTALL_HINT}") from None
+                probe = subprocess.Popen(spawn.argv, env=spawn.env, pass_fds=spawn.pass_fds,
+                                         cwd=ws, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             except OSError as exc:
+                spawn.close()
                 raise SandboxUnavailable(
                     f"SANDBOX=bwrap but bwrap cannot be executed ({exc.strerror}); "
                     f"{INSTALL_HINT}") from None
+            try:
+                spawn.started()
+                spawn.release()
+                _, stderr = probe.communicate(timeout=PROBE_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                probe.kill()
+                probe.communicate()
+                raise SandboxUnavailable(
+                    f"SANDBOX=bwrap but a test sandbox did not finish within "
+                    f"{PROBE_TIMEOUT_SECONDS:g} s; {INSTALL_HINT}") from None
             finally:
                 spawn.close()
-        if done.returncode != 0:
-            message = (done.stderr.decode(errors="replace").strip().splitlines() or
-                       [f"exit status {done.returncode}"])[-1]
+        if probe.returncode != 0:
+            message = (stderr.decode(errors="replace").strip().splitlines() or
+                       [f"exit status {probe.returncode}"])[-1]
             raise SandboxUnavailable(f"SANDBOX=bwrap but a sandbox cannot start here: "
                                      f"{message}; {_fix(message)}")
 
