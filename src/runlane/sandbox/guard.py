@@ -125,7 +125,10 @@ def guard(members: Members, control: AttemptControl, grace: float
     if deadline is None:
         return control, None
     if isinstance(members, Namespace):
-        info = members.info()
+        try:
+            info = members.info()
+        except OSError:
+            info = {}
         if "child-pid" not in info or "pid-namespace" not in info:
             return control, None  # bwrap did not start: nothing to guard
         target = f"ns {info['child-pid']} {info['pid-namespace']}"
