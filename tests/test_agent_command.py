@@ -277,6 +277,28 @@ def test_log_name_is_used(agent: Agent) -> None:
     assert result.log_path.read_text() == "verified\n"
 
 
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "directory"])
+def test_a_log_name_the_agent_planted_is_set_aside_never_written_through(
+        agent: Agent, tmp_path: Path, planted: str) -> None:
+    """The worker opens verify.log after the agent ran, outside its sandbox, in the
+    artifacts directory the agent could write: a symlink planted there made the worker
+    append the verify command's output to any file it could write (as root: any), a
+    FIFO hung it. What is there is set aside, and the log is a new file."""
+    victim = tmp_path / "victim"
+    victim.write_text("the worker's file\n")
+    plant = {"symlink": f'ln -s {victim} "$RUNLANE_ARTIFACTS_DIR/verify.log"',
+             "fifo": 'mkfifo "$RUNLANE_ARTIFACTS_DIR/verify.log"',
+             "directory": 'mkdir "$RUNLANE_ARTIFACTS_DIR/verify.log"'}[planted]
+    assert agent.run(plant).succeeded
+    verified = CommandRunner("echo written by verify", sandbox=agent.sandbox).run(
+        workspace=agent.workspace, artifacts_dir=agent.artifacts, env=agent.env,
+        control=FakeControl(), limits=AttemptLimits(), log_name="verify.log")
+    assert verified.succeeded
+    assert victim.read_text() == "the worker's file\n"
+    assert (agent.artifacts / "verify.log").read_text() == "written by verify\n"
+    assert (agent.artifacts / "verify.log.agent-planted").is_symlink() is (planted == "symlink")
+
+
 # --- environment ---------------------------------------------------------------
 
 

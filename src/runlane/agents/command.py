@@ -16,11 +16,13 @@ bwrap, the shell's process group without (runlane.sandbox.processes).
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import selectors
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -163,12 +165,35 @@ def _count(value: Any, name: str) -> int:
 # --- the log -------------------------------------------------------------------
 
 
+_LOG_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _open_log(path: Path) -> int:
+    """The log file, appended to. The artifacts directory is the agent's to write: what
+    it left at this name (a symlink to a file of the worker's, a FIFO, a directory) is
+    set aside as ``NAME.agent-planted``, never followed or written through (the worker
+    writes ``verify.log`` after the agent ran, outside any sandbox)."""
+    try:
+        fd = os.open(path, _LOG_FLAGS, 0o644)
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.set_blocking(fd, True)
+            return fd
+        os.close(fd)
+    except OSError as exc:  # ELOOP: a symlink; ENXIO: a FIFO; EISDIR: a directory
+        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise
+    path.rename(path.with_name(f"{path.name}.agent-planted"))
+    fd = os.open(path, _LOG_FLAGS | os.O_EXCL, 0o644)
+    os.set_blocking(fd, True)
+    return fd
+
+
 class _Log:
     """The attempt's log: appended to (a retry never erases evidence), one flush a line.
     Written by the reader thread and by the runner; a lock keeps lines whole."""
 
     def __init__(self, path: Path) -> None:
-        self._file: IO[bytes] | None = open(path, "ab")  # noqa: SIM115 - closed in close()
+        self._file: IO[bytes] | None = os.fdopen(_open_log(path), "ab")
         self._lock = threading.Lock()
 
     def line(self, data: bytes) -> None:
