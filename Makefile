@@ -4,7 +4,20 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-chaos lint bench bench-peers clean
+.PHONY: demo test test-chaos lint bench bench-peers clean bwrap
+
+# Agent commands run in bubblewrap (docs/sandbox.md): installed when missing (as root,
+# with apt-get), else the fix is printed. `make demo` with RUNLANE_SANDBOX=off needs none.
+bwrap:
+	@command -v bwrap >/dev/null 2>&1 || [ "$$RUNLANE_SANDBOX" = off ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update && apt-get install -y bubblewrap; \
+	  else \
+	    echo "error: bubblewrap (bwrap) is missing: sudo apt-get install -y bubblewrap" \
+	      "(or dnf install bubblewrap); or run agents without a sandbox:" \
+	      "RUNLANE_SANDBOX=off make demo" >&2; \
+	    exit 1; \
+	  fi; }
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,21 +25,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) bwrap
 	$(BIN)/runlane demo
 
 # Lint, types, the main suite on two processes, then the fault harness's real runs
 # (tests marked chaos: the short PostgreSQL profile, the SQLite profile, the planted
 # bugs and their control), one at a time after the main suite, so that nothing else
 # of the suite competes with their recovery-time figures (about 5 minutes).
-test: $(STAMP)
+test: $(STAMP) bwrap
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest -n 2 --dist loadgroup -m "not chaos"
 	$(BIN)/pytest -m chaos
 
 # The fault harness's real runs alone (the second half of `make test`).
-test-chaos: $(STAMP)
+test-chaos: $(STAMP) bwrap
 	$(BIN)/pytest -m chaos
 
 lint: $(STAMP)

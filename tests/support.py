@@ -114,3 +114,21 @@ def one_line_error(result: subprocess.CompletedProcess[str], code: int, says: st
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert says in result.stderr, result.stderr
+
+
+def processes_in(directory: Path) -> list[int]:
+    """Host pids of the processes whose working directory is ``directory`` or below it:
+    an agent and everything it started, inside a sandbox or not (a pid an agent reports
+    from inside its PID namespace means nothing on the host)."""
+    root = os.path.realpath(directory)
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cwd = os.readlink(f"/proc/{entry}/cwd").removesuffix(" (deleted)")
+        except OSError:
+            continue
+        if cwd == root or cwd.startswith(root + "/"):
+            found.append(int(entry))
+    return found

@@ -123,7 +123,7 @@ def test_admit_with_the_defaults() -> None:
     assert d.risk_class == "low"
     assert d.requires == '{"tools":["git"]}'
     assert d.limits == {"max_wall_clock_minutes": 45.0, "max_cost_usd": 5.0,
-                        "max_changed_files": 50}
+                        "max_changed_files": 50, "network": True}
     assert d.concurrency == {"global": 200, "tenant:acme": 20}
     assert d.weight == 2.0
     assert d.policy_version == 7
@@ -137,7 +137,7 @@ def test_admit_on_a_repository_rule_takes_its_terms() -> None:
     assert d.max_attempts == 2
     assert d.requires == '{"jdk":">=21","tools":["git","maven"]}'
     assert d.limits == {"max_wall_clock_minutes": 90.0, "max_cost_usd": 2.0,
-                        "max_changed_files": 50}
+                        "max_changed_files": 50, "network": True}
     assert d.concurrency == {"global": 200, "tenant:acme": 20, "user:ann": 5, "queue:java": 8}
 
 
@@ -150,6 +150,36 @@ def test_the_tasks_own_terms_win_except_the_attempt_cap() -> None:
     assert d.max_attempts == 2  # min(task's 5, repository's 2)
     assert decide(repo="git@host:acme/java-billing", max_attempts=1).max_attempts == 1
     assert d.requires == '{"jdk":">=21.0.2","tools":["git","maven"],"workspace_gb":12}'
+
+
+@pytest.mark.parametrize(("risk", "rule_says", "network"), [
+    ("low", None, True), ("medium", None, True), ("high", None, False),
+    ("critical", None, False), ("high", True, True), ("low", False, False)])
+def test_the_network_is_recorded_resolved_off_for_high_and_critical_risk(
+        risk: str, rule_says: bool | None, network: bool) -> None:
+    """docs/sandbox.md: `network` unset is on for low and medium risk, off for high and
+    critical; recorded on the run either way, so a worker never needs the risk class.
+    A repository rule's value overrides the defaults', like every limit."""
+    limits = ("" if rule_says is None
+              else f"limits = {{ network = {str(rule_says).lower()} }}\n")
+    policy = parse_policy(f'[defaults]\nrisk_class = "{risk}"\n'
+                          '[defaults.limits]\nnetwork = true\n'
+                          f'[[repositories]]\nmatch = "*"\n{limits}', "p.toml")
+    if rule_says is None:  # the defaults say nothing either
+        policy = parse_policy(f'[defaults]\nrisk_class = "{risk}"\n', "p.toml")
+    d = admit(AdmissionRequest(tenant="t", repo="r"), policy, 0, IDLE, NOW)
+    assert d.limits["network"] is network
+
+
+def test_secrets_are_recorded_as_a_sorted_list_of_names() -> None:
+    policy = parse_policy('[defaults.limits]\nsecrets = ["Z_KEY", "MODEL_API_KEY", "Z_KEY"]\n'
+                          '[[repositories]]\nmatch = "/srv/*"\n'
+                          'limits = { secrets = [] }\n', "p.toml")
+    d = admit(AdmissionRequest(tenant="t", repo="r"), policy, 0, IDLE, NOW)
+    assert d.limits["secrets"] == ["MODEL_API_KEY", "Z_KEY"]
+    # A repository rule's list replaces the defaults' (an empty one: no secret at all).
+    assert admit(AdmissionRequest(tenant="t", repo="/srv/a"), policy, 0, IDLE,
+                 NOW).limits["secrets"] == []
 
 
 def test_max_attempts_falls_back_to_the_setting_when_the_policy_is_silent() -> None:
@@ -167,7 +197,7 @@ def test_the_empty_policy_admits_everything_without_limits() -> None:
               TenantUsage(queued_runs=10**6, spent_today_usd=10**6), NOW)
     assert d.decision == "ADMIT"
     assert (d.queue, d.priority, d.risk_class, d.requires) == ("default", 100, "low", "")
-    assert d.limits == {} and d.concurrency == {}
+    assert d.limits == {"network": True} and d.concurrency == {}  # low risk: the network
     assert d.weight == 1.0
 
 

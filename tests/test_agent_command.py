@@ -1,5 +1,7 @@
 """The agent command protocol (CONTRACT.md) with real /bin/sh processes: control lines,
-logs, environment, and stopping the whole process group (grandchildren included)."""
+logs, environment, and stopping the whole process group (grandchildren included).
+Every test runs in bubblewrap (SANDBOX=bwrap, the default) and without (SANDBOX=off),
+whose process-group mechanics the runner still has."""
 
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ from runlane.agents.command import (
     ProgressReport,
     parse_control_line,
 )
+from runlane.sandbox import Sandbox, SandboxConfig
+
+from .support import processes_in
 
 GRACE = 0.3
 STOP_AFTER = 0.3
@@ -65,9 +70,11 @@ class FakeControl:
 
 
 class Agent:
-    """One workspace and artifacts directory; runs commands in them."""
+    """One workspace and artifacts directory; runs commands in them, in ``mode``."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, mode: str = "bwrap") -> None:
+        self.mode = mode
+        self.sandbox = Sandbox(SandboxConfig(mode=mode))  # type: ignore[arg-type]
         self.workspace = tmp_path / "workspace"
         self.artifacts = tmp_path / "artifacts"
         self.workspace.mkdir()
@@ -82,6 +89,7 @@ class Agent:
     def run(self, command: str, control: FakeControl | None = None,
             limits: AttemptLimits | None = None, **runner: Any) -> AgentResult:
         runner.setdefault("term_grace_seconds", GRACE)
+        runner.setdefault("sandbox", self.sandbox)
         return CommandRunner(command, **runner).run(
             workspace=self.workspace, artifacts_dir=self.artifacts, env=self.env,
             control=control or FakeControl(), limits=limits or AttemptLimits())
@@ -93,9 +101,9 @@ class Agent:
         return int((self.artifacts / name).read_text())
 
 
-@pytest.fixture
-def agent(tmp_path: Path) -> Agent:
-    return Agent(tmp_path)
+@pytest.fixture(params=["bwrap", "off"])
+def agent(tmp_path: Path, request: pytest.FixtureRequest) -> Agent:
+    return Agent(tmp_path, request.param)
 
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -116,19 +124,15 @@ def worker_reaps() -> Iterator[None]:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
-def assert_group_gone(pgid: int) -> None:
-    with pytest.raises(ProcessLookupError):
-        os.killpg(pgid, 0)
+def assert_all_gone(agent: Agent) -> None:
+    """No process of the agent is left: the shell, its background grandchild, anything
+    else that ran in its workspace (found from the host: pids an agent writes from
+    inside its PID namespace mean nothing here)."""
+    assert processes_in(agent.workspace) == []
 
 
-def assert_process_gone(pid: int) -> None:
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
-
-
-# Writes the shell's pid (= its process group id) and starts a background grandchild.
-PROLOGUE = ('echo $$ > "$RUNLANE_ARTIFACTS_DIR/pgid"; '
-            'sleep 100 & echo $! > "$RUNLANE_ARTIFACTS_DIR/bg"; ')
+# Starts a background grandchild, which outlives the shell unless the runner ends it.
+PROLOGUE = "sleep 100 & "
 
 
 # --- control lines and the log ----------------------------------------------------
@@ -200,7 +204,7 @@ MALFORMED = [
 
 
 def test_malformed_control_lines_are_logged_with_a_warning(agent: Agent) -> None:
-    script = agent.artifacts.parent / "malformed.txt"
+    script = agent.workspace / "malformed.txt"
     script.write_text("\n".join(["before", *MALFORMED, "after"]) + "\n")
     control = FakeControl()
     result = agent.run(f"cat '{script}'", control)
@@ -266,11 +270,33 @@ def test_the_log_is_appended_to_never_truncated(agent: Agent) -> None:
 
 
 def test_log_name_is_used(agent: Agent) -> None:
-    result = CommandRunner("echo verified").run(
+    result = CommandRunner("echo verified", sandbox=agent.sandbox).run(
         workspace=agent.workspace, artifacts_dir=agent.artifacts, env=agent.env,
         control=FakeControl(), limits=AttemptLimits(), log_name="verify.log")
     assert result.log_path == agent.artifacts / "verify.log"
     assert result.log_path.read_text() == "verified\n"
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "directory"])
+def test_a_log_name_the_agent_planted_is_set_aside_never_written_through(
+        agent: Agent, tmp_path: Path, planted: str) -> None:
+    """The worker opens verify.log after the agent ran, outside its sandbox, in the
+    artifacts directory the agent could write: a symlink planted there made the worker
+    append the verify command's output to any file it could write (as root: any), a
+    FIFO hung it. What is there is set aside, and the log is a new file."""
+    victim = tmp_path / "victim"
+    victim.write_text("the worker's file\n")
+    plant = {"symlink": f'ln -s {victim} "$RUNLANE_ARTIFACTS_DIR/verify.log"',
+             "fifo": 'mkfifo "$RUNLANE_ARTIFACTS_DIR/verify.log"',
+             "directory": 'mkdir "$RUNLANE_ARTIFACTS_DIR/verify.log"'}[planted]
+    assert agent.run(plant).succeeded
+    verified = CommandRunner("echo written by verify", sandbox=agent.sandbox).run(
+        workspace=agent.workspace, artifacts_dir=agent.artifacts, env=agent.env,
+        control=FakeControl(), limits=AttemptLimits(), log_name="verify.log")
+    assert verified.succeeded
+    assert victim.read_text() == "the worker's file\n"
+    assert (agent.artifacts / "verify.log").read_text() == "written by verify\n"
+    assert (agent.artifacts / "verify.log.agent-planted").is_symlink() is (planted == "symlink")
 
 
 # --- environment ---------------------------------------------------------------
@@ -278,7 +304,8 @@ def test_log_name_is_used(agent: Agent) -> None:
 
 def test_environment_cwd_stdin_and_own_session(agent: Agent,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AGENT_TEST_INHERITED", "from the worker")
+    monkeypatch.setenv("AGENT_TEST_INHERITED", "from the worker")  # not in the allowlist
+    monkeypatch.setenv("LC_TEST_LOCALE", "C")  # LC_*: in the allowlist
     monkeypatch.setenv("RUNLANE_TEST_SETTING", "runlane's own")  # not the agent's
     probe = ("import json, os; "
              "json.dump({'env': dict(os.environ), 'cwd': os.getcwd(), "
@@ -290,13 +317,37 @@ def test_environment_cwd_stdin_and_own_session(agent: Agent,
     seen = json.loads((agent.artifacts / "probe.json").read_text())
     for key, value in agent.env.items():
         assert seen["env"][key] == value
-    assert seen["env"]["AGENT_TEST_INHERITED"] == "from the worker"
+    assert "AGENT_TEST_INHERITED" not in seen["env"]
+    assert seen["env"]["LC_TEST_LOCALE"] == "C"
     assert "RUNLANE_TEST_SETTING" not in seen["env"]
+    assert seen["env"]["PATH"] == os.environ["PATH"]
+    if agent.mode == "bwrap":
+        assert seen["env"]["HOME"] == "/tmp/home" and seen["env"]["TMPDIR"] == "/tmp"
+    else:
+        assert seen["env"]["HOME"] == os.environ["HOME"]
     assert seen["cwd"] == str(agent.workspace)
     assert seen["stdin"] == "/dev/null"
     shell = int(agent.log().split()[-1])
-    assert seen["pgid"] == seen["sid"] == shell  # the shell leads a new session and group
-    assert seen["sid"] != os.getsid(0)
+    if agent.mode == "bwrap":  # a session of the sandbox's own, led by its PID 1 (bwrap)
+        assert seen["pgid"] == seen["sid"] == 1 and shell == 2
+    else:
+        assert seen["pgid"] == seen["sid"] == shell  # the shell leads a new session
+        assert seen["sid"] != os.getsid(0)
+
+
+def test_variables_named_in_pass_env_are_passed(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """SANDBOX_PASS_ENV: the operator's own variables, by name; never runlane's code host
+    token, whatever name it goes by."""
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+    monkeypatch.setenv("GITHUB_TOKEN", "ghp_runlanes_own")  # runlane pushes with it
+    monkeypatch.delenv("RUNLANE_GITHUB_TOKEN", raising=False)
+    agent = Agent(tmp_path)
+    agent.sandbox = Sandbox(SandboxConfig(pass_env=("HTTPS_PROXY", "GITHUB_TOKEN")))
+    assert agent.run('env > "$RUNLANE_ARTIFACTS_DIR/env"').succeeded
+    env = (agent.artifacts / "env").read_text()
+    assert "HTTPS_PROXY=http://proxy:3128" in env.splitlines()
+    assert "ghp_runlanes_own" not in env
 
 
 def test_a_command_that_cannot_start_returns_no_exit_code(agent: Agent) -> None:
@@ -322,8 +373,7 @@ def test_cancel_stops_the_whole_group_within_the_grace(agent: Agent, reaper: str
     assert result.exit_code is None and result.signal == signal.SIGTERM
     assert not result.killed  # SIGTERM was enough: everything ended within the grace
     assert not result.succeeded
-    assert_group_gone(agent.number("pgid"))
-    assert_process_gone(agent.number("bg"))
+    assert_all_gone(agent)
     # The log was flushed line by line: both lines were on disk while the agent ran.
     assert sorted(seen_at_stop[0].splitlines()) == ["before-1", "before-2"]
     assert "before-1\n" in agent.log() and "stopping the agent (cancelled)" in agent.log()
@@ -341,8 +391,7 @@ def test_an_agent_ignoring_sigterm_is_killed_after_the_grace(agent: Agent,
     assert control.stopped_at is not None
     assert result.duration_seconds is not None
     assert STOP_AFTER + GRACE <= result.duration_seconds < STOP_AFTER + GRACE + 2
-    assert_group_gone(agent.number("pgid"))
-    assert_process_gone(agent.number("bg"))
+    assert_all_gone(agent)
     assert "SIGKILL" in agent.log()
 
 
@@ -351,18 +400,18 @@ def test_a_background_grandchild_is_killed_when_the_agent_exits(agent: Agent) ->
     result = agent.run(PROLOGUE + "echo done")
     assert result.succeeded and result.exit_code == 0 and not result.killed
     assert time.monotonic() - started < 10  # not the grandchild's 100 s
-    assert_group_gone(agent.number("pgid"))
-    assert_process_gone(agent.number("bg"))
+    assert_all_gone(agent)
 
 
 def test_a_leftover_ignoring_sigterm_is_killed_after_the_grace(agent: Agent,
                                                                worker_reaps: None) -> None:
     result = agent.run(PROLOGUE + "(trap '' TERM; touch ready; while :; do sleep 0.1; done) & "
-                       'echo $! > "$RUNLANE_ARTIFACTS_DIR/stubborn"; '
                        "while [ ! -e ready ]; do sleep 0.01; done; exit 0")
-    assert result.exit_code == 0 and result.stopped is None and result.killed
-    assert_group_gone(agent.number("pgid"))
-    assert_process_gone(agent.number("stubborn"))
+    assert result.exit_code == 0 and result.stopped is None
+    # Without a sandbox the runner SIGKILLs it after the grace; in one, the kernel kills
+    # the whole PID namespace the moment the shell exits: nothing left to kill.
+    assert result.killed is (agent.mode == "off")
+    assert_all_gone(agent)
 
 
 def test_the_wall_clock_limit_stops_with_timeout(agent: Agent, worker_reaps: None) -> None:
@@ -370,16 +419,14 @@ def test_the_wall_clock_limit_stops_with_timeout(agent: Agent, worker_reaps: Non
                        limits=AttemptLimits(wall_clock_seconds=0.3))
     assert result.stopped is StopReason.TIMEOUT and result.exit_code is None
     assert not result.succeeded
-    assert_group_gone(agent.number("pgid"))
-    assert_process_gone(agent.number("bg"))
+    assert_all_gone(agent)
 
 
 def test_a_lost_lease_stops_the_agent(agent: Agent, worker_reaps: None) -> None:
     control = FakeControl(0.2, reason=StopReason.LEASE_LOST)
     result = agent.run(PROLOGUE + "while :; do sleep 0.05; done", control)
     assert result.stopped is StopReason.LEASE_LOST
-    assert_group_gone(agent.number("pgid"))
-    assert_process_gone(agent.number("bg"))
+    assert_all_gone(agent)
 
 
 def test_a_stop_already_requested_stops_at_once(agent: Agent, worker_reaps: None) -> None:
@@ -391,8 +438,7 @@ def test_a_stop_already_requested_stops_at_once(agent: Agent, worker_reaps: None
 def test_output_held_open_outside_the_group_does_not_block_the_runner(agent: Agent) -> None:
     # A process that left the group (its own session) keeps the stdout pipe open.
     escape = ("import os, sys, time; os.setsid(); "
-              "open(os.environ['RUNLANE_ARTIFACTS_DIR'] + '/escaped', 'w')"
-              ".write(str(os.getpid())); sys.stdout.write('from the escapee\\n'); "
+              "sys.stdout.write('from the escapee\\n'); "
               "sys.stdout.flush(); time.sleep(30)")
     started = time.monotonic()
     result = agent.run(f'"$PY" -c "{escape}" & sleep 0.5; echo main done', drain_seconds=0.3)
@@ -400,7 +446,12 @@ def test_output_held_open_outside_the_group_does_not_block_the_runner(agent: Age
         assert result.succeeded
         assert time.monotonic() - started < 10
         assert "from the escapee" in agent.log() and "main done" in agent.log()
-        assert "still holds its output open" in agent.log()
+        if agent.mode == "off":  # out of the group's reach: it lives on
+            assert "still holds its output open" in agent.log()
+            assert processes_in(agent.workspace) != []
+        else:  # in the sandbox's PID namespace, setsid or not: gone with the shell
+            assert "still holds its output open" not in agent.log()
+            assert_all_gone(agent)
     finally:
-        os.kill(agent.number("escaped"), signal.SIGKILL)
-
+        for pid in processes_in(agent.workspace):
+            os.kill(pid, signal.SIGKILL)

@@ -97,37 +97,45 @@ def test_the_agent_does_not_inherit_the_workers_credentials(tmp_path: Path,
     """The agent got the worker's whole environment: the code host's token (the one
     runlane uses, RUNLANE_GITHUB_TOKEN or else GITHUB_TOKEN) and RUNLANE_DATABASE_URL
     (with its password), so it could push, open pull requests or write runs directly,
-    outside the ledger and the fencing tokens. Everything else it still gets (its model
-    provider's keys, PATH, ...), and the contract's variables."""
+    outside the ledger and the fencing tokens. Now it gets an allowlist (PATH, the
+    locale, ...), the variables SANDBOX_PASS_ENV names, and the contract's variables:
+    nothing else of the worker's environment, and never the code host's token, even
+    when SANDBOX_PASS_ENV names it."""
     repo = _remote(tmp_path)
     url = f"sqlite:///{tmp_path / 'runlane.db'}"
     assert _cli(tmp_path, "db", "upgrade", RUNLANE_DATABASE_URL=url).returncode == 0
     sub = _submit(tmp_path, repo, "p", RUNLANE_DATABASE_URL=url)
     done = _cli(tmp_path, "worker", "--agent-command", "env > env.txt", "--exit-when-idle",
                 RUNLANE_DATABASE_URL=url, RUNLANE_HEARTBEAT_SECONDS="5",
-                PROVIDER_API_KEY="sk-provider", **{token_variable: "ghp_secret"})
+                RUNLANE_SANDBOX_PASS_ENV=f"PROVIDER_API_KEY,{token_variable.removeprefix('RUNLANE_')}",
+                PROVIDER_API_KEY="sk-provider", CLOUD_SECRET="not-the-agents",
+                **{token_variable: "ghp_secret"})
     assert done.returncode == 0, done.stderr
     text = _git("show", f"agent/{sub['task_id']}/{sub['run_id']}:env.txt", cwd=repo)
     env = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
-    assert "ghp_secret" not in text
+    assert "ghp_secret" not in text and "not-the-agents" not in text
     assert not {"RUNLANE_DATABASE_URL", "RUNLANE_HEARTBEAT_SECONDS", "RUNLANE_FORGE_DIR",
-                "RUNLANE_WORKSPACE_DIR", token_variable} & set(env), sorted(env)
-    assert env["PROVIDER_API_KEY"] == "sk-provider"
+                "RUNLANE_WORKSPACE_DIR", "RUNLANE_SANDBOX_PASS_ENV", "PYTHONPATH",
+                token_variable} & set(env), sorted(env)
+    assert env["PROVIDER_API_KEY"] == "sk-provider"  # named in SANDBOX_PASS_ENV
     assert env["RUNLANE_RUN_ID"] == sub["run_id"] and env["RUNLANE_TASK_ID"] == sub["task_id"]
     assert {k for k in env if k.startswith("RUNLANE_")} == {
         "RUNLANE_TASK_ID", "RUNLANE_RUN_ID", "RUNLANE_ATTEMPT", "RUNLANE_TENANT",
         "RUNLANE_REPO", "RUNLANE_PROMPT", "RUNLANE_WORKSPACE", "RUNLANE_ARTIFACTS_DIR"}
 
 
-def test_a_github_token_of_the_agents_own_is_kept() -> None:
+def test_a_github_token_of_the_agents_own_is_kept_when_passed() -> None:
     """GITHUB_TOKEN is withheld when it is runlane's token; with RUNLANE_GITHUB_TOKEN set
-    for runlane, a different GITHUB_TOKEN is the agent's own and reaches it."""
+    for runlane, a different GITHUB_TOKEN is the agent's own and reaches it when
+    SANDBOX_PASS_ENV names it (and only then: it is not in the allowlist)."""
     from runlane.agents.command import agent_environment
 
-    own = agent_environment({"RUNLANE_GITHUB_TOKEN": "ghp_runlane", "GITHUB_TOKEN": "ghp_agent",
-                             "PATH": "/bin"})
-    assert own == {"GITHUB_TOKEN": "ghp_agent", "PATH": "/bin"}
-    same = agent_environment({"RUNLANE_GITHUB_TOKEN": "ghp_x", "GITHUB_TOKEN": "ghp_x"})
+    worker = {"RUNLANE_GITHUB_TOKEN": "ghp_runlane", "GITHUB_TOKEN": "ghp_agent", "PATH": "/bin"}
+    assert agent_environment(worker) == {"PATH": "/bin"}
+    assert agent_environment(worker, ["GITHUB_TOKEN"]) == {"GITHUB_TOKEN": "ghp_agent",
+                                                          "PATH": "/bin"}
+    same = agent_environment({"RUNLANE_GITHUB_TOKEN": "ghp_x", "GITHUB_TOKEN": "ghp_x"},
+                             ["GITHUB_TOKEN"])
     assert same == {}
 
 

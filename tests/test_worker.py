@@ -27,7 +27,7 @@ from runlane.domain.retry import RetryPolicy
 from runlane.settings import Settings
 from runlane.store.store import Store
 
-from .support import attempts_of, bare_remote, run_row, spec
+from .support import attempts_of, bare_remote, processes_in, run_row, spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -143,24 +143,18 @@ def test_drill_3_cancel_while_the_agent_runs(pstore: Store, remote: Path, forge_
                                             workers: Callable[..., WorkerProcess],
                                             tmp_path: Path) -> None:
     [sub] = pstore.submit([spec(repo=str(remote))])
-    agent = ("echo $$ > \"$RUNLANE_ARTIFACTS_DIR/pgid\"; echo line before cancel; "
+    agent = ("touch \"$RUNLANE_ARTIFACTS_DIR/started\"; echo line before cancel; "
              "echo change > change.txt; sleep 60")
     worker = workers(agent)
-    pgid_file = tmp_path / "artifacts" / sub.run_id / "1" / "pgid"
-    wait_until(lambda: pgid_file.exists() and status_of(pstore, sub.run_id) == "RUNNING", 20,
+    started = tmp_path / "artifacts" / sub.run_id / "1" / "started"
+    workspace = tmp_path / "workspaces" / f"{sub.run_id}-1"
+    wait_until(lambda: started.exists() and status_of(pstore, sub.run_id) == "RUNNING", 20,
                "the agent to run")
-    pgid = int(pgid_file.read_text())
+    assert processes_in(workspace)
     pstore.cancel(sub.task_id)
     cancelled_at = time.monotonic()
-
-    def group_gone() -> bool:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    gone_after = wait_until(group_gone, 5, "the agent's process group to exit")
+    gone_after = wait_until(lambda: not processes_in(workspace), 5,
+                            "the agent's processes to exit")
     # One heartbeat interval (0.3 s) plus scheduling slack on a loaded 2-core machine; the
     # agent dies on SIGTERM, so the 1 s TERM grace is not needed.
     assert gone_after <= 0.3 + 2.0
@@ -208,11 +202,11 @@ def test_sigkilled_worker_run_is_finished_by_another(pstore: Store, remote: Path
                                                    workers: Callable[..., WorkerProcess]
                                                    ) -> None:
     [sub] = pstore.submit([spec(repo=str(remote))])
-    agent = ("echo $$ > \"$RUNLANE_ARTIFACTS_DIR/pgid\"; "
+    agent = ("touch \"$RUNLANE_ARTIFACTS_DIR/started\"; "
              "if [ \"$RUNLANE_ATTEMPT\" = 1 ]; then sleep 60; fi; " + AGENT_WRITES)
     victim = workers(agent)
-    pgid_file = tmp_path / "artifacts" / sub.run_id / "1" / "pgid"
-    wait_until(lambda: pgid_file.exists(), 20, "attempt 1 to run")
+    started = tmp_path / "artifacts" / sub.run_id / "1" / "started"
+    wait_until(lambda: started.exists(), 20, "attempt 1 to run")
     victim.signal(signal.SIGKILL)
     victim.wait()
     try:
@@ -220,8 +214,9 @@ def test_sigkilled_worker_run_is_finished_by_another(pstore: Store, remote: Path
         finisher = workers(agent, "--exit-when-idle")
         assert finisher.wait(60) == 0
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(int(pgid_file.read_text()), signal.SIGKILL)  # the orphaned agent
+        for pid in processes_in(tmp_path / "workspaces" / f"{sub.run_id}-1"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # an orphaned agent (none in a sandbox)
     first, second = attempts_of(pstore, sub.run_id)
     assert (first.reason_code, first.lease_status) == ("WORKER_LOST", "EXPIRED")
     assert second.status == "SUCCEEDED" and second.worker_id != first.worker_id

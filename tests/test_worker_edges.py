@@ -71,11 +71,14 @@ def test_an_agent_without_changes_gets_no_pull_request_of_verify_output(
 
 
 def test_a_branch_the_agent_pushed_itself_is_not_adopted_as_the_runs_push(
-        lane: Runlane, remote: Path, forge_dir: Path) -> None:
+        lane: Runlane, remote: Path, forge_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The agent pushes a work-in-progress commit to the run's branch name (it knows the
     ids), then keeps working. The finalizer's lookup adopts any branch of that name, so
     the pull request shows the stale work in progress, without the final change and
-    without the run's trailer (invariant 8: the marker identifies runlane's own push)."""
+    without the run's trailer (invariant 8: the marker identifies runlane's own push).
+    SANDBOX=off: an agent with the network and a token of its own can push to a hosted
+    remote; the local bare remote standing for it here the sandbox (rightly) hides."""
+    monkeypatch.setattr(lane.settings, "sandbox", "off")
     run_id = submit_one(lane, remote)
     task_id = lane.run(run_id)["task_id"]
     agent = ("git checkout -q -b agent/$RUNLANE_TASK_ID/$RUNLANE_RUN_ID && echo wip > wip.txt "

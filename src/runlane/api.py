@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from runlane.agents.base import AttemptLimits
@@ -20,6 +20,7 @@ from runlane.domain.routing import parse_requirements, requirements_to_mapping
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskInvalid, TaskSpec, parse_task, valid_name
 from runlane.errors import DatabaseUnavailable, NotFound, RunlaneError, SchemaOutdated
+from runlane.sandbox import Sandbox, SandboxConfig
 from runlane.services.maintenance import (
     Reaper,
     ReaperConfig,
@@ -256,19 +257,28 @@ class Runlane:
         ``agent_command`` (the CONTRACT.md protocol) does the work."""
         from runlane.agents.command import CommandRunner
         from runlane.codehost.factory import code_host_for as default_code_host_for
+        from runlane.sandbox.guard import start as start_guard
 
         _check_worker_arguments(queues, concurrency)
         s = self.settings
-        if agent is None:
-            if not agent_command or not agent_command.strip():
-                raise InvalidArgument("a worker needs an agent command (--agent-command)")
-            agent = CommandRunner(agent_command, term_grace_seconds=s.agent_term_grace_seconds)
-        verifier = (CommandRunner(verify_command, term_grace_seconds=s.agent_term_grace_seconds)
-                    if verify_command else None)
+        if agent is None and (not agent_command or not agent_command.strip()):
+            raise InvalidArgument("a worker needs an agent command (--agent-command)")
         attempts = AttemptSettings(workspace_root=s.workspace_dir, artifacts_root=s.artifacts_dir,
                                    limits=limits or AttemptLimits(),
                                    keep_failed_workspaces=keep_failed_workspaces)
         attempts.check_directories()  # before the worker claims anything
+        sandbox = self.sandbox(attempts.workspace_root, attempts.artifacts_root)
+        if agent is None or verify_command:  # a command will run: it must be able to
+            sandbox.check(workspace_root=attempts.workspace_root,
+                          artifacts_root=attempts.artifacts_root)
+            start_guard()
+        if agent is None:
+            assert agent_command is not None
+            agent = CommandRunner(agent_command, sandbox=sandbox,
+                                  term_grace_seconds=s.agent_term_grace_seconds)
+        verifier = (CommandRunner(verify_command, sandbox=sandbox,
+                                  term_grace_seconds=s.agent_term_grace_seconds)
+                    if verify_command else None)
         driver = AttemptDriver(
             self.store, agent, attempts,
             code_host_for=code_host_for or default_code_host_for, verifier=verifier,
@@ -279,6 +289,28 @@ class Runlane:
             heartbeat_seconds=s.heartbeat_seconds, drain_grace_seconds=s.drain_grace_seconds,
             agent_term_grace_seconds=s.agent_term_grace_seconds,
             exit_when_idle=exit_when_idle))
+
+    def sandbox(self, workspace_root: Path | None = None,
+                artifacts_root: Path | None = None) -> Sandbox:
+        """The sandbox of this lane's agent and verify commands, from the settings
+        (SANDBOX, SANDBOX_READ_ONLY_PATHS, SANDBOX_PASS_ENV). What the worker runs on is
+        hidden from them wherever it lies: the SQLite file (and its -wal, -shm and
+        -journal), the local forge, the workspace and artifacts roots (other runs'
+        clones and logs); the home directory and runlane.toml always are."""
+        from runlane.codehost.local_forge import default_forge_dir
+
+        s = self.settings
+        hidden = [str(default_forge_dir()),
+                  str(Path(workspace_root or s.workspace_dir).expanduser().absolute()),
+                  str(Path(artifacts_root or s.artifacts_dir).expanduser().absolute())]
+        url = make_url(s.database_url)
+        database = _sqlite_file(url) if url.get_backend_name() == "sqlite" else None
+        if database is not None:
+            hidden += [str(database.expanduser().absolute()) + suffix
+                       for suffix in ("", "-wal", "-shm", "-journal")]
+        return Sandbox(SandboxConfig(
+            mode=s.sandbox, read_only_paths=tuple(str(p) for p in s.sandbox_read_only_paths),
+            pass_env=s.sandbox_pass_env, hidden_paths=tuple(hidden)))
 
     @_on_the_database
     def maintain_once(self) -> dict[str, int]:

@@ -520,6 +520,7 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
             capabilities=_capabilities(capabilities), exit_when_idle=exit_when_idle,
             limits=AttemptLimits(timeout_seconds, max_changed_files, max_diff_lines),
             keep_failed_workspaces=keep_failed_workspaces)
+        _warn_if_unsandboxed(lane)
         # Started by `up` or the demo: drain when the supervisor dies. A SIGTERM that
         # comes before run() installs its handler just ends a worker with no attempts.
         follow_supervisor()
@@ -546,6 +547,8 @@ def up(workers: int, agent_command: str, verify_command: str | None, queues: tup
 
     _capabilities(capabilities)  # bad input is refused here, not by each worker's restart
     with _lane() as lane:
+        # Refused here, once, rather than by every worker, restarted forever.
+        _check_sandbox(lane)
         args = ["--agent-command", agent_command, "--concurrency", str(concurrency)]
         if verify_command:
             args += ["--verify-command", verify_command]
@@ -569,6 +572,26 @@ def up(workers: int, agent_command: str, verify_command: str | None, queues: tup
             stop.set()
         pool.stop(lane.settings.drain_grace_seconds + lane.settings.agent_term_grace_seconds)
         _join(threads)
+
+
+def _check_sandbox(lane: Runlane) -> None:
+    """What `runlane worker` checks before it claims anything: the directories, then a
+    sandbox started once (exit 2 with the fix when it cannot start)."""
+    from runlane.worker.attempt import AttemptSettings
+
+    attempts = AttemptSettings(workspace_root=lane.settings.workspace_dir,
+                               artifacts_root=lane.settings.artifacts_dir)
+    attempts.check_directories()
+    lane.sandbox().check(workspace_root=attempts.workspace_root,
+                         artifacts_root=attempts.artifacts_root)
+    _warn_if_unsandboxed(lane)
+
+
+def _warn_if_unsandboxed(lane: Runlane) -> None:
+    if lane.settings.sandbox == "off":
+        from runlane.sandbox import OFF_WARNING
+
+        click.echo(f"runlane: WARNING: {OFF_WARNING}", err=True)
 
 
 def _stop_on_sigterm() -> threading.Event:

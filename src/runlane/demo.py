@@ -164,6 +164,16 @@ def run_demo(directory: Path, console: Console | None = None, *, workers: int = 
                                      heartbeat_seconds=0.4, agent_term_grace_seconds=1,
                                      retry_base_seconds=0.5,
                                      retry_max_seconds=2))
+    # The agents run in the workers' sandbox (SANDBOX, bwrap unless set otherwise):
+    # refused here, with the fix, rather than by workers restarted forever.
+    for name in ("workspaces", "artifacts"):
+        (directory / name).mkdir()
+    sandbox = lane.sandbox(directory / "workspaces", directory / "artifacts")
+    sandbox.check(workspace_root=directory / "workspaces",
+                  artifacts_root=directory / "artifacts")
+    passed = os.environ.get("RUNLANE_SANDBOX_PASS_ENV", "")
+    env["RUNLANE_SANDBOX_PASS_ENV"] = ",".join(p for p in (passed, "DEMO_AGENT_SLOW_SECONDS")
+                                               if p)
     lane.upgrade_schema()
     lane.store.apply_policy(parse_policy(DEMO_POLICY, source="demo policy"), source="demo")
     rows = [{"tenant": tenant, "repo": str(fleet[repo]), "prompt": prompt,
@@ -224,6 +234,7 @@ def run_demo(directory: Path, console: Console | None = None, *, workers: int = 
             live.stop()
     summary = _summary(lane, submissions, again, fleet, time.monotonic() - started,
                        killed, pool.restarts, url)
+    summary["sandbox"] = sandbox.mode
     lane.close()
     if console:
         _print_summary(console, summary, url)
@@ -302,6 +313,9 @@ def _print_summary(console: Console, summary: dict[str, Any], url: str) -> None:
     console.print(f"{'recovery:':<20}worker {summary['worker_killed']} SIGKILLed, "
                   f"{summary['worker_restarts']} worker restart(s), cost "
                   f"${summary['cost_usd']}")
+    console.print(f"{'sandbox:':<20}" + (
+        "every agent ran in bubblewrap (SANDBOX=bwrap)" if summary["sandbox"] == "bwrap"
+        else "[red]off (SANDBOX=off): agents ran unconfined[/red]"))
     violations = summary["violations"]
     console.print("audit:              " + ("all invariants hold" if not violations
                                            else f"[red]{len(violations)} violation(s)[/red]"))

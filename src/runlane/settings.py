@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -78,6 +79,32 @@ class Settings(BaseSettings):
     # Releases of one run not charged against its attempts (drain, local lease
     # deadline); the next one is charged (LEASE_RELEASED_OVER_CAP). 0 charges every one.
     max_uncharged_releases: int = Field(DEFAULT_MAX_UNCHARGED_RELEASES, ge=0, le=1000)
+    # The sandbox of agent and verify commands (runlane.sandbox, docs/sandbox.md).
+    # A list setting is a TOML array, or in a flag or RUNLANE_* variable a string:
+    # paths separated by ":" (as PATH), names by ",".
+    sandbox: Literal["bwrap", "off"] = "bwrap"
+    sandbox_read_only_paths: Annotated[tuple[Path, ...], NoDecode] = ()
+    sandbox_pass_env: Annotated[tuple[str, ...], NoDecode] = ()
+
+    @field_validator("sandbox_read_only_paths", mode="before")
+    @classmethod
+    def _paths(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part for part in value.split(":") if part.strip()]
+        if isinstance(value, list | tuple):
+            return tuple(Path(str(p)).expanduser().absolute() for p in value)
+        return value
+
+    @field_validator("sandbox_pass_env", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        from runlane.sandbox.environment import check_pass_name
+
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        if isinstance(value, list | tuple):
+            return tuple(check_pass_name(str(name)) for name in value)
+        return value
 
     @model_validator(mode="after")
     def _heartbeat_well_inside_the_lease(self) -> Settings:
@@ -129,7 +156,8 @@ def load_settings(**flags: Any) -> Settings:
             raise SettingsInvalid(first["msg"].removeprefix("Value error, ")) from None
         source = f" (from {CONFIG_FILE} or RUNLANE_{name})" if name not in {
             k.upper() for k in given} else ""
-        raise SettingsInvalid(f"setting {name}{source}: {first['msg']}") from None
+        message = first["msg"].removeprefix("Value error, ")
+        raise SettingsInvalid(f"setting {name}{source}: {message}") from None
     except Exception as exc:  # a malformed runlane.toml
         if Path(CONFIG_FILE).exists():
             raise SettingsInvalid(f"{CONFIG_FILE}: {exc}") from None

@@ -65,6 +65,10 @@ class AttemptLimits:
     # The process tree's limits (agents/resources.py): the command runner applies them;
     # an in-process agent is the worker's own thread and cannot be held to them.
     resources: ResourceLimits = field(default_factory=ResourceLimits)
+    # The sandbox's terms from the run's policy: the host network or none, and the
+    # names of the worker's variables given to the agent as files (runlane.sandbox).
+    network: bool = True
+    secrets: tuple[str, ...] = ()
 
 
 @dataclass

@@ -1,30 +1,33 @@
 """The agent command (CONTRACT.md, "The agent command").
 
-``/bin/sh -c CMD`` runs in the workspace, in its own process group (its own
-session), with stdin from /dev/null. One reader thread pumps stdout and stderr:
+``/bin/sh -c CMD`` runs in the workspace, inside the worker's sandbox
+(:mod:`runlane.sandbox`: bubblewrap, or with ``SANDBOX=off`` its own process group
+and session), with stdin from /dev/null. One reader thread pumps stdout and stderr:
 control lines (``{"runlane": ...}``) go to the attempt's control, every other line
 to ``artifacts_dir/log_name``, written and flushed line by line so a killed
 agent's partial log survives. The calling thread polls the control's stop reason
 and the wall-clock limit; on either, the whole process group gets SIGTERM, then
 SIGKILL after the grace. Whatever happens, :meth:`CommandRunner.run` returns only
 once no process of the group is left (leftover background children of an agent
-that exited on its own are terminated the same way).
+that exited on its own are terminated the same way; in the sandbox the kernel kills
+them as soon as the shell exits). "The group" is the sandbox's PID namespace with
+bwrap, the shell's process group without (runlane.sandbox.processes).
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import json
 import math
 import os
 import selectors
 import signal
+import stat
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import IO, Any
 
@@ -33,6 +36,9 @@ import structlog
 from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, Failure, StopReason
 from runlane.agents.resources import ResourceWatch
 from runlane.domain.reasons import Reason
+from runlane.sandbox import GroupState, Members, Sandbox
+from runlane.sandbox.environment import agent_environment as agent_environment
+from runlane.sandbox.guard import forget, guard
 
 log = structlog.get_logger("runlane.agents")
 
@@ -42,22 +48,6 @@ MAX_MESSAGE_CHARS = 4096  # messages of control lines are cut to this length
 _READ_CHUNK = 65536
 _SELECT_SECONDS = 0.05
 _KNOWN_REASONS = frozenset(r.value for r in Reason)
-
-
-# --- the agent's environment ---------------------------------------------------
-
-
-def agent_environment(worker_env: Mapping[str, str]) -> dict[str, str]:
-    """What the agent inherits from the worker: everything (its model provider's keys,
-    PATH, ...) but runlane's own settings (every ``RUNLANE_*``: the database URL with
-    its password, the forge directory) and the code host's token runlane uses
-    (``RUNLANE_GITHUB_TOKEN``, else ``GITHUB_TOKEN``; see codehost/factory.py). With
-    those an agent could write runs or push and open pull requests itself, outside the
-    fencing tokens and the side-effect ledger. The runner adds the contract's per-run
-    ``RUNLANE_*`` variables on top."""
-    token = worker_env.get("RUNLANE_GITHUB_TOKEN") or worker_env.get("GITHUB_TOKEN")
-    return {k: v for k, v in worker_env.items()
-            if not k.startswith("RUNLANE_") and not (k == "GITHUB_TOKEN" and v == token)}
 
 
 # --- control lines -------------------------------------------------------------
@@ -218,12 +208,35 @@ def _count(value: Any, name: str) -> int:
 # --- the log -------------------------------------------------------------------
 
 
+_LOG_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _open_log(path: Path) -> int:
+    """The log file, appended to. The artifacts directory is the agent's to write: what
+    it left at this name (a symlink to a file of the worker's, a FIFO, a directory) is
+    set aside as ``NAME.agent-planted``, never followed or written through (the worker
+    writes ``verify.log`` after the agent ran, outside any sandbox)."""
+    try:
+        fd = os.open(path, _LOG_FLAGS, 0o644)
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.set_blocking(fd, True)
+            return fd
+        os.close(fd)
+    except OSError as exc:  # ELOOP: a symlink; ENXIO: a FIFO; EISDIR: a directory
+        if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise
+    path.rename(path.with_name(f"{path.name}.agent-planted"))
+    fd = os.open(path, _LOG_FLAGS | os.O_EXCL, 0o644)
+    os.set_blocking(fd, True)
+    return fd
+
+
 class _Log:
     """The attempt's log: appended to (a retry never erases evidence), one flush a line.
     Written by the reader thread and by the runner; a lock keeps lines whole."""
 
     def __init__(self, path: Path) -> None:
-        self._file: IO[bytes] | None = open(path, "ab")  # noqa: SIM115 - closed in close()
+        self._file: IO[bytes] | None = os.fdopen(_open_log(path), "ab")
         self._lock = threading.Lock()
 
     def line(self, data: bytes) -> None:
@@ -312,65 +325,6 @@ class _Pump:
             self._log.note(f"WARNING could not handle an output line: {exc!r}")
 
 
-# --- the process group ---------------------------------------------------------
-
-
-class _Group(Enum):
-    ALIVE = "alive"
-    ZOMBIES = "zombies"  # only exited processes not yet reaped by their parent (init)
-    GONE = "gone"
-
-
-def _group_state(pgid: int) -> _Group:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return _Group.GONE
-    except PermissionError:
-        return _Group.ALIVE
-    members = _members(pgid)
-    if members is None or any(state not in (b"Z", b"X") for _, state, _ in members):
-        return _Group.ALIVE
-    return _Group.ZOMBIES
-
-
-def _members(pgid: int) -> list[tuple[int, bytes, int]] | None:
-    """(pid, state, ppid) of every process of the group, from /proc (Linux); None
-    when /proc cannot tell."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return None
-    found = []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # gone meanwhile
-        fields = stat[stat.rfind(b")") + 2:].split()  # state, ppid, pgrp, ...
-        if len(fields) >= 3 and int(fields[2]) == pgid:
-            found.append((int(entry), fields[0], int(fields[1])))
-    return found
-
-
-def _reap_adopted(pgid: int, leader: int) -> None:
-    """Reap the group's zombies that were re-parented to us: this happens when the
-    worker is PID 1 of a container or a child subreaper, and nobody else would."""
-    me = os.getpid()
-    for pid, state, ppid in _members(pgid) or []:
-        if ppid == me and pid != leader and state == b"Z":  # the leader is Popen's to reap
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
 # --- the runner ----------------------------------------------------------------
 
 
@@ -383,12 +337,15 @@ class CommandRunner:
     is gone (only a process that left the group can hold them open longer).
     ``reap_timeout_seconds``: how long to wait, after the last process of the group
     exited, until its zombies are reaped (by init) and the group no longer exists.
+    ``sandbox``: where the command runs (default: bubblewrap with the default view).
     """
 
-    def __init__(self, command: str, *, term_grace_seconds: float = 5.0,
+    def __init__(self, command: str, *, sandbox: Sandbox | None = None,
+                 term_grace_seconds: float = 5.0,
                  poll_seconds: float = 0.05, drain_seconds: float = 2.0,
                  reap_timeout_seconds: float = 10.0) -> None:
         self.command = command
+        self.sandbox = sandbox if sandbox is not None else Sandbox()
         self.term_grace_seconds = term_grace_seconds
         self.poll_seconds = poll_seconds
         self.drain_seconds = drain_seconds
@@ -401,20 +358,31 @@ class CommandRunner:
         log_path = artifacts_dir / log_name
         out = _Log(log_path)
         started = time.monotonic()
+        spawn = self.sandbox.prepare(self.command, workspace=workspace,
+                                     artifacts_dir=artifacts_dir, env=env,
+                                     network=limits.network, secrets=limits.secrets)
+        for note in spawn.notes:
+            out.note(note)
         try:
             proc = subprocess.Popen(
-                ["/bin/sh", "-c", self.command], cwd=workspace,
-                env={**agent_environment(os.environ), **env},
+                spawn.argv, cwd=workspace, env=spawn.env, pass_fds=spawn.pass_fds,
+                preexec_fn=limits.resources.preexec(),  # the kernel's resource limits
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, close_fds=True,
-                preexec_fn=limits.resources.preexec())  # the kernel's resource limits
+                start_new_session=True, close_fds=True)
         except (OSError, subprocess.SubprocessError) as exc:
+            spawn.close()
             out.note(f"ERROR could not start the agent command: {exc}")
             out.close()
             log.error("agent_start_failed", error=str(exc), workspace=str(workspace))
             return AgentResult(exit_code=None, log_path=log_path, duration_seconds=0.0)
+        spawn.started()
         assert proc.stdout is not None and proc.stderr is not None
-        pgid = proc.pid  # start_new_session: the shell leads its own session and group
+        pgid = proc.pid  # start_new_session: bwrap (or the shell) leads its own group
+        members = spawn.members(proc)
+        # A guard process ends the agent at its lease deadline if this worker cannot;
+        # the command runs once it is watched.
+        control, guard_key = guard(members, control, self.term_grace_seconds)
+        spawn.release()
         lines = _ControlLines(control, out)
         pump = _Pump(proc.stdout, proc.stderr, lines.stdout_line, out.line, out)
         pump.start()
@@ -438,8 +406,9 @@ class CommandRunner:
                 log.info("agent_stopping", reason=stopped.value, pgid=pgid)
         finally:
             # Also on an exception (or KeyboardInterrupt) here: nothing of the group survives.
-            killed = self._end_group(proc, pgid, out, requested=stopped is not None,
+            killed = self._end_group(proc, members, out, requested=stopped is not None,
                                      watch=watch)
+            forget(guard_key)
             if stopped is None:
                 # A kernel limit whose signal ended the agent command (SIGXFSZ, SIGXCPU).
                 limit = limits.resources.ended_by(proc.returncode)
@@ -453,7 +422,8 @@ class CommandRunner:
             proc.stdout.close()
             proc.stderr.close()
             out.close()
-        code = proc.returncode
+            spawn.close()
+        code = members.exit_status(proc.returncode)
         return AgentResult(
             exit_code=code if code is not None and code >= 0 else None,
             failure=lines.failure, stopped=stopped, log_path=log_path,
@@ -482,7 +452,7 @@ class CommandRunner:
                 return StopReason.LIMIT_EXCEEDED
             return None
 
-    def _end_group(self, proc: subprocess.Popen[bytes], pgid: int, out: _Log, *,
+    def _end_group(self, proc: subprocess.Popen[bytes], group: Members, out: _Log, *,
                    requested: bool, watch: ResourceWatch | None = None) -> bool:
         """SIGTERM, grace, SIGKILL to whatever of the group still runs; then wait until
         the group no longer exists. True when SIGKILL was needed. The resource watch
@@ -490,15 +460,16 @@ class CommandRunner:
         being stopped is killed at once."""
         killed = False
         proc.poll()  # reap the shell if it exited, so it is not counted as alive
-        if _group_state(pgid) is _Group.ALIVE:
+        pgid = proc.pid
+        if group.state() is GroupState.ALIVE:
             if not requested:
                 out.note("the agent's shell exited but processes of its group remain: "
                          "SIGTERM to its process group")
-            _signal_group(pgid, signal.SIGTERM)
+            group.signal(signal.SIGTERM)
             grace_end = time.monotonic() + self.term_grace_seconds
             while True:
                 proc.poll()
-                if _group_state(pgid) is not _Group.ALIVE:
+                if group.state() is not GroupState.ALIVE:
                     break
                 if watch is not None and watch.exceeded is None and watch.check() is not None:
                     out.note(f"{watch.exceeded} while stopping: SIGKILL to its processes")
@@ -508,25 +479,25 @@ class CommandRunner:
                     out.note(f"the process group outlived the {self.term_grace_seconds:g} s "
                              "grace: SIGKILL")
                     log.warning("agent_sigkill", pgid=pgid)
-                    _signal_group(pgid, signal.SIGKILL)
+                    group.signal(signal.SIGKILL)
                     killed = True
                     break
                 time.sleep(min(self.poll_seconds, 0.05))
         reap_end = time.monotonic() + self.reap_timeout_seconds
         while True:
             proc.poll()
-            state = _group_state(pgid)
-            if state is _Group.GONE:
+            state = group.state()
+            if state is GroupState.GONE:
                 break
             if time.monotonic() >= reap_end:
                 out.note(f"WARNING process group {pgid} still exists ({state.value}) "
                          f"{self.reap_timeout_seconds:g} s after it was ended")
                 log.warning("agent_group_not_reaped", pgid=pgid, state=state.value)
                 break
-            if state is _Group.ZOMBIES:
-                _reap_adopted(pgid, proc.pid)
+            if state is GroupState.ZOMBIES:
+                group.reap_adopted()
             else:  # past the grace, something runs again (a late fork): no more grace
-                _signal_group(pgid, signal.SIGKILL)
+                group.signal(signal.SIGKILL)
                 killed = True
             time.sleep(0.01)
         if proc.returncode is None:

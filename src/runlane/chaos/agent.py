@@ -5,8 +5,14 @@ and decided per attempt by :func:`plan`, so the checks know what each attempt di
 
 Standard library only, and run as a script (``python -I -S .../agent.py``): it
 starts in milliseconds instead of importing runlane. ``--verify`` makes it the
-verify command. It exits on its own when its worker process is gone, so agents
-orphaned by a SIGKILLed worker do not pile up.
+verify command.
+
+It stamps its own life into ``agent.stamps`` in its artifacts directory (``start``,
+``alive`` every :data:`ALIVE_SECONDS` while it works, ``stop``; a SIGKILLed agent's
+last stamp is an ``alive``), from which the checks prove no two agents of one run
+were ever alive at once. Ending it with its worker is the sandbox's job (a PID
+namespace and ``--die-with-parent``); without one (``SANDBOX=off``) it also exits on
+its own once it sees its worker process gone.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ STAGES = ("CLAIMED", "PREPARING_SANDBOX", "VERIFYING", "FINALIZING")
 HANG_CAP_SECONDS = 120.0
 CHANGE_FILE = "CHAOS.md"
 DWELL_ENV = "RUNLANE_CHAOS_DWELL"
+STAMPS_FILE = "agent.stamps"
+ALIVE_SECONDS = 0.1
 
 
 @dataclass(frozen=True)
@@ -138,9 +146,41 @@ def _worker_ancestor() -> tuple[int, bytes] | None:
     return None
 
 
+class Stamps:
+    """``agent.stamps``: one ``KIND EPOCH_SECONDS`` line per stamp, flushed at once."""
+
+    def __init__(self, artifacts: str | None) -> None:
+        self.path = Path(artifacts, STAMPS_FILE) if artifacts else None
+
+    def stamp(self, kind: str) -> None:
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(f"{kind} {time.time():.6f}\n")
+
+
+def read_stamps(path: Path) -> tuple[float, float] | None:
+    """(start, end) of one agent from its stamps: its ``stop``, else its last stamp."""
+    try:
+        lines = path.read_text().split("\n")
+    except OSError:
+        return None
+    stamps = []
+    for line in lines:
+        kind, _, at = line.partition(" ")
+        try:
+            stamps.append((kind, float(at)))
+        except ValueError:
+            continue  # a line cut short by a kill
+    starts = [at for kind, at in stamps if kind == "start"]
+    if not starts:
+        return None
+    return starts[0], max(at for _, at in stamps)
+
+
 class Watch:
-    def __init__(self) -> None:
+    def __init__(self, stamps: Stamps | None = None) -> None:
         self.worker = _worker_ancestor()
+        self.stamps = stamps or Stamps(None)
 
     def worker_gone(self) -> bool:
         if self.worker is None:
@@ -157,7 +197,8 @@ class Watch:
                 return
             if self.worker_gone():
                 sys.exit(0)
-            time.sleep(min(left, 0.2))
+            self.stamps.stamp("alive")
+            time.sleep(min(left, ALIVE_SECONDS))
 
 
 def control(kind: str, **fields: object) -> None:
@@ -165,6 +206,15 @@ def control(kind: str, **fields: object) -> None:
 
 
 def run_agent(env: dict[str, str]) -> int:
+    stamps = Stamps(env.get("RUNLANE_ARTIFACTS_DIR"))
+    stamps.stamp("start")
+    try:
+        return _work(env, stamps)
+    finally:
+        stamps.stamp("stop")
+
+
+def _work(env: dict[str, str], stamps: Stamps) -> int:
     b = parse_prompt(env.get("RUNLANE_PROMPT", ""))
     if b is None:
         print("not a chaos prompt; nothing to do", flush=True)
@@ -172,10 +222,7 @@ def run_agent(env: dict[str, str]) -> int:
     attempt = int(env.get("RUNLANE_ATTEMPT", "1"))
     run_id = env.get("RUNLANE_RUN_ID", "?")
     rng = random.Random(f"{run_id}/{attempt}")
-    artifacts = env.get("RUNLANE_ARTIFACTS_DIR")
-    if artifacts:  # the harness kills leftover agent groups at the end
-        Path(artifacts, "agent.pgid").write_text(str(os.getpgid(0)))
-    watch = Watch()
+    watch = Watch(stamps)
     step = plan(b, attempt)
     print(f"chaos agent {b.number} attempt {attempt}: {step.action}", flush=True)
     control("progress", message=f"{b.kind} attempt {attempt}")

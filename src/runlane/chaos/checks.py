@@ -14,7 +14,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from runlane.chaos.agent import parse_prompt, plan
+from runlane.chaos.agent import STAMPS_FILE, parse_prompt, plan, read_stamps
 from runlane.chaos.harness import EXIT_DATABASE_UNAVAILABLE, Outcome
 from runlane.chaos.profiles import PROFILES, ChaosConfig
 from runlane.chaos.report import Report
@@ -71,11 +71,12 @@ def evaluate(outcome: Outcome) -> Report:
     log_errors, log_violations = _logs(outcome)
     violations += log_violations
     violations += _exits(outcome, notes)
+    violations += _agent_overlaps(outcome, notes)
     if log_errors.get("deadlock_detected"):
         notes.append(f"PostgreSQL broke {log_errors['deadlock_detected']} deadlock(s) between "
                      "runlane sessions (logs: DeadlockDetected); the loser was retried")
     if outcome.stray_agents:
-        notes.append(f"{outcome.stray_agents} agent process group(s) of killed workers were "
+        notes.append(f"{outcome.stray_agents} agent process(es) of killed workers were "
                      "still alive at the end and were killed")
     if outcome.stopped_early:
         notes.append(f"the harness stopped waiting: {outcome.stopped_early}")
@@ -387,6 +388,34 @@ def _logs(outcome: Outcome) -> tuple[dict[str, int], list[dict[str, Any]]]:
                 found.append(_violation("uncaught_exception", None,
                                         f"{path.name}: {line[:200]}"))
     return dict(errors), found
+
+
+def _agent_overlaps(outcome: Outcome, notes: list[str]) -> list[dict[str, Any]]:
+    """No two agents of one run were ever alive at once (DESIGN.md's first promise, as
+    the agents themselves tell it): each agent's life is its ``start`` stamp to its
+    ``stop``, or to its last ``alive`` stamp when it was killed (it lived a little
+    longer, by less than the stamp interval: an overlap shorter than that is missed,
+    none is ever invented)."""
+    lives: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for path in (outcome.directory / "artifacts").glob(f"*/*/{STAMPS_FILE}"):
+        life = read_stamps(path)
+        if life is not None:
+            lives[path.parent.parent.name].append((*life, path.parent.name))
+    violations = []
+    for run_id, runs_lives in sorted(lives.items()):
+        runs_lives.sort()
+        alive_until, alive_attempt = runs_lives[0][1], runs_lives[0][2]
+        for start, end, attempt in runs_lives[1:]:
+            if start < alive_until:
+                violations.append(_violation(
+                    "agents_overlapped", run_id,
+                    f"attempt {attempt}'s agent started while attempt {alive_attempt}'s was "
+                    f"still alive ({alive_until - start:.2f} s of overlap, from their stamps)"))
+            if end > alive_until:
+                alive_until, alive_attempt = end, attempt
+    notes.append(f"{sum(len(v) for v in lives.values())} agent lifetimes from their own "
+                 f"stamps, over {len(lives)} runs: {len(violations)} overlap(s)")
+    return violations
 
 
 def _exits(outcome: Outcome, notes: list[str]) -> list[dict[str, Any]]:

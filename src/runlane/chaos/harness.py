@@ -102,7 +102,7 @@ class Outcome:
     wall_seconds: float
     stopped_early: str | None  # why the harness stopped waiting, if it did
     store: Store | None = None
-    stray_agents: int = 0  # agent process groups still alive at the end, killed
+    stray_agents: int = 0  # agent processes still alive at the end, killed
 
 
 def _git(*args: str, cwd: Path | None = None) -> None:
@@ -685,7 +685,7 @@ class Harness:
             if p.popen.poll() is None:
                 p.popen.kill()
                 p.popen.wait()
-        self.stray_agents = end_stray_agents(self.workdir / "artifacts")
+        self.stray_agents = end_stray_agents(self.workdir / "workspaces")
 
 
 def _continue(pid: int) -> None:
@@ -693,32 +693,25 @@ def _continue(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
-def end_stray_agents(artifacts: Path) -> int:
-    """SIGKILL the process groups of chaos agents still alive (orphans of killed
-    workers that have not noticed yet)."""
-    recorded = set()
-    for marker in artifacts.glob("*/*/agent.pgid"):
-        with contextlib.suppress(ValueError, OSError):
-            recorded.add(int(marker.read_text()))
+def end_stray_agents(workspaces: Path) -> int:
+    """SIGKILL the chaos agents still alive in this harness's workspaces: orphans of
+    killed workers, which a sandbox never leaves (its PID namespace dies with the
+    worker) but unsandboxed agents may, until they notice. Found by their working
+    directory, as seen from the host: a pid an agent could report from inside its
+    PID namespace means nothing here, and other harnesses' agents are not ours."""
+    root = str(workspaces.resolve())
     ended = 0
-    for pgid in recorded & _chaos_agent_groups():
-        with contextlib.suppress(OSError):
-            os.killpg(pgid, signal.SIGKILL)
-            ended += 1
-    return ended
-
-
-def _chaos_agent_groups() -> set[int]:
-    groups = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = Path(f"/proc/{entry}/stat").read_bytes()
-            fields = stat[stat.rfind(b")") + 2:].split()
+        with contextlib.suppress(OSError):
+            cwd = os.readlink(f"/proc/{entry}/cwd").removesuffix(" (deleted)")
+            if not cwd.startswith(root + "/"):
+                continue
             if b"chaos/agent.py" in Path(f"/proc/{entry}/cmdline").read_bytes():
-                groups.add(int(fields[2]))
-    return groups
+                os.kill(int(entry), signal.SIGKILL)
+                ended += 1
+    return ended
 
 
 def remove_directory(path: Path) -> None:

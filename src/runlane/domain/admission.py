@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from runlane.domain.policy import DEFER_SECONDS, Policy
+from runlane.domain.policy import DEFER_SECONDS, NETWORK_OFF_RISKS, Policy
 from runlane.domain.reasons import Reason
 from runlane.domain.routing import Requirement, canonical_requirements, merge_requirements
 from runlane.errors import redact_credentials
@@ -52,7 +52,7 @@ class Decision:
     max_attempts: int
     risk_class: str
     requires: str  # the route key (routing.canonical_requirements)
-    limits: dict[str, float | int]
+    limits: dict[str, Any]  # numbers, plus network (bool) and secrets (names)
     concurrency: dict[str, int]
     weight: float
     policy_version: int
@@ -120,6 +120,8 @@ def admit(
     limits = defaults.limits.snapshot()
     if repo_rule:
         limits.update(repo_rule.limits.snapshot())
+    # Recorded resolved, so the worker never has to know the run's risk class.
+    limits.setdefault("network", risk not in NETWORK_OFF_RISKS)
 
     contract_error: str | None = None
     requires = ""

@@ -39,9 +39,12 @@ from runlane.domain.routing import (
 from runlane.domain.tasks import PRIORITY_CLASSES, parse_priority
 
 RISK_CLASSES: tuple[str, ...] = ("low", "medium", "high", "critical")
+# Risk classes whose runs get no network unless their limits say `network = true`.
+NETWORK_OFF_RISKS = frozenset({"high", "critical"})
 RULE_FIELDS: tuple[str, ...] = ("tenant", "repo", "queue", "user", "risk_class")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
 _REASON_CODE = re.compile(r"^[A-Z][A-Z0-9_]*$")
+_SECRET_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TOML_AT = re.compile(r"\s*\(at (line \d+, column \d+|end of document)\)$")
 
 
@@ -139,6 +142,9 @@ LIMIT_ENFORCEMENT: dict[str, str] = {
     "max_file_size_mb": "kernel",
     "max_open_files": "kernel",
     "max_address_space_mb": "kernel",
+    # Terms of the sandbox rather than limits: bwrap holds the run to them.
+    "network": "sandbox",
+    "secrets": "sandbox",
 }
 
 # The largest size in MB a limit may give (an rlimit counts bytes in 63 bits).
@@ -186,6 +192,12 @@ class Limits(_Model):
     max_address_space_mb: float | None = Field(default=None, gt=0, le=MAX_MB,
                                                exclude_if=_unset_is_absent)
 
+    # The sandbox's terms (docs/sandbox.md): the host network or none (unset: on for
+    # low and medium risk, off for high and critical), and the names of the worker's
+    # environment variables given to the agent as files in $RUNLANE_SECRETS_DIR.
+    network: bool | None = Field(default=None, exclude_if=_unset_is_absent)
+    secrets: tuple[str, ...] | None = Field(default=None, exclude_if=_unset_is_absent)
+
     @model_validator(mode="after")
     def _enforced(self) -> Limits:
         missing = unenforced(dict(self), LIMIT_ENFORCEMENT)
@@ -194,8 +206,24 @@ class Limits(_Model):
                              "(remove it from the policy)")
         return self
 
-    def snapshot(self) -> dict[str, float | int]:
-        return {k: v for k, v in self.model_dump().items() if v is not None}
+    @field_validator("secrets", mode="before")
+    @classmethod
+    def _secret_names(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ValueError("must be a list of environment variable names")
+        for name in value:
+            if not _SECRET_NAME.match(name):
+                raise ValueError(f"{name!r} is not an environment variable name")
+            if name.upper().startswith("RUNLANE_"):
+                raise ValueError(f"{name}: RUNLANE_* variables are runlane's own settings "
+                                 "and are never given to agents")
+        return tuple(sorted(set(value)))  # a set: one digest in any order
+
+    def snapshot(self) -> dict[str, Any]:
+        # JSON types (secrets as a list): the snapshot is compared with the stored one.
+        return {k: v for k, v in self.model_dump(mode="json").items() if v is not None}
 
 
 class Defaults(_Model):

@@ -353,6 +353,9 @@ class AttemptDriver:
             if by_verifier_limit:
                 limits = replace(limits, wall_clock_seconds=verifier_seconds)
             self.store.advance(lease, S.VERIFYING)
+            # The repository's own code runs here (its tests): the policy's secrets are
+            # the agent's (its model's API key), not the verify command's.
+            limits = replace(limits, secrets=())
             verdict = self.verifier.run(workspace=workspace.path, artifacts_dir=artifacts,
                                         env=env, control=state, limits=limits,
                                         log_name="verify.log")
@@ -451,6 +454,7 @@ class AttemptDriver:
 
         minutes = run.get("max_wall_clock_minutes")
         resources = ResourceLimits.from_snapshot(run)
+        network = run.get("network")  # absent: a run admitted before the field existed
         return AttemptLimits(
             wall_clock_seconds=tighter(own.wall_clock_seconds,
                                        None if minutes is None else float(minutes) * 60),
@@ -458,7 +462,9 @@ class AttemptDriver:
             max_diff_lines=tighter(own.max_diff_lines, run.get("max_diff_lines")),
             resources=ResourceLimits(**{
                 name: tighter(getattr(own.resources, name), getattr(resources, name))
-                for name in ResourceLimits.__dataclass_fields__}))
+                for name in ResourceLimits.__dataclass_fields__}),
+            network=own.network if network is None else bool(network) and own.network,
+            secrets=tuple(run.get("secrets") or ()))
 
     @staticmethod
     def _env(lease: Lease, task: dict[str, Any], workspace: Path, artifacts: Path

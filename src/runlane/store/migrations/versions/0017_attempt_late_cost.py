@@ -4,8 +4,8 @@ An agent runs on for a moment after its worker lost the lease (until the worker
 stops it), and may report cost meanwhile. That report was refused and the money
 dropped, so a tenant's daily spend, which admission checks against its budget,
 undercounted what was really spent. Such cost is now added to the tenant's day and
-recorded on the attempt here (the run's ``cost_usd`` is left alone), apart from ``cost_usd`` (what the
-attempt reported while it held its lease). A column with a constant default: no
+recorded on the attempt here, apart from ``cost_usd`` (what the attempt reported while
+it held its lease); the run's ``cost_usd`` is left alone. A column with a constant default: no
 table rewrite; existing attempts have none.
 
 Revision ID: 0017
