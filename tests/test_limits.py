@@ -256,7 +256,10 @@ def test_a_fork_bomb_and_a_memory_hog_end_limit_exceeded_and_the_worker_serves_o
         env.update({"RUNLANE_FORGE_DIR": str(forge_dir),
                     "RUNLANE_ARTIFACTS_DIR": str(tmp_path / "artifacts"),
                     "RUNLANE_WORKSPACE_DIR": str(tmp_path / "workspaces"),
-                    "RUNLANE_HEARTBEAT_SECONDS": "0.3", "RUNLANE_AGENT_TERM_GRACE_SECONDS": "0.5"})
+                    "RUNLANE_HEARTBEAT_SECONDS": "0.3", "RUNLANE_AGENT_TERM_GRACE_SECONDS": "0.5",
+                    # The bomb's safety net changes user, which the sandbox forbids
+                    # (tests/test_resources.py runs the hog and the watch sandboxed).
+                    "RUNLANE_SANDBOX": "off"})
         worker = subprocess.Popen(
             [sys.executable, "-m", "runlane", "--database-url", db_url, "worker",
              "--agent-command", agent], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
