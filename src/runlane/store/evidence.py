@@ -39,6 +39,8 @@ from runlane.domain.retry import backoff_delay
 from runlane.domain.states import RunStatus
 
 if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
     from runlane.clock import Clock
     from runlane.domain.retry import RetryPolicy
 
@@ -103,6 +105,8 @@ WHERE run_id = (SELECT r.run_id FROM runs r
 RETURNING run_id, task_id, repo, status, reason_code, fencing_token, attempt_count,
           close_due_at
 """
+# Whether any is due: a read (no write lock on SQLite) before the take.
+WITHDRAWAL_DUE = "SELECT 1 FROM runs WHERE close_due_at <= {now} LIMIT 1"
 CLOSE_HELD = """
 UPDATE runs SET close_due_at = :next WHERE run_id = :run_id AND close_due_at = :held
 """
@@ -198,6 +202,7 @@ class EvidenceMixin:
     """``Store`` inherits this: the ledger reads and writes of pull-request evidence."""
 
     if TYPE_CHECKING:
+        reads: Engine
         clock: Clock
         rng: Any
         retry_policy: RetryPolicy
@@ -244,6 +249,10 @@ class EvidenceMixin:
         """The run due a withdrawal first, held by this worker for ``hold_seconds``
         (another may take it over after that), with its tries counted; None when none
         is due."""
+        with self.reads.connect() as conn:  # the common case: none due, no write
+            if conn.execute(self._q(WITHDRAWAL_DUE), {"now": self.clock.now()}).first() is None:
+                return None
+
         def work(conn: Connection) -> Withdrawal | None:
             row = conn.execute(self._q(TAKE_CLOSE), {"now": self.clock.now(),
                                                      "hold": hold_seconds}).first()

@@ -114,13 +114,15 @@ class AttemptState:
     # --- the lease's window, before a call that touches the world (LeaseWindow) ------
 
     def open_window(self) -> float:
-        """The attempt may go on (``check``), the lease is live and the run not being
-        cancelled in the database: the ``time.monotonic()`` by which a call made now
-        must be over, the earlier of the local deadline and the lease's expiry."""
+        """The attempt may go on (``check``: its local deadline too), the lease is live
+        and the run not being cancelled in the database: the ``time.monotonic()`` by
+        which a call made now must be over, the lease's expiry as the database gave it,
+        counted from before it was asked (a heartbeat extends the lease, not a call
+        already made: the call's timeout is fixed when it starts)."""
         self.check()
+        asked_at = time.monotonic()
         left = self.store.lease_remaining(self.lease)  # LeaseLost, CancelRequested
-        now = time.monotonic()
-        deadline = min(self.local_deadline, now + left)
+        deadline = asked_at + left
         self.time_left(deadline)
         return deadline
 
