@@ -20,6 +20,8 @@ from runlane.chaos.profiles import PROFILES, ChaosConfig
 from runlane.chaos.report import Report
 from runlane.codehost.base import branch_name
 from runlane.codehost.local_forge import LocalForge
+from runlane.domain.retry import MAX_FINALIZE_ONLY_ATTEMPTS
+from runlane.services.evidence_audit import remote_audit
 from runlane.store import invariants
 
 MARKER = re.compile(r"<!-- agent-run-id: (\S+) -->")
@@ -27,8 +29,10 @@ MARKER = re.compile(r"<!-- agent-run-id: (\S+) -->")
 # in this set-up), so each must be the one its behaviour planned for that attempt.
 AGENT_ONLY_REASONS = frozenset({"PROVIDER_RATE_LIMIT", "SANDBOX_START_TIMEOUT",
                                 "JUDGE_REJECTED", "AGENT_FAILED", "VERIFIER_FAILED"})
-# Reasons the harness's faults cause by design.
-FAULT_REASONS = frozenset({"WORKER_LOST", "LEASE_RELEASED", "CANCELLED_BY_USER"})
+# Reasons the harness's faults cause by design (a finalize-only attempt that finds
+# nothing follows a worker's death before its push landed).
+FAULT_REASONS = frozenset({"WORKER_LOST", "LEASE_RELEASED", "CANCELLED_BY_USER",
+                           "NOTHING_TO_FINALIZE"})
 RESTART_SETTLE_SECONDS = 3.0
 
 
@@ -61,9 +65,9 @@ def evaluate(outcome: Outcome) -> Report:
     code_host, pr_count, branch_count, left_behind = _code_host(outcome, runs)
     violations += code_host
     if left_behind:
-        notes.append(f"{left_behind} branch(es) or pull request(s) belong to runs that did "
-                     "not succeed (pushed before a cancel, or before the last attempt was "
-                     "lost); each run still has at most one")
+        notes.append(f"{left_behind} run(s) that did not succeed left a branch or a pull "
+                     "request (pushed before a cancel, or before the last attempt was lost); "
+                     "each is recorded in its ledger and none is open (checked)")
     reclaim, reclaim_violations = _reclaim(outcome, attempts)
     violations += reclaim_violations
     log_errors, log_violations = _logs(outcome)
@@ -88,7 +92,7 @@ def evaluate(outcome: Outcome) -> Report:
     behaviours = Counter(p.behaviour.kind for p in outcome.plans)
     faults = {k: outcome.counts[k] for k in ("kill", "stop", "terminate", "restart",
                                              "duplicate_submit", "duplicate_wakeup",
-                                             "duplicate_delivery", "cancel")
+                                             "duplicate_delivery", "cancel", "pr_crash")
               if k in outcome.counts}
     return Report(
         seed=c.seed, profile=c.profile, engine=c.engine, database=outcome.database,
@@ -158,6 +162,7 @@ def _expectations(runs: dict[str, Any], attempts: dict[str, list[Any]]
         if b is None:
             continue
         clean_change = False
+        found.extend(_pr_crash_expectation(run, b, attempts.get(run_id, [])))
         for a in attempts.get(run_id, []):
             step = plan(b, a.attempt_no)
             if step.action == "change" and step.recorded is None:
@@ -182,6 +187,28 @@ def _expectations(runs: dict[str, Any], attempts: dict[str, list[Any]]
                 elif a.reason_code not in FAULT_REASONS:
                     unplanned[f"{a.reason_code}: {(a.message or '')[:240]}"] += 1
     return found, dict(unplanned)
+
+
+def _pr_crash_expectation(run: Any, b: Any, attempts: list[Any]) -> list[dict[str, Any]]:
+    """A run whose worker died after the code host opened its pull request (the fault
+    pr_crash, on its last attempt too) ends SUCCEEDED with that pull request recorded,
+    through finalize-only attempts; unless the harness's own faults took every one of
+    those it may get."""
+    if not b.crash:
+        return []
+    died = [a for a in attempts if a.attempt_no == b.crash]
+    if not died or died[0].reason_code != "WORKER_LOST":
+        return []  # the crash did not happen (a fault came first): nothing planned
+    if run.status == "SUCCEEDED" and run.outcome == "pull_request":
+        return []
+    later = [a for a in attempts if a.attempt_no > b.crash]
+    lost = sum(1 for a in later if a.reason_code in ("WORKER_LOST", "LEASE_RELEASED"))
+    if lost >= MAX_FINALIZE_ONLY_ATTEMPTS:
+        return []
+    return [_violation("pull_request_crash_not_finished", run.run_id,
+                       f"attempt {b.crash} died after its pull request was opened; the run "
+                       f"ended {run.status} {run.reason_code} after {len(later)} more "
+                       "attempt(s), instead of SUCCEEDED with that pull request recorded")]
 
 
 # --- remotes and forge ----------------------------------------------------------------------
@@ -255,6 +282,12 @@ def _code_host(outcome: Outcome, runs: dict[str, Any]
                                     f"{len(branches)} branch(es), {len(prs)} pull request(s)"))
         elif run.status != "SUCCEEDED" and (branches or prs):
             left_behind += 1
+    # Runs that ended without success with a push or a pull request in their ledger:
+    # none may leave an open pull request or a branch its ledger does not record
+    # (``runlane audit --remote-checks``, the same code).
+    evidence = remote_audit(outcome.store, lambda repo: LocalForge(outcome.forge),
+                            limit=max(1, len(runs)))
+    found.extend(_violation(v.check, v.run_id, v.detail) for v in evidence.violations)
     return found, n_prs, n_branches, left_behind
 
 
@@ -292,7 +325,7 @@ def _reclaim(outcome: Outcome, attempts: dict[str, list[Any]]
     ended_instead = 0
     found: list[dict[str, Any]] = []
     for fault in outcome.faults:
-        if fault.kind not in ("kill", "stop") or fault.pid is None:
+        if fault.kind not in ("kill", "stop", "pr_crash") or fault.pid is None:
             continue
         candidates = [wid for at, wid in sorted(registered.get(fault.pid, []))
                       if at <= fault.at + 1.0]

@@ -59,6 +59,11 @@ CHAOS_CHECKS: dict[str, str] = {
         WHERE r.status = 'SUCCEEDED' AND r.outcome = 'pull_request' AND NOT EXISTS (
             SELECT 1 FROM side_effects s WHERE s.run_id = r.run_id
               AND s.effect_key = 'pull_request' AND s.status = 'DONE')""",
+    # Pull-request evidence: every withdrawal a run was due was done (or given up,
+    # which ``runlane audit`` reports) by the time the harness stops.
+    "withdrawal_not_done": """
+        SELECT run_id, 'ended ' || status || ', its withdrawal still due' AS detail
+        FROM runs WHERE close_due_at IS NOT NULL""",
     "no_changes_with_effects": """
         SELECT r.run_id, 'outcome no_changes but effect ' || MIN(s.effect_key)
                || ' recorded' AS detail
@@ -72,6 +77,7 @@ CHAOS_CHECKS: dict[str, str] = {
 RUN_STATUSES = "SELECT run_id, task_id, status, attempt_count FROM runs"
 STATUS_COUNTS = "SELECT status, COUNT(*) AS n FROM runs GROUP BY status"
 LAST_EVENT = "SELECT COALESCE(MAX(event_id), 0) FROM run_events"
+WITHDRAWALS_PENDING = "SELECT COUNT(*) FROM runs WHERE close_due_at IS NOT NULL"
 RUNS_WITH_TASKS = """
 SELECT r.run_id, r.task_id, r.tenant, r.repo, r.status, r.outcome, r.reason_code,
        r.attempt_count, r.max_attempts, t.prompt, t.idempotency_key

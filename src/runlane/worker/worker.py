@@ -86,8 +86,11 @@ class Worker:
         self.outcomes: list[str] = []
         self.log = log.bind(worker_id=self.worker_id)
         # Withdrawals (worker/withdraw.py): looked for at most once a poll interval, on
-        # a thread of their own, one pass at a time.
-        self.withdrawer = Withdrawer(store, driver.code_host_for, self.worker_id)
+        # a thread of their own, one pass at a time (through the driver's code hosts;
+        # a driver without any, a test's, takes none).
+        code_host_for = getattr(driver, "code_host_for", None)
+        self.withdrawer = (Withdrawer(store, code_host_for, self.worker_id)
+                           if code_host_for is not None else None)
         self._withdrawing: threading.Thread | None = None
         self._next_withdrawal = 0.0
 
@@ -217,7 +220,8 @@ class Worker:
         """Start a pass of withdrawals if none is running and the last look is a poll
         interval old."""
         now = time.monotonic()
-        if self._withdrawal_running() or now < self._next_withdrawal:
+        if self.withdrawer is None or self._withdrawal_running() or \
+                now < self._next_withdrawal:
             return
         self._next_withdrawal = now + self.config.poll_seconds
         self._withdrawing = threading.Thread(target=self._withdraw, daemon=True,
@@ -228,6 +232,7 @@ class Worker:
         return self._withdrawing is not None and self._withdrawing.is_alive()
 
     def _withdraw(self) -> None:
+        assert self.withdrawer is not None
         try:
             self.withdrawer.run_once()
         except Exception as exc:  # the database, say: the next pass tries again
