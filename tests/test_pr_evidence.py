@@ -167,6 +167,36 @@ def test_drill_4_on_the_last_attempt_ends_succeeded_through_a_finalize_only_atte
     assert remote_violations(pstore, lambda repo: LocalForge(forge_dir)) == []
 
 
+def test_a_finalize_only_attempt_that_finds_nothing_fails_the_run_without_the_agent(
+        pstore: Store, remote: Path, forge_dir: Path, tmp_path: Path,
+        workers: Callable[..., WorkerProcess]) -> None:
+    """The last attempt dies after its push intent named its commit, before anything
+    was pushed. Its finalize-only attempt finds neither that commit on the run's branch
+    nor a pull request: the run ends FAILED, NOTHING_TO_FINALIZE, without the agent
+    running again (the retry worker's agent would fail AGENT_FAILED, and be retried),
+    and its withdrawal records that the code host holds nothing."""
+    [sub] = pstore.submit([spec(repo=str(remote), max_attempts=1)])
+    crashing = workers(AGENT_WRITES, env={"RUNLANE_FAULT_CRASH_AT": "before_push"})
+    assert crashing.wait(30) == -signal.SIGKILL
+    assert agent_branches(remote) == []
+    reap_until(pstore, sub.run_id, "QUEUED", 10)
+    retry = workers("exit 1", "--exit-when-idle")
+    assert retry.wait(60) == 0
+    run = run_row(pstore, sub.run_id)
+    assert (run.status, run.reason_code) == ("FAILED", "NOTHING_TO_FINALIZE")
+    assert "found neither the run's branch nor its pull request" in run.message
+    assert [(a.status, a.reason_code) for a in attempts_of(pstore, sub.run_id)] == [
+        ("FAILED", "WORKER_LOST"), ("FAILED", "NOTHING_TO_FINALIZE")]
+    assert not (tmp_path / "artifacts" / sub.run_id / "2" / "agent.log").exists(), \
+        "the finalize-only attempt ran the agent"
+    assert agent_branches(remote) == [] and pull_requests(forge_dir, remote) == []
+    close = ledger(pstore, sub.run_id)[CLOSE_EFFECT]
+    assert close.status == "DONE" and close.result is not None
+    assert (close.result["pull_request"], close.result["branch_sha"]) == (None, None)
+    assert pstore.audit() == []
+    assert remote_violations(pstore, lambda repo: LocalForge(forge_dir)) == []
+
+
 # --- item 5: finalize-only attempts that keep dying are capped -----------------------------
 
 

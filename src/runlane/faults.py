@@ -10,7 +10,8 @@ lookup.
 
 Points: ``after_effect:<key>`` (an effect done outside, not yet recorded: drill 4),
 ``before_push`` and ``before_pull_request`` (the lease checked, the call not yet made:
-the stale window of a push or a pull request).
+the stale window of a push or a pull request; ``before_push`` is also a crash point,
+a death after the push intent named its commit and before anything was pushed).
 """
 
 from __future__ import annotations

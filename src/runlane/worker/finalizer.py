@@ -38,7 +38,7 @@ from runlane.codehost.base import (
 )
 from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
-from runlane.faults import pause_point
+from runlane.faults import crash_point, pause_point
 from runlane.store.evidence import PULL_REQUEST_EFFECT
 from runlane.store.evidence import PUSH_EFFECT as PUSH_EFFECT  # tests import it from here
 from runlane.store.store import Lease, Store
@@ -167,6 +167,7 @@ class Finalizer:
                 stale = expected is not None and self._carries_trailer(
                     workspace, expected, lease, window, deadline[0])
                 deadline[0] = window.open_window()  # the lease, right before the push
+                crash_point("before_push")  # the intent names the commit; nothing pushed
                 pause_point("before_push")
                 try:
                     workspace.push(branch, expected=expected,
