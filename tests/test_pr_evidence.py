@@ -34,6 +34,7 @@ from runlane.codehost.github import GitHubClient
 from runlane.codehost.local_forge import LocalForge
 from runlane.services.evidence_audit import CHECK, remote_audit
 from runlane.store.evidence import CLOSE_EFFECT, MAX_WITHDRAWAL_TRIES
+from runlane.store.invariants import check_database
 from runlane.store.store import Lease, Store
 from runlane.worker.attempt import AttemptState
 from runlane.worker.withdraw import Withdrawer
@@ -286,6 +287,8 @@ def test_a_cancel_while_the_pull_request_is_opened_closes_it_with_a_comment(
 
     [pr] = prs()
     assert pr.state == "open"
+    # The fault harness waits for it, and reports one left due when it stops.
+    assert [v.check for v in check_database(store)] == ["withdrawal_not_done"]
     assert Withdrawer(store, host_for, "w2").run_once() == 1
     assert Withdrawer(store, host_for, "w2").run_once() == 0  # nothing due any more
     [pr] = prs()
@@ -300,7 +303,7 @@ def test_a_cancel_while_the_pull_request_is_opened_closes_it_with_a_comment(
     assert (close.result["pull_request"]["number"], close.result["closed"]) == (pr.number, True)
     assert close.result["run_status"] == "CANCELLED"
     assert run_row(store, sub.run_id).status == "CANCELLED"  # a terminal state stays
-    assert store.audit() == []
+    assert store.audit() == [] and check_database(store) == []
     assert remote_violations(store, host_for) == []
 
 
@@ -358,7 +361,7 @@ def test_a_cancel_after_the_worker_died_mid_pull_request_is_withdrawn_by_another
     assert [(a.status, a.reason_code) for a in attempts_of(pstore, sub.run_id)] == [
         ("CANCELLED", "WORKER_LOST")]  # no attempt after the cancel
     assert ledger(pstore, sub.run_id)[CLOSE_EFFECT].status == "DONE"
-    assert pstore.audit() == []
+    assert pstore.audit() == [] and check_database(pstore) == []
     assert remote_violations(pstore, lambda repo: LocalForge(forge_dir)) == []
 
 

@@ -38,11 +38,13 @@ CHAOS_CHECKS: dict[str, str] = {
         FROM attempts a JOIN runs r ON r.run_id = a.run_id
         WHERE r.ended_at IS NOT NULL AND a.started_at > r.ended_at""",
     # Cancellation is monotonic: a cancelled run never starts a side effect after the
-    # cancel, and ends CANCELLED.
+    # cancel (its withdrawal, which closes what it left, is made after it ended by
+    # design), and ends CANCELLED.
     "effect_after_cancel": """
         SELECT s.run_id, 'effect ' || s.effect_key || ' begun after the cancel' AS detail
         FROM side_effects s
-        WHERE s.created_at > (SELECT MIN(c.at) FROM run_events c
+        WHERE s.effect_key <> 'close_pull_request'
+          AND s.created_at > (SELECT MIN(c.at) FROM run_events c
                               WHERE c.run_id = s.run_id
                                 AND c.to_status IN ('CANCEL_REQUESTED', 'CANCELLED'))
                              + :tolerance""",
