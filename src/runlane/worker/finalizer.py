@@ -271,10 +271,10 @@ class Finalizer:
                     fencing_token=lease.fencing_token, worker_id=lease.worker_id,
                     branch=branch, replaced=old, sha=new)
         self.store.note(lease, Reason.STALE_PUSH_REPLACED,
-                        f"attempt {lease.attempt_no} replaced commit {old} on {branch}: it "
-                        "carried this run's trailer but was neither this attempt's commit "
-                        f"nor the one the ledger recorded (a push that outlived its lease); "
-                        f"the branch now holds {new}")
+                        f"attempt {lease.attempt_no} replaced commit {old} on {branch}, "
+                        "a commit of this run that was neither this attempt's nor the one "
+                        "the ledger recorded (a push that outlived its lease); the branch "
+                        f"now holds {new}")
 
 
 def _pr(pr: PullRequest) -> dict[str, Any]:
