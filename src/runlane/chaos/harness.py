@@ -658,7 +658,7 @@ class Harness:
         return {"elapsed": elapsed, "submitted": self.next_plan, "runs": len(self.plans),
                 "states": dict(states), "faults": {k: self.counts[k] for k in
                                                     ("kill", "stop", "terminate", "restart",
-                                                     "cancel", "duplicate_submit")
+                                                     "cancel", "duplicate_submit", "pr_crash")
                                                     if self.counts[k]},
                 "workers": len(self._live())}
 
