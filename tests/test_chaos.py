@@ -87,6 +87,34 @@ def test_the_pr_crash_fault_plans_deaths_on_a_last_attempt_too() -> None:
     assert "pr_crash" in PROFILES["short"].faults
 
 
+def test_a_pr_crash_run_must_end_with_its_pull_request_recorded() -> None:
+    """The harness's expectation for the fault pr_crash: a run whose ledger holds its
+    pull request ends SUCCEEDED through finalize-only attempts; one a harness fault
+    took before it got that far, or whose finalize-only attempts the faults all took,
+    is not held to it."""
+    from types import SimpleNamespace as Row
+
+    from runlane.chaos.checks import _expectations
+
+    prompt = Behaviour(5, "change", crash=1).prompt()
+
+    def run(status: str, outcome: str | None = None) -> Any:
+        return Row(run_id="r", status=status, outcome=outcome, prompt=prompt,
+                   reason_code="WORKER_LOST")
+
+    def attempt(no: int, reason: str | None, status: str = "FAILED") -> Any:
+        return Row(attempt_no=no, status=status, reason_code=reason, message="")
+
+    died = [attempt(1, "WORKER_LOST")]
+    found, _ = _expectations({"r": run("FAILED")}, {"r": died}, {"r"})
+    assert [v["check"] for v in found] == ["pull_request_crash_not_finished"]
+    assert _expectations({"r": run("FAILED")}, {"r": died}, set())[0] == []
+    done = [*died, attempt(2, None, "SUCCEEDED")]
+    assert _expectations({"r": run("SUCCEEDED", "pull_request")}, {"r": done}, {"r"})[0] == []
+    lost = [*died, *(attempt(n, "WORKER_LOST") for n in (2, 3, 4))]
+    assert _expectations({"r": run("FAILED")}, {"r": lost}, {"r"})[0] == []
+
+
 def test_the_prompt_carries_the_behaviour_and_each_attempt_is_planned() -> None:
     b = Behaviour(number=17, kind="flaky", reason="PROVIDER_RATE_LIMIT", fails=2, sleep=0.3,
                   dwell="FINALIZING")

@@ -60,7 +60,8 @@ def evaluate(outcome: Outcome) -> Report:
     notes = list(c.notes)
 
     violations += _submissions(outcome, runs)
-    expected, unplanned = _expectations(runs, attempts)
+    opened = {r.run_id for r in _rows(outcome, invariants.PULL_REQUESTS_BEGUN)}
+    expected, unplanned = _expectations(runs, attempts, opened)
     violations += expected
     code_host, pr_count, branch_count, left_behind = _code_host(outcome, runs)
     violations += code_host
@@ -151,7 +152,8 @@ def _submissions(outcome: Outcome, runs: dict[str, Any]) -> list[dict[str, Any]]
 # --- the workload: each attempt ended as its behaviour planned ---------------------------
 
 
-def _expectations(runs: dict[str, Any], attempts: dict[str, list[Any]]
+def _expectations(runs: dict[str, Any], attempts: dict[str, list[Any]],
+                  opened: set[str] | None = None
                   ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Violations, and failures the workload did not plan (faults' doing, or runlane's),
     counted by reason and the start of their message."""
@@ -162,7 +164,8 @@ def _expectations(runs: dict[str, Any], attempts: dict[str, list[Any]]
         if b is None:
             continue
         clean_change = False
-        found.extend(_pr_crash_expectation(run, b, attempts.get(run_id, [])))
+        if run_id in (opened or set()):
+            found.extend(_pr_crash_expectation(run, b, attempts.get(run_id, [])))
         for a in attempts.get(run_id, []):
             step = plan(b, a.attempt_no)
             if step.action == "change" and step.recorded is None:
@@ -193,7 +196,9 @@ def _pr_crash_expectation(run: Any, b: Any, attempts: list[Any]) -> list[dict[st
     """A run whose worker died after the code host opened its pull request (the fault
     pr_crash, on its last attempt too) ends SUCCEEDED with that pull request recorded,
     through finalize-only attempts; unless the harness's own faults took every one of
-    those it may get."""
+    those it may get. Asked only of runs whose ledger holds a pull request: a harness
+    fault that took attempt ``crash`` before it got that far (a SIGKILL, a SIGSTOP
+    past the lease) leaves nothing to finish."""
     if not b.crash:
         return []
     died = [a for a in attempts if a.attempt_no == b.crash]

@@ -80,6 +80,8 @@ RUN_STATUSES = "SELECT run_id, task_id, status, attempt_count FROM runs"
 STATUS_COUNTS = "SELECT status, COUNT(*) AS n FROM runs GROUP BY status"
 LAST_EVENT = "SELECT COALESCE(MAX(event_id), 0) FROM run_events"
 WITHDRAWALS_PENDING = "SELECT COUNT(*) FROM runs WHERE close_due_at IS NOT NULL"
+# Runs whose ledger holds a pull request, begun or done.
+PULL_REQUESTS_BEGUN = "SELECT DISTINCT run_id FROM side_effects WHERE effect_key = 'pull_request'"
 RUNS_WITH_TASKS = """
 SELECT r.run_id, r.task_id, r.tenant, r.repo, r.status, r.outcome, r.reason_code,
        r.attempt_count, r.max_attempts, t.prompt, t.idempotency_key
