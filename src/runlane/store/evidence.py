@@ -129,7 +129,6 @@ CLOSE_DONE = """
 UPDATE side_effects SET status = 'DONE', result = :result, completed_at = {now}
 WHERE run_id = :run_id AND effect_key = 'close_pull_request' AND status = 'INTENT'
 """
-WITHDRAWALS_PENDING = "SELECT COUNT(*) FROM runs WHERE close_due_at IS NOT NULL"
 # The runs ``runlane audit --remote-checks`` asks the code host about: ended without
 # success with a publication in the ledger, newest first (ix_runs_status_updated).
 EVIDENCE_RUNS = f"""
@@ -249,9 +248,8 @@ class EvidenceMixin:
         """The run due a withdrawal first, held by this worker for ``hold_seconds``
         (another may take it over after that), with its tries counted; None when none
         is due."""
-        with self.reads.connect() as conn:  # the common case: none due, no write
-            if conn.execute(self._q(WITHDRAWAL_DUE), {"now": self.clock.now()}).first() is None:
-                return None
+        if not self.withdrawal_due():  # the common case: a read, no write lock
+            return None
 
         def work(conn: Connection) -> Withdrawal | None:
             row = conn.execute(self._q(TAKE_CLOSE), {"now": self.clock.now(),
@@ -320,11 +318,12 @@ class EvidenceMixin:
             gave_up=gave_up, error=error)
         return gave_up
 
-    def withdrawals_pending(self) -> int:
-        """Runs due a withdrawal now or later (a worker with ``--exit-when-idle`` waits
-        for them; so does the fault harness)."""
-        return int(self._transaction(lambda conn: conn.execute(
-            self._q(WITHDRAWALS_PENDING)).scalar_one(), autocommit=True))
+    def withdrawal_due(self) -> bool:
+        """Whether a withdrawal is due now (a worker with ``--exit-when-idle`` takes it
+        before it exits; one waiting out a backoff does not keep it)."""
+        with self.reads.connect() as conn:
+            return conn.execute(self._q(WITHDRAWAL_DUE),
+                                {"now": self.clock.now()}).first() is not None
 
     def evidence_runs(self, *, limit: int) -> list[dict[str, Any]]:
         """The runs that ended without success with a publication in their ledger,

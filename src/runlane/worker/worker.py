@@ -156,7 +156,7 @@ class Worker:
                         and self.store.waiting_count(self.config.queues,
                                                      self.config.capabilities) == 0
                         and not self._withdrawal_running()
-                        and self.store.withdrawals_pending() == 0):
+                        and not self.store.withdrawal_due()):
                     return
             except Exception as exc:  # keep the worker alive; its attempts keep running
                 self.log.error("claim_loop_error", error=f"{type(exc).__name__}: {exc}")
