@@ -32,6 +32,7 @@ from runlane.codehost.base import (
 )
 from runlane.codehost.github import GitHubClient
 from runlane.codehost.local_forge import LocalForge
+from runlane.domain.retry import MAX_FINALIZE_ONLY_ATTEMPTS, RetryPolicy, decide_finalize_only
 from runlane.services.evidence_audit import CHECK, remote_audit
 from runlane.store.evidence import CLOSE_EFFECT, MAX_WITHDRAWAL_TRIES
 from runlane.store.invariants import check_database
@@ -126,6 +127,25 @@ def fake() -> Iterator[FakeGitHub]:
 
 def github_for(fake: FakeGitHub) -> Callable[[str], Any]:
     return lambda repo: GitHubAt(GitHubClient(fake.url, token="s3cr3t-token", timeout=5.0))
+
+
+# --- the decision (pure) -------------------------------------------------------------------
+
+
+def test_finalize_only_decisions_are_bounded_and_never_retry_nothing() -> None:
+    """Any failure of a finalize-only attempt is worth another look, up to the cap;
+    one that found nothing ends the run; a drained one is given back at once."""
+    policy = RetryPolicy(base_seconds=1.0, max_seconds=10.0)
+    assert decide_finalize_only("WORKER_LOST", 0, policy).retry
+    assert decide_finalize_only("WORKER_ERROR", 2, policy).retry  # not retried by decide()
+    capped = decide_finalize_only("WORKER_LOST", MAX_FINALIZE_ONLY_ATTEMPTS, policy)
+    assert (capped.retry, capped.final_reason) == (False, "WORKER_LOST")
+    nothing = decide_finalize_only("NOTHING_TO_FINALIZE", 0, policy)
+    assert (nothing.retry, nothing.final_reason) == (False, "NOTHING_TO_FINALIZE")
+    drained = decide_finalize_only("LEASE_RELEASED", MAX_FINALIZE_ONLY_ATTEMPTS, policy)
+    assert (drained.retry, drained.delay_seconds) == (True, 0.0)
+    waits = decide_finalize_only("CODE_HOST_FAILED_TRANSIENT", 1, policy, 600.0)
+    assert waits.retry and waits.delay_seconds == 600.0
 
 
 # --- item 5: the last attempt dies after the code host acted (drill 4, real workers) ------
