@@ -240,8 +240,8 @@ class EvidenceMixin:
     def finalize_only_after(self, run_id: str) -> int | None:
         """The attempt number above which the run's attempts are finalize-only (a
         worker asks at the start of each attempt), None when none was granted."""
-        value = self._transaction(lambda conn: conn.execute(
-            self._q(FINALIZE_ONLY_AFTER), {"run_id": run_id}).scalar(), autocommit=True)
+        with self.reads.connect() as conn:  # a read: no write lock on SQLite
+            value = conn.execute(self._q(FINALIZE_ONLY_AFTER), {"run_id": run_id}).scalar()
         return None if value is None else int(value)
 
     def take_withdrawal(self, worker_id: str, *, hold_seconds: float) -> Withdrawal | None:
@@ -341,4 +341,7 @@ class EvidenceMixin:
                 run["ledger"] = Ledger(ledger[run["run_id"]])
             return found
 
-        return self._transaction(work)
+        # A read (no write lock on SQLite): a run that ended stays ended, and its ledger
+        # read a moment later holds at least what the first statement saw.
+        with self.reads.connect() as conn:
+            return work(conn)
