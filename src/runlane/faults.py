@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 _paused: set[str] = set()
 
@@ -30,4 +31,9 @@ def crash_point(name: str) -> None:
 def pause_point(name: str) -> None:
     if os.environ.get("RUNLANE_FAULT_PAUSE_AT") == name and name not in _paused:
         _paused.add(name)
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # Sent to this thread, not to the process: a process-directed SIGSTOP is taken
+        # by whichever thread the kernel picks (the main one, say), and this thread ran
+        # on until the group stop reached it, making the call it was to pause before
+        # (a push seen landing while the worker was "paused"). This thread stops
+        # before the call returns, and the whole process with it.
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
