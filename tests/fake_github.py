@@ -9,6 +9,8 @@ Implements, for registered repositories:
   ``branches`` when ``check_branches`` is on, and 422 "body is too long" for a body
   over ``max_body`` characters, 65,536 as on GitHub);
 - ``PATCH /repos/{o}/{r}/pulls/{n}`` with ``{"state": "closed"}``;
+- ``GET`` and ``POST /repos/{o}/{r}/issues/{n}/comments`` (a pull request's comments
+  are its issue's; listed oldest first, paginated like the pulls);
 - 401 when ``token`` is set and the request's bearer token differs; 404 for an
   unknown repository.
 
@@ -53,6 +55,7 @@ class FakeGitHub:
         self.branches: set[tuple[str, str]] = set()  # (owner/name, branch)
         self.requests: list[Recorded] = []
         self._pulls: dict[str, list[dict[str, Any]]] = {}
+        self._comments: dict[tuple[str, int], list[dict[str, Any]]] = {}
         self._failures: list[_Failure | None] = []
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
@@ -75,6 +78,11 @@ class FakeGitHub:
     def pulls(self, full_name: str) -> list[dict[str, Any]]:
         with self._lock:
             return [dict(p) for p in self._pulls[full_name]]
+
+    def comments(self, full_name: str, number: int) -> list[str]:
+        """The bodies of a pull request's comments, oldest first."""
+        with self._lock:
+            return [str(c["body"]) for c in self._comments.get((full_name, number), [])]
 
     def seed(self, full_name: str, *, head: str, base: str = "main", body: str = "",
              state: str = "open", title: str = "seeded") -> int:
@@ -179,7 +187,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(401, {"message": "Bad credentials"})
             return
         segs = [s for s in parts.path.split("/") if s]
-        if len(segs) < 4 or segs[0] != "repos" or segs[3] != "pulls":
+        if len(segs) < 4 or segs[0] != "repos" or segs[3] not in ("pulls", "issues"):
             self._send(404, {"message": "Not Found"})
             return
         full_name = f"{segs[1]}/{segs[2]}"
@@ -187,7 +195,13 @@ class _Handler(BaseHTTPRequestHandler):
             if full_name not in gh._pulls:
                 self._send(404, {"message": "Not Found"})
                 return
-            if method == "GET" and len(segs) == 4:
+            if segs[3] == "issues":
+                if len(segs) == 6 and segs[4].isdigit() and segs[5] == "comments":
+                    self._issue_comments(method, full_name, int(segs[4]), parts.path, query,
+                                         json.loads(raw or b"{}"))
+                else:
+                    self._send(404, {"message": "Not Found"})
+            elif method == "GET" and len(segs) == 4:
                 self._list(full_name, parts.path, query)
             elif method == "POST" and len(segs) == 4:
                 self._open(full_name, json.loads(raw or b"{}"))
@@ -195,6 +209,22 @@ class _Handler(BaseHTTPRequestHandler):
                 self._patch(full_name, int(segs[4]), json.loads(raw or b"{}"))
             else:
                 self._send(404, {"message": "Not Found"})
+
+    def _issue_comments(self, method: str, full_name: str, number: int, path: str,
+                        query: dict[str, str], data: dict[str, Any]) -> None:
+        gh = self.github
+        if not any(p["number"] == number for p in gh._pulls[full_name]):
+            self._send(404, {"message": "Not Found"})
+            return
+        comments = gh._comments.setdefault((full_name, number), [])
+        if method == "GET":
+            self._page(comments, path, query)
+        elif method == "POST" and "body" in data:
+            comment = {"id": len(comments) + 1, "body": str(data["body"])}
+            comments.append(comment)
+            self._send(201, comment)
+        else:
+            self._send(422, {"message": "Validation Failed"})
 
     def _list(self, full_name: str, path: str, query: dict[str, str]) -> None:
         gh = self.github
@@ -205,10 +235,14 @@ class _Handler(BaseHTTPRequestHandler):
         if "head" in query:
             owner, _, ref = query["head"].partition(":")
             pulls = [p for p in pulls if p["head"]["label"] == f"{owner}:{ref}"]
+        self._page(pulls, path, query)
+
+    def _page(self, items: list[dict[str, Any]], path: str, query: dict[str, str]) -> None:
+        gh = self.github
         per_page = min(int(query.get("per_page", 30)), gh.page_size)
         page = int(query.get("page", 1))
-        last = max(1, -(-len(pulls) // per_page))
-        chunk = pulls[(page - 1) * per_page: page * per_page]
+        last = max(1, -(-len(items) // per_page))
+        chunk = items[(page - 1) * per_page: page * per_page]
         host = self.headers.get("Host", "127.0.0.1")
 
         def link(p: int) -> str:

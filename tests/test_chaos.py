@@ -18,7 +18,7 @@ import pytest
 
 from runlane.chaos.agent import FATAL, RETRYABLE, STAGES, Behaviour, parse_prompt, plan
 from runlane.chaos.checks import replay_command
-from runlane.chaos.profiles import build_config
+from runlane.chaos.profiles import PROFILES, build_config
 from runlane.chaos.workload import CANCEL_POINTS, build_workload
 from runlane.clock import ManualClock
 from runlane.store.invariants import CHAOS_CHECKS, check_database
@@ -64,6 +64,55 @@ def test_a_short_profile_workload_covers_every_reason_and_every_cancel_point() -
     assert kinds >= {"hang", "hang_once", "stubborn", "verify_fail", "nochange", "exhaust"}
     assert {p.behaviour.dwell for p in plans} >= set(STAGES)
     assert len({p.key for p in plans}) == 300
+
+
+def test_the_pr_crash_fault_plans_deaths_on_a_last_attempt_too() -> None:
+    """The fault pr_crash (drill 4 in the harness): some plain change tasks name the
+    attempt whose worker dies after the code host opened its pull request, some of
+    them with a single attempt (the death is the last attempt's); drawn apart, so the
+    rest of the seed's workload is the same without it."""
+    plain = build_workload(7, 300, repos=4)
+    plans = build_workload(7, 300, repos=4, pr_crashes=True)
+    crashing = [p for p in plans if p.behaviour.crash]
+    assert {p.behaviour.crash for p in crashing} == {1}
+    assert {p.behaviour.kind for p in crashing} == {"change"}
+    assert all(p.cancel_at is None and p.behaviour.dwell is None for p in crashing)
+    assert any(p.max_attempts == 1 for p in crashing)
+    assert any(p.max_attempts > 1 for p in crashing)
+    unchanged = [(a, b) for a, b in zip(plain, plans, strict=True) if not b.behaviour.crash]
+    assert unchanged and all(a == b for a, b in unchanged)
+    b = crashing[0].behaviour
+    assert parse_prompt(b.prompt()) == b and " crash=1" in b.prompt()
+    assert " crash=" not in plain[0].behaviour.prompt()
+    assert "pr_crash" in PROFILES["short"].faults
+
+
+def test_a_pr_crash_run_must_end_with_its_pull_request_recorded() -> None:
+    """The harness's expectation for the fault pr_crash: a run whose ledger holds its
+    pull request ends SUCCEEDED through finalize-only attempts; one a harness fault
+    took before it got that far, or whose finalize-only attempts the faults all took,
+    is not held to it."""
+    from types import SimpleNamespace as Row
+
+    from runlane.chaos.checks import _expectations
+
+    prompt = Behaviour(5, "change", crash=1).prompt()
+
+    def run(status: str, outcome: str | None = None) -> Any:
+        return Row(run_id="r", status=status, outcome=outcome, prompt=prompt,
+                   reason_code="WORKER_LOST")
+
+    def attempt(no: int, reason: str | None, status: str = "FAILED") -> Any:
+        return Row(attempt_no=no, status=status, reason_code=reason, message="")
+
+    died = [attempt(1, "WORKER_LOST")]
+    found, _ = _expectations({"r": run("FAILED")}, {"r": died}, {"r"})
+    assert [v["check"] for v in found] == ["pull_request_crash_not_finished"]
+    assert _expectations({"r": run("FAILED")}, {"r": died}, set())[0] == []
+    done = [*died, attempt(2, None, "SUCCEEDED")]
+    assert _expectations({"r": run("SUCCEEDED", "pull_request")}, {"r": done}, {"r"})[0] == []
+    lost = [*died, *(attempt(n, "WORKER_LOST") for n in (2, 3, 4))]
+    assert _expectations({"r": run("FAILED")}, {"r": lost}, {"r"})[0] == []
 
 
 def test_the_prompt_carries_the_behaviour_and_each_attempt_is_planned() -> None:
@@ -184,7 +233,7 @@ def test_short_profile_every_fault_on_postgresql(tmp_path: Path) -> None:
     assert (report["runs"], report["workers"], report["engine"]) == (300, 4, "postgresql")
     assert report["summary"] == {"lost": 0, "doubled": 0, "stuck": 0, "other": 0}
     for fault in ("kill", "stop", "terminate", "restart", "duplicate_submit",
-                  "duplicate_wakeup", "duplicate_delivery", "cancel"):
+                  "duplicate_wakeup", "duplicate_delivery", "cancel", "pr_crash"):
         assert report["faults"].get(fault, 0) > 0, fault
     assert set(report["cancels_by_stage"]) >= {"QUEUED", "CLAIMED", "PREPARING_SANDBOX",
                                                "RUNNING", "VERIFYING", "FINALIZING"}

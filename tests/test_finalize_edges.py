@@ -133,61 +133,72 @@ def test_a_code_host_rate_limit_retry_after_delays_the_retry(
     assert store.audit() == []
 
 
-# --- a push that loses a race with the run's own earlier push --------------------------------
+# --- a stale push that lands between the look and the push -----------------------------------
 
 
-def test_a_push_rejected_because_an_earlier_attempt_pushed_the_run_branch_is_adopted(
+def test_a_stale_push_that_lands_first_is_replaced_never_adopted_and_reported(
         store: Store, clock: ManualClock, tmp_path: Path, remote: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Attempt 1's worker dies while its ``git push`` is in flight (the push runs in its
-    own session, ``start_new_session=True``, so it outlives a SIGKILLed worker, and a
-    stopped or partitioned worker's push lands late). Attempt 2 checks the remote, finds
-    no branch, runs the agent, commits and pushes; attempt 1's push lands in between.
-    Attempt 2's push is rejected ("[rejected] ... fetch first"), which
-    ``workspace.is_transient`` classifies as permanent: the attempt ends WORKER_ERROR and
-    the run FAILED, with the run's branch (runlane's commit, with its trailer) on the
-    remote and no pull request. This is the "Once, a push failed for good" of
-    docs/reliability.md. A rejected push of the run's own branch must look at the remote
-    again and adopt a commit carrying the run's trailer (or at least be retried)."""
+    """Attempt 1 recorded its push intent (naming its commit), then lost its lease with
+    its ``git push`` still on its way (the push runs in its own session and outlives a
+    SIGKILLed worker; a paused worker's push lands late). Attempt 2 finds no branch,
+    runs its agent, commits and pushes; attempt 1's push lands in between. Before, the
+    rejected push looked again and adopted any commit carrying the run's trailer:
+    attempt 2's pull request showed attempt 1's work and its own agent's was dropped.
+    Now attempt 2's push is conditional on what it saw (no branch), is rejected, and
+    the commit it then finds is neither its own nor the one the ledger recorded (its
+    intent named its own): it is replaced (``--force-with-lease`` over that commit),
+    never adopted, and reported on the run and in the ledger."""
     [sub] = store.submit([spec(repo=str(remote))])
     forge = tmp_path / "forge"
     driver = driver_for(store, tmp_path, lambda repo: LocalForge(forge))
+    branch = branch_name(sub.task_id, sub.run_id)
 
-    # Attempt 1 got as far as recording its push intent, then its worker died.
+    # Attempt 1: its commit, its intent naming it; then its lease is lost.
     first = claim(store)
-    store.effect_intent(first, PUSH_EFFECT)
+    orphan = Workspace.clone(str(remote), tmp_path / "orphan", "attempt-1")
+    (orphan.path / "fix.txt").write_text("fixed by attempt 1\n")
+    stale = orphan.commit_all(branch, pr_title({"prompt": "fix the flaky test"}),
+                              trailer(sub.run_id))
+    store.effect_intent(first, PUSH_EFFECT, intent={"sha": stale})
     clock.advance(TTL + 1)
     assert store.reap_expired_leases() == 1
     clock.advance(1000)
 
-    # Its orphaned push: runlane's commit for this run, from its own clone.
-    branch = branch_name(sub.task_id, sub.run_id)
-    orphan = Workspace.clone(str(remote), tmp_path / "orphan", "attempt-1")
-    (orphan.path / "fix.txt").write_text("fixed by attempt 1\n")
-    orphan.commit_all(branch, pr_title({"prompt": "fix the flaky test"}), trailer(sub.run_id))
     real_push = Workspace.push
     landed: list[str] = []
 
-    def push_after_the_orphan_lands(self: Workspace, branch: str, *,
-                                    replacing: str | None = None) -> None:
+    def push_after_the_stale_one_lands(self: Workspace, branch: str, *,
+                                       expected: str | None = None,
+                                       timeout: float | None = None) -> None:
         if not landed:
             real_push(orphan, branch)  # attempt 1's push lands now
             landed.append(branch)
-        real_push(self, branch, replacing=replacing)
+        real_push(self, branch, expected=expected, timeout=timeout)
 
-    monkeypatch.setattr(Workspace, "push", push_after_the_orphan_lands)
-    for _ in range(3):  # however many attempts it takes, within the run's budget
-        run_attempt(store, driver)
-        if run_row(store, sub.run_id).status in ("SUCCEEDED", "FAILED"):
-            break
-        clock.advance(1000)
-    run = run_row(store, sub.run_id)
+    monkeypatch.setattr(Workspace, "push", push_after_the_stale_one_lands)
+    assert run_attempt(store, driver) == "pull_request"
     assert landed, "the race was not staged"
-    assert agent_branches(remote) == [branch]
-    assert run.status == "SUCCEEDED", (
-        f"run ended {run.status} {run.reason_code}: {run.message!r} with its branch "
-        f"on the remote and {len(LocalForge(forge).list_pull_requests(str(remote)))} "
-        "pull requests")
+    run = run_row(store, sub.run_id)
+    assert (run.status, run.outcome) == ("SUCCEEDED", "pull_request")
+    push = {e.effect_key: e for e in store.side_effects(sub.run_id)}[PUSH_EFFECT]
+    assert push.attempt_no == 2 and push.result is not None
+    assert push.result["sha"] != stale, "attempt 1's stale commit was adopted"
+    assert push.result["replaced"] == stale
+    on_remote = subprocess.run(["git", "--git-dir", str(remote), "rev-parse", branch],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    assert on_remote == push.result["sha"]
+    shown = subprocess.run(["git", "--git-dir", str(remote), "show", f"{branch}:fix.txt"],
+                           capture_output=True, text=True, check=True).stdout
+    assert shown == "fixed\n"  # attempt 2's agent's work, not attempt 1's
+    with store.engine.connect() as conn:
+        notes = conn.execute(text(
+            "SELECT from_status, to_status, attempt_no, message FROM run_events "
+            "WHERE run_id = :r AND reason_code = 'STALE_PUSH_REPLACED'"),
+            {"r": sub.run_id}).all()
+    assert [(n.from_status, n.to_status, n.attempt_no) for n in notes] == [
+        ("FINALIZING", "FINALIZING", 2)]
+    assert stale in notes[0].message
     assert len(LocalForge(forge).list_pull_requests(str(remote))) == 1
     assert store.audit() == []
 

@@ -217,8 +217,22 @@ class Runlane:
         return self.store.get_run(run_id)
 
     @_on_the_database
-    def audit(self) -> list[Violation]:
-        return self.store.audit()
+    def audit(self, *, remote_checks: bool = False, limit: int = 1000,
+              code_host_for: Callable[[str], CodeHost] | None = None) -> list[Violation]:
+        """The invariants on the database; with ``remote_checks``, also the code host's
+        side of pull-request evidence for at most ``limit`` runs that ended without
+        success with a push or a pull request in their ledger
+        (``services/evidence_audit.py``)."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_COUNT:
+            raise InvalidArgument(f"limit {limit!r} is not an integer in 1..{MAX_COUNT}")
+        found = self.store.audit()
+        if remote_checks:
+            from runlane.codehost.factory import code_host_for as default_code_host_for
+            from runlane.services.evidence_audit import remote_audit
+
+            found.extend(remote_audit(self.store, code_host_for or default_code_host_for,
+                                      limit=limit).violations)
+        return found
 
     # --- maintenance ------------------------------------------------------------------
 

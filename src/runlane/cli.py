@@ -653,11 +653,16 @@ def prs_list(as_json: bool) -> None:
 
 
 @app.command()
+@click.option("--remote-checks", is_flag=True,
+              help="Also ask the code host about runs that ended without success with a "
+                   "push or a pull request in their ledger (open or unrecorded ones).")
+@click.option("--limit", type=click.IntRange(1, MAX_COUNT), default=1000, show_default=True,
+              help="With --remote-checks: at most this many such runs, newest first.")
 @json_flag
-def audit(as_json: bool) -> None:
+def audit(remote_checks: bool, limit: int, as_json: bool) -> None:
     """Check the invariants of DESIGN.md on the live database; exit 1 on any violation."""
     with _lane() as lane:
-        violations = lane.audit()
+        violations = lane.audit(remote_checks=remote_checks, limit=limit)
     if as_json:
         _print_json({"ok": not violations,
                      "violations": [v.__dict__ for v in violations]})

@@ -515,13 +515,15 @@ class Workspace:
         self._local(["reset", "--quiet", "--mixed"])  # index = the new commit
         return sha
 
-    def remote_commit_carries(self, sha: str, trailer: str) -> bool:
+    def remote_commit_carries(self, sha: str, trailer: str, *,
+                              timeout: float | None = None) -> bool:
         """Whether the remote's commit ``sha`` (fetched if this clone lacks it) has
-        ``trailer`` in its message: the mark of runlane's own commit for the run."""
+        ``trailer`` in its message: the mark of runlane's own commit for the run.
+        ``timeout`` (seconds) caps the fetch below the workspace's own."""
         have = self._git(["cat-file", "-e", f"{sha}^{{commit}}"])
         if have.code != 0:
             done = self._git(["fetch", "--quiet", "--no-tags", "--", self.remote_url, sha],
-                             timeout=self.timeout)
+                             timeout=self._capped(timeout))
             if done.timed_out or done.code != 0:
                 raise PushFailed(f"cannot fetch {sha} from the remote: "
                                  f"{'timed out' if done.timed_out else _summary(done.stderr)}",
@@ -529,32 +531,28 @@ class Workspace:
         message = self._local(["log", "-1", "--format=%B", sha])
         return trailer in message.splitlines()
 
-    def remote_branch_sha(self, branch: str) -> str | None:
+    def remote_branch_sha(self, branch: str, *, timeout: float | None = None) -> str | None:
         """The sha of ``branch`` on the remote, or None when it has no such branch.
-        Raises PushFailed when the remote cannot be asked."""
-        ref = f"refs/heads/{branch}"
-        done = self._git(["ls-remote", "--", self.remote_url, ref], timeout=self.timeout)
-        if done.timed_out:
-            raise PushFailed(f"git ls-remote timed out after {self.timeout:g} s", transient=True)
-        if done.code != 0:
-            raise PushFailed(f"git ls-remote failed: {_summary(done.stderr)}",
-                             transient=is_transient(done.stderr))
-        for line in done.stdout.decode().splitlines():
-            sha, _, name = line.partition("\t")
-            if name == ref:
-                return sha
-        return None
+        Raises PushFailed when the remote cannot be asked. ``timeout`` (seconds) caps
+        the call below the workspace's own."""
+        return remote_branch_sha(self.remote_url, branch, timeout=self._capped(timeout),
+                                 cwd=self.path, config=self._config)
 
-    def push(self, branch: str, *, replacing: str | None = None) -> None:
-        """Push the local ``branch`` to the same name on the remote: no force, or, with
-        ``replacing``, over that commit only (a branch of the run's name that is not
-        runlane's commit: the agent pushed it itself)."""
+    def push(self, branch: str, *, expected: str | None = None,
+             timeout: float | None = None) -> None:
+        """Push the local ``branch`` to the same name on the remote, only if the remote's
+        branch is what the caller saw: ``expected`` its commit, None for no branch at
+        all (``--force-with-lease=REF:EXPECTED``). Whatever landed there since (a push
+        that outlived its lease, the agent's own push) is never overwritten unseen: the
+        push is rejected. ``timeout`` (seconds) caps the push below the workspace's own
+        (the finalizer passes what its lease has left)."""
         ref = f"refs/heads/{branch}"
-        lease = [f"--force-with-lease={ref}:{replacing}"] if replacing else []
-        done = self._git(["push", "--quiet", "--no-verify", *lease, "--", self.remote_url,
-                          f"{ref}:{ref}"], timeout=self.timeout)
+        timeout = self._capped(timeout)
+        done = self._git(["push", "--quiet", "--no-verify",
+                          f"--force-with-lease={ref}:{expected or ''}", "--", self.remote_url,
+                          f"{ref}:{ref}"], timeout=timeout)
         if done.timed_out:
-            raise PushFailed(f"git push timed out after {self.timeout:g} s", transient=True)
+            raise PushFailed(f"git push timed out after {timeout:g} s", transient=True)
         if done.code != 0:
             raise PushFailed(f"git push of {branch} failed: {_summary(done.stderr)}",
                              transient=is_transient(done.stderr))
@@ -562,6 +560,9 @@ class Workspace:
     def base_branch(self) -> str:
         """The branch the clone checked out: the remote's default branch."""
         return self._base_branch
+
+    def _capped(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else max(0.0, min(self.timeout, timeout))
 
     def remove(self) -> None:
         """Delete the clone and the worker's git directory; safe to call again."""
@@ -604,6 +605,27 @@ class Workspace:
         finally:
             os.close(fd)
         return True
+
+
+def remote_branch_sha(url: str, branch: str, *, timeout: float = DEFAULT_TIMEOUT_SECONDS,
+                      cwd: Path | None = None, config: GitConfig | None = None) -> str | None:
+    """The sha of ``branch`` at the repository ``url`` (``git ls-remote``), None when
+    it has no such branch; without a clone (a withdrawal records the branch it finds).
+    Raises PushFailed when the remote cannot be asked. ``config``: the worker's own git
+    settings passed on (its credential helpers; read now when not given)."""
+    ref = f"refs/heads/{branch}"
+    done = _git(["ls-remote", "--", url, ref], cwd=cwd, timeout=timeout,
+                config=worker_git_config() if config is None else config)
+    if done.timed_out:
+        raise PushFailed(f"git ls-remote timed out after {timeout:g} s", transient=True)
+    if done.code != 0:
+        raise PushFailed(f"git ls-remote failed: {_summary(done.stderr)}",
+                         transient=is_transient(done.stderr))
+    for line in done.stdout.decode().splitlines():
+        sha, _, name = line.partition("\t")
+        if name == ref:
+            return sha
+    return None
 
 
 def _lock_path(dest: Path) -> Path:

@@ -52,10 +52,14 @@ class Behaviour:
     fails: int = 0  # flaky: attempts that fail before one succeeds
     sleep: float = 0.2
     dwell: str | None = None  # a stage the worker lingers in (see chaos.hooks)
+    # The fault "pr_crash": the worker is SIGKILLed after the code host opened this
+    # attempt's pull request, before the ledger recorded it (drill 4); 0: never.
+    crash: int = 0
 
     def prompt(self) -> str:
-        return (f"chaos#{self.number:05d} kind={self.kind} reason={self.reason or '-'} "
+        text = (f"chaos#{self.number:05d} kind={self.kind} reason={self.reason or '-'} "
                 f"fails={self.fails} sleep={self.sleep:.2f} dwell={self.dwell or '-'}")
+        return text + (f" crash={self.crash}" if self.crash else "")
 
 
 def parse_prompt(prompt: str) -> Behaviour | None:
@@ -73,7 +77,8 @@ def parse_prompt(prompt: str) -> Behaviour | None:
                          reason=None if fields.get("reason", "-") == "-" else fields["reason"],
                          fails=int(fields.get("fails", "0")),
                          sleep=float(fields.get("sleep", "0.2")),
-                         dwell=None if fields.get("dwell", "-") == "-" else fields["dwell"])
+                         dwell=None if fields.get("dwell", "-") == "-" else fields["dwell"],
+                         crash=int(fields.get("crash", "0")))
     except (KeyError, ValueError):
         return None
 

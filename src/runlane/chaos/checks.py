@@ -20,6 +20,8 @@ from runlane.chaos.profiles import PROFILES, ChaosConfig
 from runlane.chaos.report import Report
 from runlane.codehost.base import branch_name
 from runlane.codehost.local_forge import LocalForge
+from runlane.domain.retry import MAX_FINALIZE_ONLY_ATTEMPTS
+from runlane.services.evidence_audit import remote_audit
 from runlane.store import invariants
 
 MARKER = re.compile(r"<!-- agent-run-id: (\S+) -->")
@@ -28,9 +30,10 @@ MARKER = re.compile(r"<!-- agent-run-id: (\S+) -->")
 AGENT_ONLY_REASONS = frozenset({"PROVIDER_RATE_LIMIT", "SANDBOX_START_TIMEOUT",
                                 "JUDGE_REJECTED", "AGENT_FAILED", "VERIFIER_FAILED"})
 # Reasons the harness's faults cause by design (a run drained past its cap of
-# uncharged releases is charged: LEASE_RELEASED_OVER_CAP).
+# uncharged releases is charged: LEASE_RELEASED_OVER_CAP; a finalize-only attempt that
+# finds nothing follows a worker's death before its push landed).
 FAULT_REASONS = frozenset({"WORKER_LOST", "LEASE_RELEASED", "LEASE_RELEASED_OVER_CAP",
-                           "CANCELLED_BY_USER"})
+                           "CANCELLED_BY_USER", "NOTHING_TO_FINALIZE"})
 RESTART_SETTLE_SECONDS = 3.0
 
 
@@ -58,14 +61,15 @@ def evaluate(outcome: Outcome) -> Report:
     notes = list(c.notes)
 
     violations += _submissions(outcome, runs)
-    expected, unplanned = _expectations(runs, attempts)
+    opened = {r.run_id for r in _rows(outcome, invariants.PULL_REQUESTS_BEGUN)}
+    expected, unplanned = _expectations(runs, attempts, opened)
     violations += expected
     code_host, pr_count, branch_count, left_behind = _code_host(outcome, runs)
     violations += code_host
     if left_behind:
-        notes.append(f"{left_behind} branch(es) or pull request(s) belong to runs that did "
-                     "not succeed (pushed before a cancel, or before the last attempt was "
-                     "lost); each run still has at most one")
+        notes.append(f"{left_behind} run(s) that did not succeed left a branch or a pull "
+                     "request (pushed before a cancel, or before the last attempt was lost); "
+                     "each is recorded in its ledger and none is open (checked)")
     reclaim, reclaim_violations = _reclaim(outcome, attempts)
     violations += reclaim_violations
     log_errors, log_violations = _logs(outcome)
@@ -91,7 +95,7 @@ def evaluate(outcome: Outcome) -> Report:
     behaviours = Counter(p.behaviour.kind for p in outcome.plans)
     faults = {k: outcome.counts[k] for k in ("kill", "stop", "terminate", "restart",
                                              "duplicate_submit", "duplicate_wakeup",
-                                             "duplicate_delivery", "cancel")
+                                             "duplicate_delivery", "cancel", "pr_crash")
               if k in outcome.counts}
     return Report(
         seed=c.seed, profile=c.profile, engine=c.engine, database=outcome.database,
@@ -150,7 +154,8 @@ def _submissions(outcome: Outcome, runs: dict[str, Any]) -> list[dict[str, Any]]
 # --- the workload: each attempt ended as its behaviour planned ---------------------------
 
 
-def _expectations(runs: dict[str, Any], attempts: dict[str, list[Any]]
+def _expectations(runs: dict[str, Any], attempts: dict[str, list[Any]],
+                  opened: set[str] | None = None
                   ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Violations, and failures the workload did not plan (faults' doing, or runlane's),
     counted by reason and the start of their message."""
@@ -161,6 +166,8 @@ def _expectations(runs: dict[str, Any], attempts: dict[str, list[Any]]
         if b is None:
             continue
         clean_change = False
+        if run_id in (opened or set()):
+            found.extend(_pr_crash_expectation(run, b, attempts.get(run_id, [])))
         for a in attempts.get(run_id, []):
             step = plan(b, a.attempt_no)
             if step.action == "change" and step.recorded is None:
@@ -185,6 +192,30 @@ def _expectations(runs: dict[str, Any], attempts: dict[str, list[Any]]
                 elif a.reason_code not in FAULT_REASONS:
                     unplanned[f"{a.reason_code}: {(a.message or '')[:240]}"] += 1
     return found, dict(unplanned)
+
+
+def _pr_crash_expectation(run: Any, b: Any, attempts: list[Any]) -> list[dict[str, Any]]:
+    """A run whose worker died after the code host opened its pull request (the fault
+    pr_crash, on its last attempt too) ends SUCCEEDED with that pull request recorded,
+    through finalize-only attempts; unless the harness's own faults took every one of
+    those it may get. Asked only of runs whose ledger holds a pull request: a harness
+    fault that took attempt ``crash`` before it got that far (a SIGKILL, a SIGSTOP
+    past the lease) leaves nothing to finish."""
+    if not b.crash:
+        return []
+    died = [a for a in attempts if a.attempt_no == b.crash]
+    if not died or died[0].reason_code != "WORKER_LOST":
+        return []  # the crash did not happen (a fault came first): nothing planned
+    if run.status == "SUCCEEDED" and run.outcome == "pull_request":
+        return []
+    later = [a for a in attempts if a.attempt_no > b.crash]
+    lost = sum(1 for a in later if a.reason_code in ("WORKER_LOST", "LEASE_RELEASED"))
+    if lost >= MAX_FINALIZE_ONLY_ATTEMPTS:
+        return []
+    return [_violation("pull_request_crash_not_finished", run.run_id,
+                       f"attempt {b.crash} died after its pull request was opened; the run "
+                       f"ended {run.status} {run.reason_code} after {len(later)} more "
+                       "attempt(s), instead of SUCCEEDED with that pull request recorded")]
 
 
 # --- remotes and forge ----------------------------------------------------------------------
@@ -258,6 +289,12 @@ def _code_host(outcome: Outcome, runs: dict[str, Any]
                                     f"{len(branches)} branch(es), {len(prs)} pull request(s)"))
         elif run.status != "SUCCEEDED" and (branches or prs):
             left_behind += 1
+    # Runs that ended without success with a push or a pull request in their ledger:
+    # none may leave an open pull request or a branch its ledger does not record
+    # (``runlane audit --remote-checks``, the same code).
+    evidence = remote_audit(outcome.store, lambda repo: LocalForge(outcome.forge),
+                            limit=max(1, len(runs)))
+    found.extend(_violation(v.check, v.run_id, v.detail) for v in evidence.violations)
     return found, n_prs, n_branches, left_behind
 
 
@@ -295,7 +332,7 @@ def _reclaim(outcome: Outcome, attempts: dict[str, list[Any]]
     ended_instead = 0
     found: list[dict[str, Any]] = []
     for fault in outcome.faults:
-        if fault.kind not in ("kill", "stop") or fault.pid is None:
+        if fault.kind not in ("kill", "stop", "pr_crash") or fault.pid is None:
             continue
         candidates = [wid for at, wid in sorted(registered.get(fault.pid, []))
                       if at <= fault.at + 1.0]

@@ -33,7 +33,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from runlane.chaos import agent as agent_module
 from runlane.chaos.agent import DWELL_ENV
-from runlane.chaos.hooks import PLANT_ENV
+from runlane.chaos.hooks import PLANT_ENV, PR_CRASH_ENV, PR_CRASH_MARK
 from runlane.chaos.pgcluster import PrivateCluster
 from runlane.chaos.profiles import ChaosConfig
 from runlane.chaos.workload import TaskPlan, build_workload
@@ -150,7 +150,8 @@ class Harness:
         self.plans = build_workload(config.seed, config.runs, repos=config.repos,
                                     agent_faults="agent" in config.faults,
                                     cancels="cancel" in config.faults,
-                                    agent_sleep=config.agent_sleep)
+                                    agent_sleep=config.agent_sleep,
+                                    pr_crashes="pr_crash" in config.faults)
         self.faults: list[Fault] = []
         self.counts: Counter[str] = Counter()
         self.procs: list[Proc] = []
@@ -166,6 +167,7 @@ class Harness:
         self.cancel_done: dict[str, int] = {}  # run -> cancels sent
         self.next_plan = 0
         self.active = self.ended = 0  # runs not ended / ended, as of the last poll
+        self.withdrawals = 0  # runs due a withdrawal, as of the last poll
         self.cluster: PrivateCluster | None = None
         self.store: Store | None = None
         self.reader: Engine | None = None
@@ -243,7 +245,8 @@ class Harness:
     # --- processes --------------------------------------------------------------------
 
     def _command(self, role: str) -> list[str]:
-        hooked = self.c.plant is not None or "cancel" in self.c.faults
+        hooked = (self.c.plant is not None or "cancel" in self.c.faults
+                  or "pr_crash" in self.c.faults)
         module = "runlane.chaos.hooks" if hooked else "runlane"
         base = [sys.executable, "-m", module, "--database-url", self.url]
         if role == "maintainer":
@@ -273,6 +276,8 @@ class Harness:
         })
         if self.c.plant:
             env[PLANT_ENV] = self.c.plant
+        if "pr_crash" in self.c.faults:
+            env[PR_CRASH_ENV] = "1"
         return env
 
     def _spawn(self, role: str, slot: int) -> Proc:
@@ -297,7 +302,11 @@ class Harness:
             code = p.popen.poll()
             if code is None:
                 continue
-            if not p.expected_exit:
+            crash_at = _planned_crash(p.log) if code == -signal.SIGKILL else None
+            if crash_at is not None:  # the fault pr_crash: it killed itself, as planned
+                self.faults.append(Fault("pr_crash", crash_at, p.popen.pid))
+                self.counts["pr_crash"] += 1
+            elif not p.expected_exit:
                 self.exits.append((role, p.popen.pid, code, _tail(p.log)))
             self._spawn(role, slot)
 
@@ -394,6 +403,9 @@ class Harness:
         rows = self._db("poll", lambda: self._read(invariants.RUN_STATUSES))
         if rows is None:
             return
+        due = self._db("poll", lambda: self._read(invariants.WITHDRAWALS_PENDING))
+        if due is not None:
+            self.withdrawals = int(due[0][0])
         for r in rows:
             self.status[r.run_id] = (r.status, r.attempt_count)
         self.ended = sum(1 for s, _ in self.status.values() if s in TERMINAL_VALUES)
@@ -429,7 +441,10 @@ class Harness:
                 self._cancel(run_id)
 
     def _done(self) -> bool:
-        if self.next_plan < len(self.plans) or self.active:
+        # Every run ended, and every withdrawal (a pull request of a run that ended
+        # without success, closed by a worker) done: the checks then see the code host
+        # as runlane leaves it.
+        if self.next_plan < len(self.plans) or self.active or self.withdrawals:
             return False
         for run_id, (status, _) in self.status.items():
             if status not in TERMINAL_VALUES:
@@ -643,7 +658,7 @@ class Harness:
         return {"elapsed": elapsed, "submitted": self.next_plan, "runs": len(self.plans),
                 "states": dict(states), "faults": {k: self.counts[k] for k in
                                                     ("kill", "stop", "terminate", "restart",
-                                                     "cancel", "duplicate_submit")
+                                                     "cancel", "duplicate_submit", "pr_crash")
                                                     if self.counts[k]},
                 "workers": len(self._live())}
 
@@ -686,6 +701,19 @@ class Harness:
                 p.popen.kill()
                 p.popen.wait()
         self.stray_agents = end_stray_agents(self.workdir / "workspaces")
+
+
+def _planned_crash(log: Path) -> float | None:
+    """When a worker that died of SIGKILL killed itself for the fault pr_crash (the time
+    its log line gives), else None."""
+    with contextlib.suppress(OSError):
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith(PR_CRASH_MARK):
+                fields = dict(w.split("=", 1) for w in line.split()[1:] if "=" in w)
+                with contextlib.suppress(KeyError, ValueError):
+                    return float(fields["at"])
+                return time.time()
+    return None
 
 
 def _continue(pid: int) -> None:

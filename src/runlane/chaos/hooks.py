@@ -4,6 +4,11 @@
 * Dwell (``RUNLANE_CHAOS_DWELL`` seconds): a worker lingers in the stage a task's
   prompt names (``dwell=CLAIMED|PREPARING_SANDBOX|FINALIZING``; ``VERIFYING`` is the
   verify command's), so the harness can cancel a run in every stage.
+* Pull-request crashes (``RUNLANE_CHAOS_PR_CRASH=1``, the fault ``pr_crash``): a
+  worker kills itself (SIGKILL) after the code host opened the pull request of an
+  attempt whose task names it (``crash=N``, attempt N), before the ledger records it:
+  drill 4, inside the harness. It writes ``chaos_pr_crash`` to its log first, so the
+  harness knows the death was planned.
 * Planted bugs (``RUNLANE_CHAOS_PLANT``), to show the checks catch them:
   ``no_fencing`` - stores and workers ignore fencing tokens and lease loss;
   ``no_lease_expiry`` - leases never expire and the reaper finds nothing.
@@ -24,6 +29,8 @@ from typing import Any
 from runlane.chaos.agent import DWELL_ENV, parse_prompt
 
 PLANT_ENV = "RUNLANE_CHAOS_PLANT"
+PR_CRASH_ENV = "RUNLANE_CHAOS_PR_CRASH"
+PR_CRASH_MARK = "chaos_pr_crash"
 PLANTS = ("no_fencing", "no_lease_expiry")
 
 
@@ -130,10 +137,35 @@ def install_dwell(seconds: float) -> None:
     Store.advance = advance_then_dwell  # type: ignore[method-assign]
 
 
+def install_pr_crash() -> None:
+    """SIGKILL this worker where drill 4 does (the pull request opened, not recorded),
+    for the attempts the tasks name."""
+    import signal
+
+    from runlane.store.store import Lease, Store
+
+    effect_done = Store.effect_done
+
+    def crash_then_effect_done(self: Store, lease: Lease, key: str,
+                               result: dict[str, Any]) -> None:
+        if key == "pull_request":
+            behaviour = parse_prompt(str(self.get_task(lease.task_id).get("prompt", "")))
+            if behaviour is not None and behaviour.crash == lease.attempt_no:
+                sys.stderr.write(f"{PR_CRASH_MARK} run_id={lease.run_id} "
+                                 f"attempt={lease.attempt_no} at={time.time()}\n")
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+        effect_done(self, lease, key, result)
+
+    Store.effect_done = crash_then_effect_done  # type: ignore[method-assign]
+
+
 def install_from_env() -> None:
     plant = os.environ.get(PLANT_ENV)
     if plant:
         install_plant(plant)
+    if os.environ.get(PR_CRASH_ENV) == "1":
+        install_pr_crash()
     dwell = float(os.environ.get(DWELL_ENV) or 0)
     if dwell > 0:
         install_dwell(dwell)

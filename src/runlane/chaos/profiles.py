@@ -8,7 +8,7 @@ from typing import Any
 
 from runlane.errors import RunlaneError
 
-FAULTS = ("kill", "stop", "terminate", "restart", "duplicate", "cancel", "agent")
+FAULTS = ("kill", "stop", "terminate", "restart", "duplicate", "cancel", "agent", "pr_crash")
 POSTGRES_ONLY = frozenset({"terminate", "restart"})
 
 

@@ -42,10 +42,18 @@ _WITH_AGENT_FAULTS = {"change": 30, "nochange": 8, "slow": 10, "flaky": 14, "exh
 _WITHOUT = {"change": 70, "nochange": 15, "slow": 15, "dwell": 8}
 
 
+# The share of plain "change" tasks whose worker dies after the code host opened the
+# pull request, before the ledger recorded it (fault "pr_crash"); half of them have a
+# single attempt, so the death is their last attempt's.
+PR_CRASH_SHARE = 0.08
+
+
 def build_workload(seed: int, runs: int, *, repos: int, agent_faults: bool = True,
-                   cancels: bool = True, agent_sleep: float | None = None
-                   ) -> list[TaskPlan]:
-    """``agent_sleep``: every agent works this long instead of a drawn time."""
+                   cancels: bool = True, agent_sleep: float | None = None,
+                   pr_crashes: bool = False) -> list[TaskPlan]:
+    """``agent_sleep``: every agent works this long instead of a drawn time.
+    ``pr_crashes``: the fault "pr_crash" (drawn apart, so the rest of a seed's workload
+    is the same with or without it)."""
     rng = random.Random(f"{seed}:workload")
     weights = _WITH_AGENT_FAULTS if agent_faults else _WITHOUT
     kinds, counts = zip(*weights.items(), strict=True)
@@ -57,6 +65,7 @@ def build_workload(seed: int, runs: int, *, repos: int, agent_faults: bool = Tru
         turns[what] += 1
         return choices[(turns[what] - 1) % len(choices)]
 
+    crash_rng = random.Random(f"{seed}:pr_crash")
     for number in range(runs):
         kind = rng.choices(kinds, counts)[0]
         max_attempts = rng.choices((4, 3, 2), (70, 20, 10))[0]
@@ -90,10 +99,17 @@ def build_workload(seed: int, runs: int, *, repos: int, agent_faults: bool = Tru
             cancel = "QUEUED" if roll < 0.05 else "TERMINAL" if roll < 0.07 else None
         if kind in ("nochange", "flaky", "fatal", "exhaust"):
             sleep = rng.uniform(0.05, 0.3)
+        crash = 0
+        roll = crash_rng.random()
+        if pr_crashes and kind == "change" and dwell is None and cancel is None and \
+                roll < PR_CRASH_SHARE:
+            crash = 1
+            if roll < PR_CRASH_SHARE / 2:
+                max_attempts = 1  # the last attempt dies after opening it
         plans.append(TaskPlan(
             behaviour=Behaviour(number=number, kind=kind, reason=reason, fails=fails,
                                 sleep=round(sleep if agent_sleep is None else agent_sleep, 2),
-                                dwell=dwell),
+                                dwell=dwell, crash=crash),
             tenant=rng.choice(TENANTS), repo=rng.randrange(repos),
             key=f"chaos-{seed}-{number}", max_attempts=max_attempts,
             priority=rng.choices(("normal", "high", "low"), (80, 10, 10))[0],

@@ -7,6 +7,7 @@ from runlane.codehost.base import (
     PullRequestExists,
     branch_name,
     pr_marker,
+    withdrawal_marker,
 )
 from runlane.codehost.factory import code_host_for
 from runlane.codehost.github import GitHubClient, parse_github_repo
@@ -24,4 +25,5 @@ __all__ = [
     "normalize_repo",
     "parse_github_repo",
     "pr_marker",
+    "withdrawal_marker",
 ]

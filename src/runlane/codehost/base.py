@@ -1,5 +1,10 @@
 """The code-host interface the finalizer uses. Every call is safe to repeat: the
-finalizer looks a pull request up by its marker before it opens one."""
+finalizer looks a pull request up by its marker before it opens one, and a
+withdrawal looks its comment up before it posts one.
+
+A host may also offer ``set_deadline(deadline)`` (a ``time.monotonic()`` value, or
+None): no call it makes after that may last past it (the finalizer passes the end of
+its lease's window); ``GitHubClient`` and ``LocalForge`` do."""
 
 from __future__ import annotations
 
@@ -15,6 +20,12 @@ def pr_marker(run_id: str) -> str:
 
 def branch_name(task_id: str, run_id: str) -> str:
     return f"agent/{task_id}/{run_id}"
+
+
+def withdrawal_marker(run_id: str) -> str:
+    """The marker of runlane's comment on a pull request it closed: looked up before
+    the comment is posted, so a retried withdrawal never comments twice."""
+    return f"<!-- runlane-withdrawn: {run_id} -->"
 
 
 @dataclass(frozen=True)
@@ -61,3 +72,13 @@ class CodeHost(Protocol):
         ...
 
     def list_pull_requests(self, repo: str) -> list[PullRequest]: ...
+
+    def close_pull_request(self, repo: str, number: int) -> PullRequest:
+        """Close pull request ``number`` (repeating is harmless); the closed one."""
+        ...
+
+    def comment_on_pull_request(self, repo: str, number: int, body: str, *,
+                                marker: str) -> bool:
+        """Post ``body`` on pull request ``number`` unless a comment carrying ``marker``
+        is already there; True when it posted one."""
+        ...

@@ -146,6 +146,8 @@ class GitHubClient:
                  timeout: float = 10.0, *, transport: httpx.BaseTransport | None = None,
                  user_agent: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self._deadline: float | None = None  # set_deadline: a time.monotonic() value
         base = urlsplit(self.base_url)
         self._origin = (base.scheme, base.netloc)
         headers = {"Accept": "application/vnd.github+json",
@@ -200,6 +202,24 @@ class GitHubClient:
                              json={"state": "closed"})
         return self._to_pr(owner, name, self._json(resp))
 
+    def comment_on_pull_request(self, repo: str, number: int, body: str, *,
+                                marker: str) -> bool:
+        """A pull request's comments are its issue's (``/issues/{n}/comments``): posted
+        unless one carrying ``marker`` is there already."""
+        owner, name = parse_github_repo(repo)
+        path = f"{self._repo_path(owner, name)}/issues/{int(number)}/comments"
+        for item in self._items(path, {"per_page": PAGE_SIZE}):
+            if isinstance(item, dict) and marker in str(item.get("body") or ""):
+                return False
+        self._request("POST", path, json={"body": body})
+        return True
+
+    def set_deadline(self, deadline: float | None) -> None:
+        """No request made after this may last past ``deadline`` (``time.monotonic()``),
+        whatever the client's timeout; None lifts it. A request begun after it fails at
+        once, as a transient error."""
+        self._deadline = deadline
+
     # -- plumbing ----------------------------------------------------------------------
 
     @staticmethod
@@ -210,15 +230,19 @@ class GitHubClient:
         params: dict[str, str | int] = {"state": "all", "per_page": PAGE_SIZE}
         if head is not None:
             params["head"] = head
-        resp = self._request("GET", f"{self._repo_path(owner, name)}/pulls", params=params)
+        for item in self._items(f"{self._repo_path(owner, name)}/pulls", params):
+            yield self._to_pr(owner, name, item)
+
+    def _items(self, path: str, params: dict[str, str | int]) -> Iterator[Any]:
+        """Every item of a paginated list, following the ``Link`` header."""
+        resp = self._request("GET", path, params=params)
         seen: set[str] = set()
         for _ in range(MAX_PAGES):
             page = self._json(resp)
             if not isinstance(page, list):
-                raise CodeHostError(f"unexpected pull request list from {resp.url}",
+                raise CodeHostError(f"unexpected list from {resp.url}",
                                     transient=True, status=resp.status_code)
-            for item in page:
-                yield self._to_pr(owner, name, item)
+            yield from page
             next_url = resp.links.get("next", {}).get("url")
             if not next_url or next_url in seen:
                 return
@@ -229,9 +253,15 @@ class GitHubClient:
                 raise CodeHostError(f"pagination link leaves {self.base_url}: {next_url}",
                                     transient=False)
             resp = self._request("GET", next_url)
-        raise CodeHostError(f"more than {MAX_PAGES} pages of pull requests", transient=False)
+        raise CodeHostError(f"more than {MAX_PAGES} pages of {path}", transient=False)
 
     def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                raise CodeHostError(f"GitHub {method} {url}: no time left before the "
+                                    "deadline (the lease's window)", transient=True)
+            kwargs["timeout"] = httpx.Timeout(min(self.timeout, left))
         try:
             resp = self._http.request(method, url, **kwargs)
         except httpx.UnsupportedProtocol as exc:

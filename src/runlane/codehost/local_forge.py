@@ -96,6 +96,7 @@ class LocalForge:
                  check_base: bool = True) -> None:
         self.root = Path(root).expanduser() if root is not None else default_forge_dir()
         self.check_base = check_base
+        self._deadline: float | None = None  # set_deadline: a time.monotonic() value
 
     # -- the CodeHost interface -------------------------------------------------
 
@@ -153,6 +154,37 @@ class LocalForge:
             if rec["number"] == number:
                 return _pr_from_record(key, rec)
         return None
+
+    def comment_on_pull_request(self, repo: str, number: int, body: str, *,
+                                marker: str) -> bool:
+        """Add a comment to pull request ``number`` unless one carrying ``marker`` is
+        there already; True when added."""
+        key = normalize_repo(repo)
+        with self._locked(key):
+            doc = self._read(key)
+            for rec in doc["pulls"]:
+                if rec["number"] == number:
+                    comments = rec.setdefault("comments", [])
+                    if any(marker in str(c.get("body", "")) for c in comments):
+                        return False
+                    comments.append({"body": body, "created_at": time.time(),
+                                     "pid": os.getpid()})
+                    self._write(key, doc)
+                    return True
+        raise CodeHostError(f"no pull request #{number} in {key}", transient=False)
+
+    def comments(self, repo: str, number: int) -> list[str]:
+        """The bodies of pull request ``number``'s comments, oldest first."""
+        key = normalize_repo(repo)
+        for rec in self._read(key)["pulls"]:
+            if rec["number"] == number:
+                return [str(c.get("body", "")) for c in rec.get("comments", [])]
+        raise CodeHostError(f"no pull request #{number} in {key}", transient=False)
+
+    def set_deadline(self, deadline: float | None) -> None:
+        """Bound the git calls this forge makes (``time.monotonic()`` value, or None);
+        its own records are local files."""
+        self._deadline = deadline
 
     def close_pull_request(self, repo: str, number: int) -> PullRequest:
         """Close pull request ``number`` (repeating is harmless)."""
@@ -237,10 +269,16 @@ class LocalForge:
             raise CodeHostError(f"repository does not exist: {key}", transient=False)
         ref = f"refs/heads/{branch}"
         env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C"}
+        timeout = GIT_TIMEOUT_SECONDS
+        if self._deadline is not None:
+            timeout = min(timeout, self._deadline - time.monotonic())
+            if timeout <= 0:
+                raise CodeHostError(f"no time left to look {branch!r} up in {key}",
+                                    transient=True)
         try:
             proc = subprocess.run(["git", "ls-remote", "--heads", "--", key, ref],
                                   capture_output=True, text=True, env=env,
-                                  timeout=GIT_TIMEOUT_SECONDS, check=False)
+                                  timeout=timeout, check=False)
         except subprocess.TimeoutExpired as exc:
             raise CodeHostError(f"git ls-remote timed out on {key}", transient=True) from exc
         except OSError as exc:

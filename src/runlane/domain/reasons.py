@@ -51,6 +51,13 @@ class Reason(StrEnum):
     POLICY_RULE_DEFERRED = "POLICY_RULE_DEFERRED"
     DEPENDENCY_FAILED = "DEPENDENCY_FAILED"
     UNROUTABLE = "UNROUTABLE"
+    # Pull-request evidence (docs/reliability.md): a finalize-only attempt found neither
+    # the run's pushed branch nor its pull request, so there is nothing to record.
+    NOTHING_TO_FINALIZE = "NOTHING_TO_FINALIZE"
+    # A note on a run (an event that changes no status): a commit on the run's branch
+    # that was neither this attempt's nor the one its ledger recorded (a push that
+    # outlived its lease) was replaced, never adopted.
+    STALE_PUSH_REPLACED = "STALE_PUSH_REPLACED"
 
 
 DEFAULT_RETRYABLE: frozenset[Reason] = frozenset(
@@ -85,5 +92,7 @@ WORKER_ONLY: frozenset[Reason] = frozenset(
         Reason.RECONCILED_ACTIVE_WITHOUT_LEASE,
         Reason.RECONCILED_CANCELLED_TASK,
         Reason.WORKER_HEARTBEAT_STALE,
+        Reason.NOTHING_TO_FINALIZE,
+        Reason.STALE_PUSH_REPLACED,
     }
 )

@@ -83,3 +83,38 @@ def decide(
     if retry_after_seconds is not None:
         delay = max(delay, float(retry_after_seconds))
     return RetryDecision(retry=True, delay_seconds=delay)
+
+
+# How many finalize-only attempts a run gets at most (docs/reliability.md): enough to
+# outlast a worker dying or a code host failing once or twice, never a loop.
+MAX_FINALIZE_ONLY_ATTEMPTS = 3
+
+
+def decide_finalize_only(
+    reason: str,
+    finalize_attempts: int,
+    policy: RetryPolicy,
+    retry_after_seconds: float | None = None,
+    rng: random.Random | None = None,
+    *,
+    cap: int = MAX_FINALIZE_ONLY_ATTEMPTS,
+) -> RetryDecision:
+    """Whether a run whose push or pull request was begun gets another finalize-only
+    attempt, where the ordinary decision (``decide``) would end it, or its last
+    finalize-only attempt ended.
+
+    ``finalize_attempts``: the finalize-only attempts already ended, this one included
+    (0 when it is the agent's attempt that ended), drained ones left out. Such an
+    attempt only looks the run's branch and pull request up on the code host and
+    records them, so any failure is worth another look, up to ``cap``; not when it
+    found nothing there, and not a drained one, which is given back at once."""
+    if reason == Reason.NOTHING_TO_FINALIZE:
+        return RetryDecision(retry=False, final_reason=reason)
+    if reason == Reason.LEASE_RELEASED:
+        return RetryDecision(retry=True, delay_seconds=0.0)
+    if finalize_attempts >= cap:
+        return RetryDecision(retry=False, final_reason=reason)
+    delay = backoff_delay(finalize_attempts + 1, policy.base_seconds, policy.max_seconds, rng)
+    if retry_after_seconds is not None:
+        delay = max(delay, float(retry_after_seconds))
+    return RetryDecision(retry=True, delay_seconds=delay)

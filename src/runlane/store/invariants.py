@@ -38,11 +38,13 @@ CHAOS_CHECKS: dict[str, str] = {
         FROM attempts a JOIN runs r ON r.run_id = a.run_id
         WHERE r.ended_at IS NOT NULL AND a.started_at > r.ended_at""",
     # Cancellation is monotonic: a cancelled run never starts a side effect after the
-    # cancel, and ends CANCELLED.
+    # cancel (its withdrawal, which closes what it left, is made after it ended by
+    # design), and ends CANCELLED.
     "effect_after_cancel": """
         SELECT s.run_id, 'effect ' || s.effect_key || ' begun after the cancel' AS detail
         FROM side_effects s
-        WHERE s.created_at > (SELECT MIN(c.at) FROM run_events c
+        WHERE s.effect_key <> 'close_pull_request'
+          AND s.created_at > (SELECT MIN(c.at) FROM run_events c
                               WHERE c.run_id = s.run_id
                                 AND c.to_status IN ('CANCEL_REQUESTED', 'CANCELLED'))
                              + :tolerance""",
@@ -59,6 +61,11 @@ CHAOS_CHECKS: dict[str, str] = {
         WHERE r.status = 'SUCCEEDED' AND r.outcome = 'pull_request' AND NOT EXISTS (
             SELECT 1 FROM side_effects s WHERE s.run_id = r.run_id
               AND s.effect_key = 'pull_request' AND s.status = 'DONE')""",
+    # Pull-request evidence: every withdrawal a run was due was done (or given up,
+    # which ``runlane audit`` reports) by the time the harness stops.
+    "withdrawal_not_done": """
+        SELECT run_id, 'ended ' || status || ', its withdrawal still due' AS detail
+        FROM runs WHERE close_due_at IS NOT NULL""",
     "no_changes_with_effects": """
         SELECT r.run_id, 'outcome no_changes but effect ' || MIN(s.effect_key)
                || ' recorded' AS detail
@@ -72,6 +79,9 @@ CHAOS_CHECKS: dict[str, str] = {
 RUN_STATUSES = "SELECT run_id, task_id, status, attempt_count FROM runs"
 STATUS_COUNTS = "SELECT status, COUNT(*) AS n FROM runs GROUP BY status"
 LAST_EVENT = "SELECT COALESCE(MAX(event_id), 0) FROM run_events"
+WITHDRAWALS_PENDING = "SELECT COUNT(*) FROM runs WHERE close_due_at IS NOT NULL"
+# Runs whose ledger holds a pull request, begun or done.
+PULL_REQUESTS_BEGUN = "SELECT DISTINCT run_id FROM side_effects WHERE effect_key = 'pull_request'"
 RUNS_WITH_TASKS = """
 SELECT r.run_id, r.task_id, r.tenant, r.repo, r.status, r.outcome, r.reason_code,
        r.attempt_count, r.max_attempts, t.prompt, t.idempotency_key

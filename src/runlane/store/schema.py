@@ -119,6 +119,11 @@ runs = Table(
     Column("admission", JSON),  # the decision, as recorded at admission
     Column("limits", JSON),  # per-run limits snapshot (cost, wall clock, files, lines)
     Column("estimated_cost_usd", Float),
+    # Added by 0018 (pull-request evidence): attempts numbered above it are
+    # finalize-only, outside the attempt budget (NULL: none granted); and when a
+    # worker is due to close the pull request of a run that ended without success.
+    Column("finalize_only_after", Integer),
+    Column("close_due_at", Timestamp),
     Index("ix_runs_task_id", "task_id"),
     Index("ix_runs_tenant_created", "tenant", "created_at"),
     Index("ix_runs_status_updated", "status", "updated_at"),
@@ -126,6 +131,10 @@ runs = Table(
     Index("ix_runs_waiting", "status", "created_at", "run_id",
           postgresql_where=text("status IN ('ADMITTED', 'WAITING_CAPACITY')"),
           sqlite_where=text("status IN ('ADMITTED', 'WAITING_CAPACITY')")),
+    # Runs whose pull request a worker is due to close (0018): no entry otherwise.
+    Index("ix_runs_close_due", "close_due_at",
+          postgresql_where=text("close_due_at IS NOT NULL"),
+          sqlite_where=text("close_due_at IS NOT NULL")),
 )
 
 # The dispatch index (migration 0004, through the online-index guard; it replaced

@@ -1432,7 +1432,7 @@ RUN_WITH_ATTEMPT = """
 SELECT r.run_id, r.task_id, r.status, r.fencing_token AS run_token, r.attempt_count,
        (SELECT COUNT(*) FROM attempts x WHERE x.run_id = r.run_id
           AND (x.reason_code IS NULL OR x.reason_code <> 'LEASE_RELEASED')) AS charged_attempts,
-       r.max_attempts, r.created_at, r.cost_usd,
+       r.max_attempts, r.created_at, r.cost_usd, r.finalize_only_after,
        a.attempt_no, a.fencing_token, a.lease_status, a.lease_expires_at, a.worker_id,
        {now} AS now
 FROM runs r
@@ -1646,9 +1646,10 @@ FROM attempts WHERE run_id = :run_id
 EFFECT_INTENT_INSERT = """
 INSERT INTO side_effects (run_id, effect_key, status, attempt_no, fencing_token, result,
                           created_at, completed_at)
-VALUES (:run_id, :effect_key, 'INTENT', :attempt_no, :token, NULL, :now, NULL)
+VALUES (:run_id, :effect_key, 'INTENT', :attempt_no, :token, :intent, :now, NULL)
 ON CONFLICT (run_id, effect_key) DO UPDATE
-SET fencing_token = excluded.fencing_token, attempt_no = excluded.attempt_no
+SET fencing_token = excluded.fencing_token, attempt_no = excluded.attempt_no,
+    result = COALESCE(excluded.result, side_effects.result)
 WHERE side_effects.status = 'INTENT' AND side_effects.fencing_token < excluded.fencing_token
 """
 EFFECT_GET = """
@@ -1784,17 +1785,21 @@ AUDIT_CHECKS: dict[str, str] = {
         HAVING COUNT(a.attempt_no) <> r.attempt_count
             OR COALESCE(MAX(a.attempt_no), 0) <> r.attempt_count
             OR COALESCE(MIN(a.attempt_no), 1) <> 1""",
+    # Finalize-only attempts (above runs.finalize_only_after) are outside the budget.
     "attempts_over_budget": """
         SELECT r.run_id, CAST(COUNT(*) AS TEXT) || ' charged attempts, max '
                || CAST(r.max_attempts AS TEXT) AS detail
         FROM runs r JOIN attempts a ON a.run_id = r.run_id
-        WHERE a.reason_code IS NULL OR a.reason_code <> 'LEASE_RELEASED'
+        WHERE (a.reason_code IS NULL OR a.reason_code <> 'LEASE_RELEASED')
+          AND (r.finalize_only_after IS NULL OR a.attempt_no <= r.finalize_only_after)
         GROUP BY r.run_id, r.max_attempts HAVING COUNT(*) > r.max_attempts""",
+    # A withdrawal (close_pull_request) is recorded after its run ended, under no
+    # lease (store/evidence.py).
     "side_effect_with_stale_token": """
         SELECT e.run_id, 'effect ' || e.effect_key || ' completed with token '
                || CAST(e.fencing_token AS TEXT) || ' outside that lease' AS detail
         FROM side_effects e
-        WHERE e.status = 'DONE' AND NOT EXISTS (
+        WHERE e.status = 'DONE' AND e.effect_key <> 'close_pull_request' AND NOT EXISTS (
             SELECT 1 FROM attempts a
             WHERE a.run_id = e.run_id AND a.fencing_token = e.fencing_token
               AND a.started_at <= e.completed_at
@@ -1857,6 +1862,20 @@ AUDIT_CHECKS: dict[str, str] = {
         FROM run_events e
         WHERE NOT EXISTS (SELECT 1 FROM runs r WHERE r.run_id = e.run_id)
         GROUP BY e.run_id""",
+    # Pull-request evidence (store/evidence.py): a run that ended without success with
+    # a push or a pull request in its ledger has its withdrawal due or recorded;
+    # otherwise its branch or pull request may be on the code host, open and not
+    # recorded (``runlane audit --remote-checks`` asks the code host).
+    "pull_request_evidence_unsettled": """
+        SELECT r.run_id, 'ended ' || r.status || ' with ' || MIN(s.effect_key)
+               || ' in its ledger, and no withdrawal recorded or due (the code host '
+               || 'may hold its branch or an open pull request)' AS detail
+        FROM runs r JOIN side_effects s ON s.run_id = r.run_id
+                   AND s.effect_key IN ('push_branch', 'pull_request')
+        WHERE r.status IN ('FAILED', 'CANCELLED', 'POLICY_DENIED') AND r.close_due_at IS NULL
+          AND NOT EXISTS (SELECT 1 FROM side_effects c WHERE c.run_id = r.run_id
+                          AND c.effect_key = 'close_pull_request' AND c.status = 'DONE')
+        GROUP BY r.run_id, r.status""",
 }
 # Slot counters against the slots live attempts hold: one statement, one snapshot.
 AUDIT_SLOTS = """
@@ -1868,7 +1887,10 @@ WHERE lease_status = 'ACTIVE' AND limit_scopes IS NOT NULL
 # Transitions are checked in Python against the one table.
 AUDIT_TRANSITIONS = """
 SELECT from_status, to_status, MIN(run_id) AS run_id, COUNT(*) AS n
-FROM run_events GROUP BY from_status, to_status
+FROM run_events
+WHERE from_status IS NULL OR from_status <> to_status
+   OR reason_code IS NULL OR reason_code NOT IN ('STALE_PUSH_REPLACED')
+GROUP BY from_status, to_status
 """
 
 

@@ -40,9 +40,12 @@ from runlane.domain.reasons import Reason
 from runlane.domain.repos import canonical_repo
 from runlane.domain.retry import (
     DEFAULT_MAX_UNCHARGED_RELEASES,
+    MAX_FINALIZE_ONLY_ATTEMPTS,
+    RetryDecision,
     RetryPolicy,
     RunBudget,
     decide,
+    decide_finalize_only,
 )
 from runlane.domain.routing import parse_requirements
 from runlane.domain.states import (
@@ -72,6 +75,12 @@ from runlane.errors import (
 from runlane.store import maintenance_sql as msql
 from runlane.store import sql
 from runlane.store.engine import build_engine, dialect_of
+from runlane.store.evidence import (
+    ENDED_WITHOUT_SUCCESS,
+    PULL_REQUEST_EFFECT,
+    EvidenceMixin,
+    Ledger,
+)
 from runlane.store.maintenance import WALL_CLOCK_MARGIN_SECONDS, MaintenanceMixin, ReapBatch
 from runlane.store.scheduling import (
     BLOCKED_LANE_RECHECK_SECONDS,
@@ -98,13 +107,6 @@ CANCELLING = frozenset({S.CANCEL_REQUESTED, S.CANCELLING})
 RECOVERY_MARKERS = frozenset({S.STALE_LEASE, S.FAILED_RETRYABLE})
 # The states in which a run without a live lease is stuck (repair 4).
 RECOVERABLE = LEASED | CANCELLING | RECOVERY_MARKERS
-# The ledger's key of a run's pull request (the finalizer records it under this key).
-PULL_REQUEST_EFFECT = "pull_request"
-# A run's pull request, when the ledger records it done (read under the run's lock).
-_RECORDED_PULL_REQUEST = """
-SELECT result FROM side_effects
-WHERE run_id = :run_id AND effect_key = :effect_key AND status = 'DONE'
-"""
 # The reaper's lock on one expired lease's run and attempt (skipped when held).
 _REAP_LOCK = """
 SELECT r.queue FROM runs r
@@ -245,6 +247,8 @@ class _Snapshot:
     lease_status: str
     lease_expires_at: float
     now: float
+    # Attempts numbered above it are finalize-only (store/evidence.py); None: none yet.
+    finalize_only_after: int | None = None
 
     @property
     def lease_live(self) -> bool:
@@ -382,7 +386,7 @@ class _SubmitBatch:
         return rows
 
 
-class Store(SchedulingMixin, MaintenanceMixin):
+class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
     def __init__(
         self,
         url: str,
@@ -608,6 +612,8 @@ class Store(SchedulingMixin, MaintenanceMixin):
             message=message))
         if target in TERMINAL and row.has_dependents:
             self._resolve_dependents(conn, row.task_id, now)
+        if target in ENDED_WITHOUT_SUCCESS:  # a pull request it may have left open
+            self._schedule_close(conn, run_id, now)
         return True
 
     @staticmethod
@@ -1027,6 +1033,7 @@ class Store(SchedulingMixin, MaintenanceMixin):
             created_at=row.created_at, cost_usd=row.cost_usd, attempt_no=row.attempt_no,
             fencing_token=row.fencing_token, lease_status=row.lease_status,
             lease_expires_at=row.lease_expires_at, now=row.now,
+            finalize_only_after=row.finalize_only_after,
         )
 
     def _refusal(self, conn: Connection, lease: Lease, wanted: RunStatus) -> Exception:
@@ -1286,9 +1293,11 @@ class Store(SchedulingMixin, MaintenanceMixin):
         run_message = message
         outcome: str | None = None
         visible_at: float | None = None
-        recorded_pr = None
-        if current_lease and status in LEASED and reason != Reason.POLICY_DENIED:
-            recorded_pr = self._recorded_pull_request(conn, snap.run_id)
+        ledger: Ledger | None = None  # the run's push and pull request, when they matter
+        if current_lease and reason != Reason.POLICY_DENIED and (
+                status in LEASED or status in RECOVERY_MARKERS):
+            ledger = self._ledger(conn, snap.run_id)
+        recorded_pr = ledger.recorded_pull_request if ledger and status in LEASED else None
         if not current_lease or status in TERMINAL or status in WAITING:
             path = []  # an old lease of a run that has moved on: only the lease ends
         elif status in CANCELLING:
@@ -1316,12 +1325,18 @@ class Store(SchedulingMixin, MaintenanceMixin):
             # The settings' retry policy with the policy file's [retry] section over
             # it (that section was validated, stored, and then never used).
             _, policy = self._policy(conn)
-            decision = decide(
+            retry_policy = policy.retry_policy(self.retry_policy)
+            decision = None if snap.finalize_only_after is not None else decide(
                 reason,
                 RunBudget(snap.charged_attempts, snap.max_attempts, now - snap.created_at,
                           snap.cost_usd),
-                policy.retry_policy(self.retry_policy), retry_after, self.rng,
+                retry_policy, retry_after, self.rng,
             )
+            if decision is None or (not decision.retry and ledger is not None
+                                    and ledger.begun):
+                decision, note = self._finalize_only_decision(conn, snap, reason,
+                                                              retry_policy, retry_after)
+                run_message = note + (f" ({message})" if message else "")
             if decision.retry:
                 path = [*prefix, S.FAILED_RETRYABLE, S.QUEUED]
                 if status is S.FAILED_RETRYABLE:
@@ -1366,14 +1381,33 @@ class Store(SchedulingMixin, MaintenanceMixin):
             return path[-1]
         return status
 
-    def _recorded_pull_request(self, conn: Connection, run_id: str) -> dict[str, Any] | None:
-        """The run's pull request as the ledger recorded it done, else None."""
-        row = conn.execute(self._q(_RECORDED_PULL_REQUEST),
-                           {"run_id": run_id, "effect_key": PULL_REQUEST_EFFECT}).first()
-        if row is None:
-            return None
-        result = json.loads(row.result) if isinstance(row.result, str) else row.result
-        return result if isinstance(result, dict) else {}
+    def _finalize_only_decision(self, conn: Connection, snap: _Snapshot, reason: str,
+                                policy: RetryPolicy, retry_after: float | None
+                                ) -> tuple[RetryDecision, str]:
+        """The decision for the last attempt of a run whose push or pull request was
+        begun (or for a finalize-only attempt): another finalize-only attempt, outside
+        the attempt budget and at most MAX_FINALIZE_ONLY_ATTEMPTS of them, or the end.
+        Returns it with the note the run's events carry (store/evidence.py)."""
+        first = snap.finalize_only_after is None
+        ended = 0 if first else self._finalize_attempts(
+            conn, snap.run_id, int(snap.finalize_only_after or 0))
+        decision = decide_finalize_only(reason, ended, policy, retry_after, self.rng)
+        cap = MAX_FINALIZE_ONLY_ATTEMPTS
+        if decision.retry:
+            if first:
+                self._grant_finalize_only(conn, snap.run_id, snap.attempt_no)
+            why = ("given back by a draining worker" if reason == Reason.LEASE_RELEASED
+                   else f"{ended + 1} of at most {cap}")
+            return decision, (
+                f"finalize-only attempt {snap.attempt_count + 1} ({why}), outside the "
+                f"attempt budget: attempt {snap.attempt_no} ended {reason} after the run's "
+                "push or pull request was begun; it records them and never runs the agent")
+        if reason == Reason.NOTHING_TO_FINALIZE:
+            return decision, (f"finalize-only attempt {snap.attempt_no} found neither the "
+                              "run's branch nor its pull request: nothing to record")
+        return decision, (f"{ended} finalize-only attempt(s) ended without recording the "
+                          f"run's pull request (at most {cap}); a worker closes it if it "
+                          "is open and records what it finds")
 
     # --- side-effect ledger -----------------------------------------------------------
 
@@ -1392,15 +1426,41 @@ class Store(SchedulingMixin, MaintenanceMixin):
         being cancelled: the check before every irreversible step."""
         self._transaction(lambda conn: self._live_snapshot(conn, lease))
 
-    def effect_intent(self, lease: Lease, key: str) -> SideEffect:
+    def lease_remaining(self, lease: Lease) -> float:
+        """``check_lease``, and the seconds the lease has left by the database's clock:
+        what a call that touches the world may take at most."""
+        snap = self._transaction(lambda conn: self._live_snapshot(conn, lease))
+        return float(snap.lease_expires_at - snap.now)
+
+    def note(self, lease: Lease, reason_code: str, message: str) -> None:
+        """Record a note on the lease's run: an event from its status to the same status
+        (``STALE_PUSH_REPLACED``), written only while the lease is live."""
+        def work(conn: Connection) -> None:
+            snap = self._snapshot(conn, lease.run_id, lease.fencing_token)
+            if snap is None or not snap.lease_live:
+                raise LeaseLost(f"run {lease.run_id}: note refused, lease not live")
+            self._note(conn, run_id=lease.run_id, status=snap.status,
+                       attempt_no=lease.attempt_no, token=lease.fencing_token,
+                       actor=lease.worker_id, now=snap.now, reason_code=reason_code,
+                       message=message)
+
+        self._transaction(work)
+
+    def effect_intent(self, lease: Lease, key: str, *,
+                      intent: dict[str, Any] | None = None) -> SideEffect:
         """Record the intent to perform effect ``key`` under this lease, or return the
         effect as already recorded (DONE by any lease). Refused when the lease is not
-        live or the run is being cancelled: no new side effect after a cancel."""
+        live or the run is being cancelled: no new side effect after a cancel.
+
+        ``intent``: what is about to be done (the push's commit), kept in the INTENT
+        row's ``result`` until the result replaces it; a newer lease taking the intent
+        over without one keeps the earlier lease's."""
         def work(conn: Connection) -> SideEffect:
             snap = self._live_snapshot(conn, lease)
             self._check_policy_before_effect(conn, lease.run_id, key)
             params = {"run_id": lease.run_id, "effect_key": key, "token": lease.fencing_token,
-                      "attempt_no": lease.attempt_no, "now": snap.now}
+                      "attempt_no": lease.attempt_no, "now": snap.now,
+                      "intent": json.dumps(intent) if intent is not None else None}
             conn.execute(self._q(sql.EFFECT_INTENT_INSERT), params)
             return self._effect(conn, lease.run_id, key)
 

@@ -28,7 +28,7 @@ from runlane.errors import CancelRequested, CostLimitExceeded, LeaseLost, Policy
 from runlane.settings import SettingsInvalid
 from runlane.store.store import Lease, Store
 from runlane.worker.effects import perform_effect
-from runlane.worker.finalizer import Finalizer
+from runlane.worker.finalizer import Finalizer, NothingToFinalize
 from runlane.workspace import (
     AgentLeftBadTree,
     CloneFailed,
@@ -163,6 +163,31 @@ class AttemptState:
         if reason is not None:
             raise Stop(reason)
 
+    # --- the lease's window, before a call that touches the world (LeaseWindow) ------
+
+    def open_window(self) -> float:
+        """The attempt may go on (``check``: its local deadline too), the lease is live
+        and the run not being cancelled in the database: the ``time.monotonic()`` by
+        which a call made now must be over, the lease's expiry as the database gave it,
+        counted from before it was asked (a heartbeat extends the lease, not a call
+        already made: the call's timeout is fixed when it starts)."""
+        self.check()
+        asked_at = time.monotonic()
+        left = self.store.lease_remaining(self.lease)  # LeaseLost, CancelRequested
+        deadline = asked_at + left
+        self.time_left(deadline)
+        return deadline
+
+    def time_left(self, deadline: float) -> float:
+        """Seconds until ``deadline``: a worker paused since its lease was checked
+        (SIGSTOP, a VM pause) finds it passed and makes no call."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self.deadline_fired = True  # as the local deadline: _stopped gives it back
+            self.lost.set()
+            raise Stop(StopReason.LEASE_LOST)
+        return left
+
 
 @dataclass
 class AttemptSettings:
@@ -255,8 +280,16 @@ class AttemptDriver:
                                   "the repository has no branch at all, so no default "
                                   "branch to work on (push one first)")
             state.check()
-            if self.finalizer.already_pushed(lease, workspace):
-                ended = self.finalizer.resume(lease, workspace, task)
+            if self.store.finalize_only_after(lease.run_id) is not None:
+                # A finalize-only attempt (store/evidence.py): it records the run's branch
+                # and pull request, or finds there is nothing to record; never the agent.
+                try:
+                    ended = self.finalizer.resume(lease, workspace, task, state)
+                except NothingToFinalize as exc:
+                    ended = self._fail(state, Reason.NOTHING_TO_FINALIZE, str(exc))
+                return ended
+            if self.finalizer.already_pushed(lease, workspace, state):
+                ended = self.finalizer.resume(lease, workspace, task, state)
                 return ended
             self.store.advance(lease, S.RUNNING)
             env = self._env(lease, task, workspace.path, artifacts)
@@ -376,7 +409,7 @@ class AttemptDriver:
             if rejection:
                 return self._fail(state, Reason.JUDGE_REJECTED, rejection)
         state.check()
-        return self.finalizer.finalize(lease, workspace, task)
+        return self.finalizer.finalize(lease, workspace, task, state)
 
     def _stopped(self, state: AttemptState, reason: StopReason,
                  limit: str | None = None) -> str:

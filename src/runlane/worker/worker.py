@@ -26,6 +26,7 @@ from runlane.store.store import CANCEL_CHANNEL, WAKEUP_CHANNEL, Lease, Store
 from runlane.store.wakeup import Listener
 from runlane.version import __version__
 from runlane.worker.attempt import AttemptDriver, AttemptState
+from runlane.worker.withdraw import Withdrawer
 
 log = structlog.get_logger("runlane.worker")
 
@@ -84,6 +85,14 @@ class Worker:
         self._signal: str | None = None  # the signal that started the drain
         self.outcomes: list[str] = []
         self.log = log.bind(worker_id=self.worker_id)
+        # Withdrawals (worker/withdraw.py): looked for at most once a poll interval, on
+        # a thread of their own, one pass at a time (through the driver's code hosts;
+        # a driver without any, a test's, takes none).
+        code_host_for = getattr(driver, "code_host_for", None)
+        self.withdrawer = (Withdrawer(store, code_host_for, self.worker_id)
+                           if code_host_for is not None else None)
+        self._withdrawing: threading.Thread | None = None
+        self._next_withdrawal = 0.0
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -112,6 +121,8 @@ class Worker:
                 self.log.info("drain_requested", signal=self._signal)
             self.request_drain()
             self._drain()  # never leave with attempts running: they would be orphaned
+            if self._withdrawing is not None:  # bounded: code-host and git timeouts
+                self._withdrawing.join(timeout=self.config.drain_grace_seconds)
             self._stopped.set()
             self._beat_now.set()
             heartbeat.join(timeout=5)
@@ -140,9 +151,12 @@ class Worker:
         while not self.draining.is_set():
             try:
                 claimed = self._claim_once()
+                self._withdraw_soon()
                 if (self.config.exit_when_idle and claimed == 0 and self._active_count() == 0
                         and self.store.waiting_count(self.config.queues,
-                                                     self.config.capabilities) == 0):
+                                                     self.config.capabilities) == 0
+                        and not self._withdrawal_running()
+                        and not self.store.withdrawal_due()):
                     return
             except Exception as exc:  # keep the worker alive; its attempts keep running
                 self.log.error("claim_loop_error", error=f"{type(exc).__name__}: {exc}")
@@ -199,6 +213,30 @@ class Worker:
     def _active_count(self) -> int:
         with self._lock:
             return len(self._active)
+
+    # --- withdrawals -------------------------------------------------------------------
+
+    def _withdraw_soon(self) -> None:
+        """Start a pass of withdrawals if none is running and the last look is a poll
+        interval old."""
+        now = time.monotonic()
+        if self.withdrawer is None or self._withdrawal_running() or \
+                now < self._next_withdrawal:
+            return
+        self._next_withdrawal = now + self.config.poll_seconds
+        self._withdrawing = threading.Thread(target=self._withdraw, daemon=True,
+                                             name="runlane-withdraw")
+        self._withdrawing.start()
+
+    def _withdrawal_running(self) -> bool:
+        return self._withdrawing is not None and self._withdrawing.is_alive()
+
+    def _withdraw(self) -> None:
+        assert self.withdrawer is not None
+        try:
+            self.withdrawer.run_once()
+        except Exception as exc:  # the database, say: the next pass tries again
+            self.log.error("withdrawal_pass_failed", error=f"{type(exc).__name__}: {exc}")
 
     # --- heartbeat ---------------------------------------------------------------------
 
