@@ -585,10 +585,13 @@ def test_a_worker_paused_between_its_lease_check_and_its_push_pushes_nothing(
     the run's branch and pull request are attempt 2's work."""
     pushes = tmp_path / "pushes.log"
     _log_pushes(remote, pushes)
-    gate = tmp_path / "gate"
-    agent = (f'if [ "$RUNLANE_ATTEMPT" = 1 ]; then echo one > change.txt; else '
-             f'while [ ! -e {gate} ]; do sleep 0.05; done; echo two > change.txt; fi')
+    # The gate lies in attempt 2's artifacts directory: the one place outside its
+    # workspace that a sandboxed agent sees and the test can reach.
+    agent = ('if [ "$RUNLANE_ATTEMPT" = 1 ]; then echo one > change.txt; else '
+             'while [ ! -e "$RUNLANE_ARTIFACTS_DIR/gate" ]; do sleep 0.05; done; '
+             'echo two > change.txt; fi')
     [sub] = pstore.submit([spec(repo=str(remote))])
+    gate = tmp_path / "artifacts" / sub.run_id / "2" / "gate"
     stale = workers(agent, "--exit-when-idle", env={"RUNLANE_FAULT_PAUSE_AT": "before_push"})
     wait_until(lambda: _state(stale.pid) == "T", 60, "the worker to pause before its push")
     try:

@@ -535,8 +535,9 @@ class Workspace:
         """The sha of ``branch`` on the remote, or None when it has no such branch.
         Raises PushFailed when the remote cannot be asked. ``timeout`` (seconds) caps
         the call below the workspace's own."""
-        return remote_branch_sha(self.remote_url, branch, timeout=self._capped(timeout),
-                                 cwd=self.path, config=self._config)
+        timeout = self._capped(timeout)
+        return _branch_sha(self._git(["ls-remote", "--", self.remote_url, f"refs/heads/{branch}"],
+                                     timeout=timeout), branch, timeout)
 
     def push(self, branch: str, *, expected: str | None = None,
              timeout: float | None = None) -> None:
@@ -608,14 +609,21 @@ class Workspace:
 
 
 def remote_branch_sha(url: str, branch: str, *, timeout: float = DEFAULT_TIMEOUT_SECONDS,
-                      cwd: Path | None = None, config: GitConfig | None = None) -> str | None:
+                      config: GitConfig | None = None) -> str | None:
     """The sha of ``branch`` at the repository ``url`` (``git ls-remote``), None when
     it has no such branch; without a clone (a withdrawal records the branch it finds).
-    Raises PushFailed when the remote cannot be asked. ``config``: the worker's own git
-    settings passed on (its credential helpers; read now when not given)."""
+    Runs in an empty directory, so no repository's configuration is read. ``config``:
+    the worker's own git settings passed on (its credential helpers; read now when not
+    given). Raises PushFailed when the remote cannot be asked."""
+    with tempfile.TemporaryDirectory(prefix="runlane-ls-remote-") as empty:
+        done = _git(["ls-remote", "--", url, f"refs/heads/{branch}"], cwd=Path(empty),
+                    timeout=timeout, config=worker_git_config() if config is None else config)
+    return _branch_sha(done, branch, timeout)
+
+
+def _branch_sha(done: _Done, branch: str, timeout: float) -> str | None:
+    """The branch's sha in what ``git ls-remote URL refs/heads/BRANCH`` answered."""
     ref = f"refs/heads/{branch}"
-    done = _git(["ls-remote", "--", url, ref], cwd=cwd, timeout=timeout,
-                config=worker_git_config() if config is None else config)
     if done.timed_out:
         raise PushFailed(f"git ls-remote timed out after {timeout:g} s", transient=True)
     if done.code != 0:
