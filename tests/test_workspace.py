@@ -223,6 +223,21 @@ def test_changes_the_agent_committed_itself_are_counted(ws: Workspace) -> None:
     assert ws.diff_line_count() == 2
 
 
+def test_the_agents_gitattributes_cannot_hide_lines_from_the_diff_limit(
+        ws: Workspace) -> None:
+    """`-diff` (or `binary`) in the work tree's .gitattributes made git count a text
+    file's changes as 0 lines: the worker's own attributes file overrides it, while a
+    file that is binary by its content still counts 0."""
+    (ws.path / ".gitattributes").write_text("* -diff\n*.md binary\n")
+    (ws.path / "README.md").write_text("".join(f"line {i}\n" for i in range(50)))
+    (ws.path / "blob.bin").write_bytes(b"\0binary\n" * 3)
+    git("add", "blob.bin", cwd=ws.path)
+    git("commit", "--quiet", "-m", "agent's binary", cwd=ws.path)
+    assert ws.diff_line_count() >= 50 + 2  # README.md's lines and the attributes file's
+    lines = ws.check_limits(AttemptLimits(max_diff_lines=10))
+    assert lines is not None and "max_diff_lines 10 exceeded" in lines
+
+
 def test_check_limits(ws: Workspace) -> None:
     edit(ws)
     assert ws.check_limits(AttemptLimits()) is None

@@ -683,6 +683,11 @@ def _copy_git_dir(dest: Path, git_dir: Path, timeout: float) -> None:
                           transient=done.timed_out)
     with contextlib.suppress(FileNotFoundError):  # none: an empty repository
         shutil.copyfile(dest / ".git" / "index", git_dir / "index")
+    # The highest-priority attributes file is the worker's: the work tree's
+    # `.gitattributes` (the agent's) cannot mark a text file `-diff` or `binary` and
+    # so count 0 lines against max_diff_lines; git decides by content, as without one.
+    (git_dir / "info").mkdir(mode=0o700, exist_ok=True)
+    (git_dir / "info" / "attributes").write_text("* !diff\n")
 
 
 def make_private_dirs(path: Path) -> None:
