@@ -5,7 +5,6 @@ whose process-group mechanics the runner still has."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -29,6 +28,7 @@ from runlane.agents.command import (
 )
 from runlane.sandbox import Sandbox, SandboxConfig
 
+from .resource_support import subreaper
 from .support import processes_in
 
 GRACE = 0.3
@@ -106,22 +106,13 @@ def agent(tmp_path: Path, request: pytest.FixtureRequest) -> Agent:
     return Agent(tmp_path, request.param)
 
 
-PR_SET_CHILD_SUBREAPER = 36
-
-
 @pytest.fixture
 def worker_reaps() -> Iterator[None]:
     """Make this process a child subreaper for the test, as a worker that is PID 1 of
     its container is: the agent's orphans are re-parented to us, not to init, and the
     runner must reap them itself. (It also makes these tests fast and their timing
     tight: init here may take seconds to reap an orphan.)"""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        pytest.skip("prctl(PR_SET_CHILD_SUBREAPER) is not available")
-    try:
-        yield
-    finally:
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    yield from subreaper()
 
 
 def assert_all_gone(agent: Agent) -> None:

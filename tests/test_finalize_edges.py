@@ -81,6 +81,16 @@ class GitHubFor:
     def list_pull_requests(self, repo: str) -> list[PullRequest]:
         return self.client.list_pull_requests(GH_REPO)
 
+    def close_pull_request(self, repo: str, number: int) -> PullRequest:
+        return self.client.close_pull_request(GH_REPO, number)
+
+    def comment_on_pull_request(self, repo: str, number: int, body: str, *,
+                                marker: str) -> bool:
+        return self.client.comment_on_pull_request(GH_REPO, number, body, marker=marker)
+
+    def set_deadline(self, deadline: float | None) -> None:
+        self.client.set_deadline(deadline)
+
     def close(self) -> None:
         self.client.close()
 

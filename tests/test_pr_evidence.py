@@ -44,7 +44,7 @@ from runlane.workspace import PushFailed, Workspace
 from . import test_worker
 from .fake_github import FakeGitHub
 from .support import attempts_of, cli_env, run_row, spec
-from .test_finalize_edges import TTL, claim, driver_for, run_attempt
+from .test_finalize_edges import TTL, GitHubFor, claim, driver_for, run_attempt
 from .test_worker import (
     AGENT_WRITES,
     WorkerProcess,
@@ -87,37 +87,6 @@ def last_event_message(store: Store, run_id: str, to_status: str) -> str:
             "ORDER BY event_id DESC LIMIT 1"), {"r": run_id, "s": to_status}).scalar())
 
 
-class GitHubAt:
-    """The GitHub client for a task whose git remote is a local bare repository: every
-    code-host call goes to the fake's ``octo/app``."""
-
-    def __init__(self, client: GitHubClient) -> None:
-        self.client = client
-
-    def find_pull_request(self, repo: str, head_branch: str, marker: str
-                          ) -> PullRequest | None:
-        return self.client.find_pull_request(GH_REPO, head_branch, marker)
-
-    def open_pull_request(self, repo: str, **kwargs: Any) -> PullRequest:
-        return self.client.open_pull_request(GH_REPO, **kwargs)
-
-    def list_pull_requests(self, repo: str) -> list[PullRequest]:
-        return self.client.list_pull_requests(GH_REPO)
-
-    def close_pull_request(self, repo: str, number: int) -> PullRequest:
-        return self.client.close_pull_request(GH_REPO, number)
-
-    def comment_on_pull_request(self, repo: str, number: int, body: str, *,
-                                marker: str) -> bool:
-        return self.client.comment_on_pull_request(GH_REPO, number, body, marker=marker)
-
-    def set_deadline(self, deadline: float | None) -> None:
-        self.client.set_deadline(deadline)
-
-    def close(self) -> None:
-        self.client.close()
-
-
 @pytest.fixture
 def fake() -> Iterator[FakeGitHub]:
     with FakeGitHub(token="s3cr3t-token", page_size=2) as gh:
@@ -126,7 +95,7 @@ def fake() -> Iterator[FakeGitHub]:
 
 
 def github_for(fake: FakeGitHub) -> Callable[[str], Any]:
-    return lambda repo: GitHubAt(GitHubClient(fake.url, token="s3cr3t-token", timeout=5.0))
+    return lambda repo: GitHubFor(GitHubClient(fake.url, token="s3cr3t-token", timeout=5.0))
 
 
 # --- the decision (pure) -------------------------------------------------------------------
