@@ -294,7 +294,7 @@ def test_a_late_pull_request_of_a_live_run_is_adopted_by_its_next_attempt(
     assert (run.status, run.close_due_at) == ("CLAIMED", None)  # live: nothing to withdraw
     [note] = note_events(store, sub.run_id, LATE)
     assert (note.from_status, note.to_status, note.attempt_no) == ("CLAIMED", "CLAIMED", 1)
-    assert "finds it by its marker" in note.message
+    assert "looks it up by its marker" in note.message
 
     assert driver_for(store, tmp_path, host_for).run(AttemptState(lease2, store)) \
         == "pull_request"

@@ -180,7 +180,8 @@ UPDATE side_effects SET status = 'INTENT', result = :result, completed_at = NULL
 WHERE run_id = :run_id AND effect_key = 'close_pull_request'
 """
 # A note on a run: an event from its status to the same status (no transition),
-# written only while the lease that writes it is live (the caller's snapshot).
+# written only while the lease that writes it is live (the caller's snapshot), except
+# the note of a late effect, which reports what a lost lease did.
 NOTE_EVENT = """
 INSERT INTO run_events (run_id, attempt_no, at, actor, from_status, to_status, reason_code,
                         fencing_token, message)
@@ -203,10 +204,12 @@ def _late_message(lease: Lease, key: str, result: dict[str, Any], status: RunSta
         what = f"{'found' if found else 'pushed'} {result.get('sha')} on {result.get('branch')}"
     else:
         what = f"performed effect {key}"
-    then = ("its withdrawal is due again (it closes the pull request and records the "
-            "branch)" if reopened else
-            "the run's live attempt finds it by its marker" if status not in TERMINAL
-            else "nothing to withdraw")
+    if reopened:
+        then = "its withdrawal is due again (it closes the pull request, records the branch)"
+    elif status not in TERMINAL and key in PUBLISH_EFFECTS:
+        then = "the run's live attempt looks it up by its marker before it acts"
+    else:
+        then = "nothing to withdraw"
     return (f"attempt {lease.attempt_no} {what} after its lease (token "
             f"{lease.fencing_token}) was lost, finishing a call it had begun; recorded "
             f"late, the run is {status.value}: {then}")
