@@ -151,6 +151,51 @@ def test_paths_and_file_urls_name_one_repository(tmp_path: Path, forge: LocalFor
         normalize_repo("file://otherhost/srv/app.git")
 
 
+def _lock_waiters(lock_file: Path) -> int:
+    """Requests blocked on ``lock_file``'s flock, from /proc/locks ("->" lines)."""
+    inode = os.stat(lock_file).st_ino
+    waiting = 0
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if "->" in fields and fields[fields.index("->") + 1] == "FLOCK":
+            device = fields[fields.index("->") + 5]
+            waiting += device.rsplit(":", 1)[-1] == str(inode)
+    return waiting
+
+
+def test_a_pull_request_is_not_written_after_the_callers_deadline(forge: LocalForge,
+                                                                  remote: Path) -> None:
+    """The deadline is checked again under the forge's lock, right before the write:
+    a caller whose deadline passed after its git lookups (here while it waited for the
+    lock another process held) writes nothing, and may look again (transient). Before,
+    the deadline only bounded the git lookup, and the pull request was written late."""
+    key = normalize_repo(str(remote))
+    lock_file = forge.root / f"{forge._stem(key)}.lock"
+    outcome: list[Any] = []
+
+    def opens() -> None:
+        try:
+            outcome.append(open_pr(forge, remote, "agent/t/r1"))
+        except CodeHostError as exc:
+            outcome.append(exc)
+
+    opener = threading.Thread(target=opens)
+    with forge._locked(key):
+        opener.start()
+        deadline = time.monotonic() + 60
+        while _lock_waiters(lock_file) == 0:  # its lookups done, it waits for the lock
+            assert time.monotonic() < deadline and opener.is_alive(), outcome
+            time.sleep(0.01)
+        forge.set_deadline(time.monotonic())  # the caller's deadline passes meanwhile
+    opener.join(timeout=60)
+    [refused] = outcome
+    assert isinstance(refused, CodeHostError), refused
+    assert refused.transient and "no time left to open a pull request" in str(refused)
+    assert forge.list_pull_requests(str(remote)) == []
+    forge.set_deadline(time.monotonic() + 60)  # in time: written as before
+    assert open_pr(forge, remote, "agent/t/r1").number == 1
+
+
 def test_missing_branches_and_non_repositories_are_refused(tmp_path: Path, forge: LocalForge,
                                                            remote: Path) -> None:
     def refused(repo: str | Path, head: str, base: str = "main") -> CodeHostError:

@@ -11,7 +11,11 @@ lookup.
 Points: ``after_effect:<key>`` (an effect done outside, not yet recorded: drill 4),
 ``before_push`` and ``before_pull_request`` (the lease checked, the call not yet made:
 the stale window of a push or a pull request; ``before_push`` is also a crash point,
-a death after the push intent named its commit and before anything was pushed).
+a death after the push intent named its commit and before anything was pushed);
+in the local forge, ``before_pull_request_lock`` (its git lookups done, its lock not
+yet taken: the window it closes by checking the caller's deadline under the lock)
+and ``before_pull_request_write`` (that check passed, the record not yet written:
+the window left, which a worker resumed there fills with late evidence).
 """
 
 from __future__ import annotations

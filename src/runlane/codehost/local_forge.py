@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from runlane.codehost.base import CodeHostError, PullRequest, PullRequestExists
+from runlane.faults import pause_point
 
 FORGE_DIR_ENV = "RUNLANE_FORGE_DIR"
 GIT_TIMEOUT_SECONDS = 30.0
@@ -123,6 +124,7 @@ class LocalForge:
         self._require_branch(key, head_branch, "head")
         if self.check_base:
             self._require_branch(key, base_branch, "base")
+        pause_point("before_pull_request_lock")  # the branches looked up, nothing written
         with self._locked(key):
             doc = self._read(key)
             for rec in doc["pulls"]:
@@ -130,6 +132,11 @@ class LocalForge:
                     raise PullRequestExists(
                         f"a pull request is already open for {head_branch} in {key}: "
                         f"#{rec['number']}")
+            # The caller's deadline again, right before the write: a caller paused since
+            # it checked its lease (during the git lookups above, or waiting for the
+            # lock) writes nothing; what is left of the window is the write itself.
+            self._time_left(f"open a pull request for {head_branch!r} in {key}")
+            pause_point("before_pull_request_write")  # checked, not yet written
             number = int(doc["next_number"])
             rec = {"number": number, "url": f"forge://{key}/pulls/{number}",
                    "head_branch": head_branch, "base_branch": base_branch, "title": title,
@@ -182,9 +189,20 @@ class LocalForge:
         raise CodeHostError(f"no pull request #{number} in {key}", transient=False)
 
     def set_deadline(self, deadline: float | None) -> None:
-        """Bound the git calls this forge makes (``time.monotonic()`` value, or None);
-        its own records are local files."""
+        """Bound the git calls this forge makes (``time.monotonic()`` value, or None),
+        and refuse to write a new pull request past it (checked under the lock, right
+        before the write)."""
         self._deadline = deadline
+
+    def _time_left(self, what: str) -> float:
+        """Seconds until the caller's deadline (``GIT_TIMEOUT_SECONDS`` at most);
+        raises a transient CodeHostError when it has passed."""
+        if self._deadline is None:
+            return GIT_TIMEOUT_SECONDS
+        left = min(GIT_TIMEOUT_SECONDS, self._deadline - time.monotonic())
+        if left <= 0:
+            raise CodeHostError(f"no time left to {what}", transient=True)
+        return left
 
     def close_pull_request(self, repo: str, number: int) -> PullRequest:
         """Close pull request ``number`` (repeating is harmless)."""
@@ -269,12 +287,7 @@ class LocalForge:
             raise CodeHostError(f"repository does not exist: {key}", transient=False)
         ref = f"refs/heads/{branch}"
         env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C"}
-        timeout = GIT_TIMEOUT_SECONDS
-        if self._deadline is not None:
-            timeout = min(timeout, self._deadline - time.monotonic())
-            if timeout <= 0:
-                raise CodeHostError(f"no time left to look {branch!r} up in {key}",
-                                    transient=True)
+        timeout = self._time_left(f"look {branch!r} up in {key}")
         try:
             proc = subprocess.run(["git", "ls-remote", "--heads", "--", key, ref],
                                   capture_output=True, text=True, env=env,

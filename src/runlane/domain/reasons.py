@@ -58,6 +58,10 @@ class Reason(StrEnum):
     # that was neither this attempt's nor the one its ledger recorded (a push that
     # outlived its lease) was replaced, never adopted.
     STALE_PUSH_REPLACED = "STALE_PUSH_REPLACED"
+    # A note on a run: a push or a pull request was made by an attempt whose lease was
+    # lost meanwhile (a paused worker finishing a call it began), recorded late in the
+    # ledger; a run that already ended without success is due a withdrawal again.
+    LATE_EFFECT_RECORDED = "LATE_EFFECT_RECORDED"
 
 
 DEFAULT_RETRYABLE: frozenset[Reason] = frozenset(
@@ -94,5 +98,6 @@ WORKER_ONLY: frozenset[Reason] = frozenset(
         Reason.WORKER_HEARTBEAT_STALE,
         Reason.NOTHING_TO_FINALIZE,
         Reason.STALE_PUSH_REPLACED,
+        Reason.LATE_EFFECT_RECORDED,
     }
 )

@@ -20,6 +20,16 @@ decides it:
   The run itself never changes again (a terminal state is final); only its ledger
   grows.
 
+* **Late evidence.** A worker paused inside its push or pull-request call (after its
+  lease's window was checked) finishes that call when it is resumed, after its lease
+  is gone: the code host holds what the ledger refuses to record (``effect_done``
+  raises LeaseLost). The worker records it anyway (``record_late_effect``): the
+  ledger row keeps its status and token and gains the result under ``late`` (with
+  the stale lease's token), the run a ``LATE_EFFECT_RECORDED`` note; nothing about
+  the run or its lease changes. A run that already ended without success is due a
+  withdrawal again, even after one was done (it may have looked before the late
+  call landed); a live run's next attempt finds the pull request by its marker.
+
 ``runlane audit`` checks the outcome (``pull_request_evidence_unsettled``) and, with
 ``--remote-checks``, the code host itself (``services/evidence_audit.py``).
 """
@@ -36,13 +46,14 @@ from sqlalchemy import Connection
 
 from runlane.domain.reasons import Reason
 from runlane.domain.retry import backoff_delay
-from runlane.domain.states import RunStatus
+from runlane.domain.states import TERMINAL, RunStatus
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
     from runlane.clock import Clock
     from runlane.domain.retry import RetryPolicy
+    from runlane.store.store import Lease, _Snapshot
 
 log = structlog.get_logger("runlane.store")
 T = TypeVar("T")
@@ -59,7 +70,7 @@ ENDED_WITHOUT_SUCCESS = frozenset({S.FAILED, S.CANCELLED, S.POLICY_DENIED})
 # the run): the code host refusing for good, or a repository gone.
 MAX_WITHDRAWAL_TRIES = 5
 # The reasons of note events: an event that changes no status (from = to).
-NOTE_REASONS = (Reason.STALE_PUSH_REPLACED,)
+NOTE_REASONS = (Reason.STALE_PUSH_REPLACED, Reason.LATE_EFFECT_RECORDED)
 
 _ENDED = "('FAILED', 'CANCELLED', 'POLICY_DENIED')"
 _PUBLISHED = "('push_branch', 'pull_request')"
@@ -145,8 +156,32 @@ SELECT run_id, effect_key, status, result FROM side_effects
 WHERE run_id IN :run_ids
   AND effect_key IN ('push_branch', 'pull_request', 'close_pull_request')
 """
+# An effect's row, read under its run's lock (the caller's snapshot): a late result
+# is added to it.
+EFFECT_ROW = """
+SELECT status, fencing_token, result FROM side_effects
+WHERE run_id = :run_id AND effect_key = :effect_key
+"""
+# The late result, on the row as it was read (status and token unchanged: a live
+# lease's intent and its ``effect_done`` are not disturbed).
+LATE_RESULT = """
+UPDATE side_effects SET result = :result
+WHERE run_id = :run_id AND effect_key = :effect_key AND status = :status
+  AND fencing_token = :token
+"""
+# A run that ended without success is due a withdrawal again (late evidence): now,
+# whatever it was (a holder's token is void: its record is refused), and its recorded
+# withdrawal, if any, is open again with fresh tries.
+REOPEN_CLOSE = f"""
+UPDATE runs SET close_due_at = :now WHERE run_id = :run_id AND status IN {_ENDED}
+"""
+REOPEN_CLOSE_ROW = """
+UPDATE side_effects SET status = 'INTENT', result = :result, completed_at = NULL
+WHERE run_id = :run_id AND effect_key = 'close_pull_request'
+"""
 # A note on a run: an event from its status to the same status (no transition),
-# written only while the lease that writes it is live (the caller's snapshot).
+# written only while the lease that writes it is live (the caller's snapshot), except
+# the note of a late effect, which reports what a lost lease did.
 NOTE_EVENT = """
 INSERT INTO run_events (run_id, attempt_no, at, actor, from_status, to_status, reason_code,
                         fencing_token, message)
@@ -156,6 +191,28 @@ VALUES (:run_id, :attempt_no, :now, :actor, :status, :status, :reason_code, :tok
 
 def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
+
+
+def _late_message(lease: Lease, key: str, result: dict[str, Any], status: RunStatus,
+                  reopened: bool) -> str:
+    """The note's words: what the stale lease did, and what becomes of it."""
+    found = bool(result.get("adopted"))
+    if key == PULL_REQUEST_EFFECT:
+        what = (f"{'found' if found else 'opened'} pull request #{result.get('number')} "
+                f"({result.get('url')})")
+    elif key == PUSH_EFFECT:
+        what = f"{'found' if found else 'pushed'} {result.get('sha')} on {result.get('branch')}"
+    else:
+        what = f"performed effect {key}"
+    if reopened:
+        then = "its withdrawal is due again (it closes the pull request, records the branch)"
+    elif status not in TERMINAL and key in PUBLISH_EFFECTS:
+        then = "the run's live attempt looks it up by its marker before it acts"
+    else:
+        then = "nothing to withdraw"
+    return (f"attempt {lease.attempt_no} {what} after its lease (token "
+            f"{lease.fencing_token}) was lost, finishing a call it had begun; recorded "
+            f"late, the run is {status.value}: {then}")
 
 
 @dataclass(frozen=True)
@@ -207,6 +264,8 @@ class EvidenceMixin:
         retry_policy: RetryPolicy
 
         def _q(self, statement: str, *expanding: str) -> Any: ...
+        def _snapshot(self, conn: Connection, run_id: str, token: int, *,
+                      lock: bool = True) -> _Snapshot | None: ...
         def _transaction(self, work: Callable[[Connection], T], *,
                          autocommit: bool = False) -> T: ...
 
@@ -236,6 +295,58 @@ class EvidenceMixin:
             "message": message})
 
     # --- public ---------------------------------------------------------------------------
+
+    def record_late_effect(self, lease: Lease, key: str, result: dict[str, Any]) -> bool:
+        """An effect this lease performed after it was lost (``effect_done`` refused):
+        its result on the ledger row under ``late`` (a list: attempt, stale token,
+        worker, time, result), a ``LATE_EFFECT_RECORDED`` note on the run, and, when the
+        run already ended without success and the effect is a push or a pull request,
+        the run due a withdrawal again. The row's status and token and the run's state
+        are left alone: a live attempt's own intent and record go on as before (its
+        finalizer finds the pull request by its marker). One transaction under the
+        run's lock, so a withdrawal cannot end between the look and the reopening.
+        False when there is nothing to record it on (the run or its row pruned)."""
+        def work(conn: Connection) -> tuple[str, bool] | None:
+            snap = self._snapshot(conn, lease.run_id, lease.fencing_token)
+            row = conn.execute(self._q(EFFECT_ROW), {"run_id": lease.run_id,
+                                                     "effect_key": key}).first()
+            if snap is None or row is None:
+                return None
+            before = _json(row.result)
+            entry = {"attempt_no": lease.attempt_no, "fencing_token": lease.fencing_token,
+                     "worker_id": lease.worker_id, "at": snap.now, "result": result}
+            kept = dict(before) if isinstance(before, dict) else {}
+            kept["late"] = [*(kept.get("late") or []), entry]
+            conn.execute(self._q(LATE_RESULT), {
+                "run_id": lease.run_id, "effect_key": key, "status": row.status,
+                "token": row.fencing_token, "result": json.dumps(kept)})
+            reopen = snap.status in ENDED_WITHOUT_SUCCESS and key in PUBLISH_EFFECTS
+            if reopen:
+                conn.execute(self._q(REOPEN_CLOSE), {"run_id": lease.run_id,
+                                                     "now": snap.now})
+                close = conn.execute(self._q(CLOSE_GET), {"run_id": lease.run_id}).first()
+                if close is not None:
+                    conn.execute(self._q(REOPEN_CLOSE_ROW), {
+                        "run_id": lease.run_id, "result": json.dumps({
+                            "tries": 0, "reopened": {"by": key,
+                                                     "fencing_token": lease.fencing_token,
+                                                     "before": _json(close.result)}})})
+            self._note(conn, run_id=lease.run_id, status=snap.status,
+                       attempt_no=lease.attempt_no, token=lease.fencing_token,
+                       actor=lease.worker_id, now=snap.now,
+                       reason_code=Reason.LATE_EFFECT_RECORDED,
+                       message=_late_message(lease, key, result, snap.status, reopen))
+            return snap.status.value, reopen
+
+        done = self._transaction(work)
+        if done is None:
+            log.warning("late_effect_not_recorded", run_id=lease.run_id, effect=key,
+                        fencing_token=lease.fencing_token, result=result)
+            return False
+        log.warning("late_effect_recorded", run_id=lease.run_id, attempt_id=lease.attempt_id,
+                    fencing_token=lease.fencing_token, worker_id=lease.worker_id, effect=key,
+                    result=result, run_status=done[0], withdrawal_due=done[1])
+        return True
 
     def finalize_only_after(self, run_id: str) -> int | None:
         """The attempt number above which the run's attempts are finalize-only (a

@@ -1725,7 +1725,9 @@ AUDIT_CHECKS: dict[str, str] = {
           AND a.lease_status <> 'ACTIVE'
           AND (a.ended_at IS NULL OR a.status = 'RUNNING')""",
     # Invariant 3: a worker wrote about a run with its token after a newer lease of the
-    # run had begun (events by the reaper, the reconciler or a user are not a worker's).
+    # run had begun (events by the reaper, the reconciler or a user are not a worker's;
+    # nor is the note of an effect recorded late, which is the stale lease's own report
+    # and changes nothing: store/evidence.py).
     "stale_token_write": """
         SELECT e.run_id, e.actor || ' wrote ' || COALESCE(e.from_status, '-') || ' -> '
                || e.to_status || ' with token ' || CAST(e.fencing_token AS TEXT)
@@ -1736,6 +1738,7 @@ AUDIT_CHECKS: dict[str, str] = {
                        AND a.worker_id = e.actor
         JOIN attempts b ON b.run_id = e.run_id AND b.fencing_token > e.fencing_token
                        AND b.started_at < e.at
+        WHERE e.reason_code IS NULL OR e.reason_code <> 'LATE_EFFECT_RECORDED'
         GROUP BY e.event_id, e.run_id, e.actor, e.from_status, e.to_status, e.fencing_token""",
     # Invariant 5: a run cancelled (or being cancelled) is never claimed again.
     "claimed_after_cancel": """
@@ -1889,7 +1892,8 @@ AUDIT_TRANSITIONS = """
 SELECT from_status, to_status, MIN(run_id) AS run_id, COUNT(*) AS n
 FROM run_events
 WHERE from_status IS NULL OR from_status <> to_status
-   OR reason_code IS NULL OR reason_code NOT IN ('STALE_PUSH_REPLACED')
+   OR reason_code IS NULL
+   OR reason_code NOT IN ('STALE_PUSH_REPLACED', 'LATE_EFFECT_RECORDED')
 GROUP BY from_status, to_status
 """
 

@@ -8,6 +8,12 @@ then, the lease and cancellation checked again (a cancel during the lookup opene
 pull request after it), is it performed (``do``); the result is recorded last. A
 finalizer that dies anywhere in between is retried by a new attempt that finds either
 the DONE row or the marker, and never acts twice.
+
+A call once begun cannot be taken back: a worker paused inside it (SIGSTOP, a VM
+pause) finishes it when resumed, after its lease is gone, and the ledger refuses the
+result (LeaseLost). It is recorded anyway, as late evidence
+(``Store.record_late_effect``): what the code host holds is never left unrecorded
+by a worker that lived to see it.
 """
 
 from __future__ import annotations
@@ -15,8 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import structlog
+from sqlalchemy.exc import DBAPIError
+
+from runlane.errors import LeaseLost
 from runlane.faults import crash_point
 from runlane.store.store import Lease, Store
+
+log = structlog.get_logger("runlane.worker")
 
 EffectResult = dict[str, Any]
 
@@ -55,5 +67,21 @@ def perform_effect(store: Store, lease: Lease, key: str, *,
     if found is not None:
         result = {**found, "adopted": True}
     crash_point(f"after_effect:{key}")  # done outside, not yet recorded (drill 4)
-    store.effect_done(lease, key, result)
+    try:
+        store.effect_done(lease, key, result)
+    except LeaseLost:
+        _record_late(store, lease, key, result)
+        raise
     return result
+
+
+def _record_late(store: Store, lease: Lease, key: str, result: EffectResult) -> None:
+    """The effect was made, its lease is gone: late evidence, without changing any
+    state. A database that cannot take it leaves the effect to the audit
+    (``runlane audit --remote-checks``); the attempt stops on LeaseLost either way."""
+    try:
+        store.record_late_effect(lease, key, result)
+    except DBAPIError as exc:
+        log.error("late_effect_not_recorded", run_id=lease.run_id, effect=key,
+                  fencing_token=lease.fencing_token, result=result,
+                  error=str(exc.orig or exc).strip().splitlines()[0][:300])
