@@ -22,7 +22,32 @@ class RunlaneError(Exception):
 
 
 class NotFound(RunlaneError):
+    """No such row, or one the caller's principal may not see (the same answer, so an
+    id of another tenant tells nothing)."""
+
     exit_code = 3
+
+
+class Unauthenticated(RunlaneError):
+    """No token, or one that is unknown, revoked or expired (HTTP 401)."""
+
+    exit_code = 2
+    reason_code = "UNAUTHENTICATED"
+
+
+class Forbidden(RunlaneError):
+    """The principal sees the row but its role may not do this (HTTP 403)."""
+
+    exit_code = 2
+    reason_code = "FORBIDDEN"
+
+
+class Conflict(RunlaneError):
+    """The request contradicts what is stored, e.g. an idempotency key already used with
+    another body (HTTP 409); nothing was written."""
+
+    exit_code = 2
+    reason_code = "IDEMPOTENCY_CONFLICT"
 
 
 class DatabaseUnavailable(RunlaneError):

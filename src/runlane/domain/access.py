@@ -1,0 +1,44 @@
+"""Who is asking: a principal (a token's tenant and role, or the operator) and what it
+may do. Pure: the facade checks every read and write against it; the HTTP API builds one
+from a bearer token, the CLI (which holds the database's own credentials) is the operator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    """``read`` never writes; ``submit`` submits, cancels and retries its tenant's tasks;
+    ``admin`` is the operator: every tenant, the policy, workers and audit."""
+
+    READ = "read"
+    SUBMIT = "submit"
+    ADMIN = "admin"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """A token's scope. ``tenant`` None means every tenant (an admin token, or the CLI)."""
+
+    role: Role
+    tenant: str | None = None
+    token_id: str | None = None
+
+    def sees(self, tenant: str) -> bool:
+        """Whether this principal may know that a row of ``tenant`` exists (else: 404)."""
+        return self.tenant is None or self.tenant == tenant
+
+    @property
+    def can_submit(self) -> bool:
+        return self.role in (Role.SUBMIT, Role.ADMIN)
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role is Role.ADMIN
+
+
+# The CLI and the Python facade called without a principal: the database's own
+# credentials, so every tenant and every operation.
+OPERATOR = Principal(role=Role.ADMIN, tenant=None, token_id=None)
