@@ -15,11 +15,13 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from runlane.agents.base import AttemptLimits
 from runlane.clock import Clock
 from runlane.codehost.base import CodeHost
+from runlane.domain.access import OPERATOR, Principal
 from runlane.domain.policy import MAX_COUNT
 from runlane.domain.routing import parse_requirements, requirements_to_mapping
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskInvalid, TaskSpec, parse_task, valid_name
 from runlane.errors import DatabaseUnavailable, NotFound, RunlaneError, SchemaOutdated
+from runlane.models.events import EventView
 from runlane.sandbox import Sandbox, SandboxConfig
 from runlane.services.maintenance import (
     Reaper,
@@ -31,6 +33,7 @@ from runlane.services.maintenance import (
 from runlane.services.retention import Pruner, RetentionConfig
 from runlane.services.scheduler import Scheduler, SchedulerConfig
 from runlane.settings import Settings, load_settings
+from runlane.store import events as events_store
 from runlane.store import migrate
 from runlane.store.engine import build_engine
 from runlane.store.store import CancelResult, Store, Submission, Violation
@@ -39,6 +42,8 @@ from runlane.worker.worker import Worker, WorkerConfig
 
 # Attempts one worker process runs at once (threads): more is a typo.
 MAX_CONCURRENCY = 1000
+# Events one call of Runlane.events returns at most.
+MAX_EVENTS_PAGE = 10_000
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -233,6 +238,36 @@ class Runlane:
             found.extend(remote_audit(self.store, code_host_for or default_code_host_for,
                                       limit=limit).violations)
         return found
+
+    # --- the event stream --------------------------------------------------------------
+
+    @_on_the_database
+    def events(self, *, principal: Principal = OPERATOR, after: str | None = None,
+               limit: int = 500) -> list[EventView]:
+        """Run transitions in commit order after the cursor ``after`` (None: from the
+        first), at most ``limit`` (1..10000), of the principal's tenant only (every
+        tenant for an admin). Each event's ``cursor`` resumes after it, with nothing
+        missed and nothing twice (store/events.py says how on PostgreSQL)."""
+        if isinstance(limit, bool) or not isinstance(limit, int) \
+                or not 1 <= limit <= MAX_EVENTS_PAGE:
+            raise InvalidArgument(f"limit {limit!r} is not an integer in 1..{MAX_EVENTS_PAGE}")
+        position = events_store.START
+        if after is not None:
+            parsed = events_store.parse_cursor(after) if _is_text(after) else None
+            if parsed is None:
+                raise InvalidArgument(f"after {after!r} is not an event cursor "
+                                      "(the id of an event of this stream)")
+            position = parsed
+        rows = events_store.events_after(self.store.reads, position, tenant=principal.tenant,
+                                         limit=limit)
+        return [EventView.from_row(r, events_store.format_cursor((r["tx_id"], r["event_id"])))
+                for r in rows]
+
+    @_on_the_database
+    def events_tail(self) -> str:
+        """The cursor of "now": ``events(after=events_tail())`` gives only events not
+        deliverable yet when it was taken (a live view's start)."""
+        return events_store.format_cursor(events_store.events_tail(self.store.reads))
 
     # --- maintenance ------------------------------------------------------------------
 
