@@ -123,15 +123,22 @@ async def event_stream(lane: Runlane, hub: EventHub, who: Principal, first: list
     cancels this generator). The count is always taken before the read, so a wake-up
     that comes while a page is read is never lost."""
     yield f"retry: {RETRY_MS}\n: connected\n\n"
-    cursor, page = after, first
+    loop = asyncio.get_running_loop()
+    cursor, page, last_write = after, first, loop.time()
     while True:
         for event in page:
             yield sse(event)
             cursor = event.cursor
-        if len(page) < PAGE and not await hub.wait(seen, keepalive_seconds):
-            page = []
-            yield ": keep-alive\n\n"
-            continue
+            last_write = loop.time()
+        if len(page) < PAGE:
+            # A comment when nothing was written for keepalive_seconds, however often
+            # the hub woke this stream for nothing.
+            if loop.time() - last_write >= keepalive_seconds:
+                yield ": keep-alive\n\n"
+                last_write = loop.time()
+            if not await hub.wait(seen, keepalive_seconds - (loop.time() - last_write)):
+                page = []
+                continue
         seen = hub.generation
         try:
             page = await run_in_threadpool(lane.events, principal=who, after=cursor,
