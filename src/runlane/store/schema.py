@@ -132,7 +132,11 @@ runs = Table(
     # same task; NULL for a task's first run.
     Column("retry_of_run_id", ID),
     Index("ix_runs_task_id", "task_id"),
-    Index("ix_runs_tenant_created", "tenant", "created_at"),
+    # The runs listing (migration 0020, store/listing.py): a page is a walk of one of
+    # these from its cursor, newest or oldest first, never a sort.
+    Index("ix_runs_listing_tenant_status", "tenant", "status", "created_at", "run_id"),
+    Index("ix_runs_listing_tenant", "tenant", "created_at", "run_id"),
+    Index("ix_runs_listing", "created_at", "run_id"),
     Index("ix_runs_status_updated", "status", "updated_at"),
     # The scheduler pass pages through waiting runs with a keyset on (created_at, id).
     Index("ix_runs_waiting", "status", "created_at", "run_id",
@@ -362,6 +366,8 @@ workers = Table(
     Column("status", String(16), nullable=False),  # STARTING, READY, DRAINING, STOPPED, DEAD
     Column("started_at", Timestamp, nullable=False),
     Column("heartbeat_at", Timestamp, nullable=False),
+    # Set by `runlane workers drain` (0020): the worker drains at its next heartbeat.
+    Column("drain_requested_at", Timestamp),
 )
 
 

@@ -1820,14 +1820,21 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
 
         self._transaction(work)
 
-    def set_worker_status(self, worker_id: str, status: str) -> None:
-        def work(conn: Connection) -> None:
-            conn.execute(
-                self._q("UPDATE workers SET status = :status, heartbeat_at = {now} "
-                        "WHERE worker_id = :worker_id"),
-                {"status": status, "worker_id": worker_id, "now": self.clock.now()})
+    def set_worker_status(self, worker_id: str, status: str) -> bool:
+        """Record the worker's status and heartbeat; answer whether an operator asked it
+        to drain (``runlane workers drain``, migration 0020): the worker's heartbeat loop
+        reads the request here, one statement as before. A worker asked to drain is
+        DRAINING from this write on, whatever it said."""
+        def work(conn: Connection) -> bool:
+            row = conn.execute(
+                self._q("UPDATE workers SET status = CASE WHEN drain_requested_at IS NOT NULL "
+                        "AND CAST(:status AS VARCHAR(16)) = 'READY' THEN 'DRAINING' "
+                        "ELSE CAST(:status AS VARCHAR(16)) END, heartbeat_at = {now} "
+                        "WHERE worker_id = :worker_id RETURNING drain_requested_at"),
+                {"status": status, "worker_id": worker_id, "now": self.clock.now()}).first()
+            return row is not None and row.drain_requested_at is not None
 
-        self._transaction(work)
+        return self._transaction(work)
 
     # --- reads --------------------------------------------------------------------
 
