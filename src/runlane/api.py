@@ -33,6 +33,7 @@ from runlane.errors import (
     SchemaOutdated,
     Unauthenticated,
 )
+from runlane.models.events import EventView
 from runlane.models.runs import RunDetail, Submission, TaskDetail, run_detail, task_detail
 from runlane.models.tokens import CreatedToken, TokenInfo
 from runlane.sandbox import Sandbox, SandboxConfig
@@ -47,6 +48,7 @@ from runlane.services.retention import Pruner, RetentionConfig
 from runlane.services.scheduler import Scheduler, SchedulerConfig
 from runlane.settings import Settings, load_settings
 from runlane.store import details, migrate, tokens
+from runlane.store import events as events_store
 from runlane.store.engine import build_engine
 from runlane.store.retry import retry_task
 from runlane.store.store import CancelResult, Store, Violation
@@ -56,6 +58,8 @@ from runlane.worker.worker import Worker, WorkerConfig
 
 # Attempts one worker process runs at once (threads): more is a typo.
 MAX_CONCURRENCY = 1000
+# Events one call of Runlane.events returns at most.
+MAX_EVENTS_PAGE = 10_000
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = structlog.get_logger("runlane.api")
@@ -378,6 +382,36 @@ class Runlane(ViewsMixin):
             found.extend(remote_audit(self.store, code_host_for or default_code_host_for,
                                       limit=limit).violations)
         return found
+
+    # --- the event stream --------------------------------------------------------------
+
+    @_on_the_database
+    def events(self, *, principal: Principal = OPERATOR, after: str | None = None,
+               limit: int = 500) -> list[EventView]:
+        """Run transitions in commit order after the cursor ``after`` (None: from the
+        first), at most ``limit`` (1..10000), of the principal's tenant only (every
+        tenant for an admin). Each event's ``cursor`` resumes after it, with nothing
+        missed and nothing twice (store/events.py says how on PostgreSQL)."""
+        if isinstance(limit, bool) or not isinstance(limit, int) \
+                or not 1 <= limit <= MAX_EVENTS_PAGE:
+            raise InvalidArgument(f"limit {limit!r} is not an integer in 1..{MAX_EVENTS_PAGE}")
+        position = events_store.START
+        if after is not None:
+            parsed = events_store.parse_cursor(after) if _is_text(after) else None
+            if parsed is None:
+                raise InvalidArgument(f"after {after!r} is not an event cursor "
+                                      "(the id of an event of this stream)")
+            position = parsed
+        rows = events_store.events_after(self.store.reads, position, tenant=principal.tenant,
+                                         limit=limit)
+        return [EventView.from_row(r, events_store.format_cursor((r["tx_id"], r["event_id"])))
+                for r in rows]
+
+    @_on_the_database
+    def events_tail(self) -> str:
+        """The cursor of "now": ``events(after=events_tail())`` gives only events not
+        deliverable yet when it was taken (a live view's start)."""
+        return events_store.format_cursor(events_store.events_tail(self.store.reads))
 
     # --- maintenance ------------------------------------------------------------------
 

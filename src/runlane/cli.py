@@ -21,6 +21,7 @@ from rich.table import Column, Table
 from sqlalchemy.exc import DBAPIError
 
 from runlane.api import MAX_CONCURRENCY, Runlane, shown_url
+from runlane.cli_serve import host_port_options
 from runlane.domain.policy import MAX_COUNT, PolicyInvalid, load_policy
 from runlane.domain.routing import (
     canonical_capabilities,
@@ -522,10 +523,14 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
 @click.option("--capability", "capabilities", multiple=True,
               help="KEY=VALUE declared by every worker, as `runlane worker --capability` "
               "(repeatable): runs that require it are served.")
+@click.option("--serve", is_flag=True, help="Also serve the HTTP API and dashboard "
+              "(as `runlane serve`, on --host and --port).")
+@host_port_options
 def up(workers: int, agent_command: str, verify_command: str | None, queues: tuple[str, ...],
-       concurrency: int, capabilities: tuple[str, ...]) -> None:
+       concurrency: int, capabilities: tuple[str, ...], serve: bool, host: str,
+       port: int) -> None:
     """Everything on one machine: maintenance and N worker processes (restarted if they
-    die); SIGTERM or Ctrl-C drains the workers and stops."""
+    die), and with --serve the HTTP API; SIGTERM or Ctrl-C drains the workers and stops."""
     from runlane.services.supervisor import WorkerPool
 
     _capabilities(capabilities)  # bad input is refused here, not by each worker's restart
@@ -544,15 +549,24 @@ def up(workers: int, agent_command: str, verify_command: str | None, queues: tup
                           env={f"RUNLANE_{name.upper()}": value
                                for name, value in state.settings.items()})
         stop = _stop_on_sigterm()
+        web = None
+        if serve:  # first: a port in use stops `up` before anything else starts
+            from runlane.http.serve import ServerThread
+
+            web = ServerThread(lane, host, port)
+            web.start()
         threads = _start_maintenance(lane, stop)
         pool.start()
-        out.print(f"runlane up: {workers} worker(s) {pool.pids()}, maintenance running; "
-                  "Ctrl-C to stop", soft_wrap=True)
+        served = f", HTTP API on http://{host}:{port}" if web else ""
+        out.print(f"runlane up: {workers} worker(s) {pool.pids()}, maintenance running"
+                  f"{served}; Ctrl-C to stop", soft_wrap=True)
         try:
             while not stop.wait(1.0):
                 pool.supervise()
         except KeyboardInterrupt:
             stop.set()
+        if web is not None:
+            web.stop()
         pool.stop(lane.settings.drain_grace_seconds + lane.settings.agent_term_grace_seconds)
         _join(threads)
 
@@ -704,10 +718,12 @@ def demo(directory: Path, as_json: bool) -> None:
 def _register_more() -> None:
     """Commands kept in modules of their own (this one would pass 800 lines)."""
     from runlane.chaos.cli import chaos_command
+    from runlane.cli_serve import serve_command
     from runlane.cli_tasks import retry_command, tasks_group
     from runlane.cli_tokens import tokens_group
 
     app.add_command(chaos_command)
+    app.add_command(serve_command)
     app.add_command(tokens_group)
     app.add_command(retry_command)
     app.add_command(tasks_group)

@@ -336,7 +336,15 @@ run_events = Table(
     Column("reason_code", String(64)),
     Column("fencing_token", BigInteger),
     Column("message", Text),
+    # Added by 0021 (the HTTP API's event stream): on PostgreSQL the top-level
+    # transaction id of the writer (a trigger sets it; 0 for rows older than 0021), so
+    # that a reader delivers events in (tx_id, event_id) order and only from
+    # transactions older than every one still running: an event id taken by a
+    # transaction that commits later is neither skipped nor delivered twice
+    # (store/events.py). SQLite writes one transaction at a time: 0, event_id order.
+    Column("tx_id", BigInteger, nullable=False, server_default="0"),
     Index("ix_run_events_run", "run_id", "event_id"),
+    Index("ix_run_events_tx", "tx_id", "event_id"),
 )
 
 # The side-effect ledger (invariant 8): one row per external effect of a run, keyed
