@@ -28,7 +28,7 @@ from alembic import op
 from runlane.store.online_index import IndexSpec, drop_index, ensure_index
 
 revision = "0021"
-down_revision = "0018"
+down_revision = "0020"
 branch_labels = None
 depends_on = None
 
