@@ -69,6 +69,8 @@ def body_for(method: str, path: str) -> Any:
         return {"tenant": "acme", "repo": REPO, "prompt": "p"}
     if path == "/v1/tasks/batch":
         return [{"tenant": "acme", "repo": REPO, "prompt": "p"}]
+    if path == "/v1/tokens":
+        return {"role": "read", "tenant": "acme"}
     return None
 
 
@@ -123,9 +125,9 @@ def test_every_v1_route_refuses_an_unknown_revoked_or_expired_token(served: Serv
     db = served.database_url
     make_token(db, "admin")  # (skips until tokens exist)
     with Runlane(db) as lane:
-        revoked = lane.create_token(role="admin", name="to-revoke")  # type: ignore[attr-defined]
-        lane.revoke_token(revoked.info.id)  # type: ignore[attr-defined]
-        expiring = lane.create_token(  # type: ignore[attr-defined]
+        revoked = lane.create_token(role="admin", name="to-revoke")
+        lane.revoke_token(revoked.info.token_id)
+        expiring = lane.create_token(
             role="admin", expires_at=datetime.now(UTC) + timedelta(seconds=2)).token
     with served.client(expiring) as client:  # valid until it expires
         assert client.get("/v1/runs").status_code == 200

@@ -32,7 +32,7 @@ def principal(request: Request,
     if credentials is None or credentials.scheme.lower() != "bearer" \
             or not credentials.credentials:
         raise Unauthenticated("a bearer token is required (Authorization: Bearer <token>)")
-    who: Principal = lane_of(request).authenticate(  # type: ignore[attr-defined]
+    who: Principal = lane_of(request).authenticate(
         credentials.credentials)
     return who
 
