@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from runlane.errors import redact_credentials
+from runlane.models.runs import Timestamp
 
 
 class EventView(BaseModel):
@@ -23,7 +24,7 @@ class EventView(BaseModel):
     task_id: str
     tenant: str
     attempt_no: int | None = None
-    at: datetime
+    at: Timestamp
     actor: str
     from_status: str | None = None
     to_status: str
