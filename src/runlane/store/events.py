@@ -139,18 +139,27 @@ def horizon(conn: Connection) -> int:
 
 
 def events_after(engine: Engine, after: Cursor, *, tenant: str | None,
-                 limit: int) -> list[dict[str, Any]]:
-    """At most ``limit`` events after ``after`` in delivery order; of ``tenant``'s runs
-    only, unless it is None (every tenant). On PostgreSQL two statements, the horizon
-    first: the read's snapshot must be the later one (READ COMMITTED: one per
-    statement)."""
+                 limit: int) -> tuple[list[dict[str, Any]], Cursor]:
+    """At most ``limit`` events after ``after`` in delivery order, of ``tenant``'s runs
+    only unless it is None (every tenant); and the cursor to read on from. On a short
+    page that cursor is past every row the read could see, delivered or not (another
+    tenant's): a tenant's stream does not scan the same others' rows again at each
+    look. On PostgreSQL two statements, the horizon first: the read's snapshot must be
+    the later one (READ COMMITTED: one per statement); on SQLite the read and its
+    last id are one transaction's snapshot."""
     dialect = engine.dialect.name
-    params = {"tx": after[0], "id": after[1], "tenant": tenant, "limit": limit}
+    params: dict[str, Any] = {"tx": after[0], "id": after[1], "tenant": tenant,
+                              "limit": limit}
     with engine.connect() as conn:
-        if dialect == "postgresql":
-            params["horizon"] = horizon(conn)
-        rows = conn.execute(text(EVENTS_AFTER[dialect]), params)
-        return [dict(r._mapping) for r in rows]
+        below = horizon(conn) if dialect == "postgresql" else 0
+        params["horizon"] = below
+        rows = [dict(r._mapping) for r in conn.execute(text(EVENTS_AFTER[dialect]), params)]
+        end = (int(rows[-1]["tx_id"]), int(rows[-1]["event_id"])) if rows else after
+        if len(rows) < limit:
+            seen = ((below, 0) if dialect == "postgresql"
+                    else (0, int(conn.execute(text(LAST_EVENT_ID)).scalar() or 0)))
+            end = max(end, seen)
+        return rows, end
 
 
 def events_tail(engine: Engine) -> Cursor:
