@@ -37,7 +37,6 @@ attempt's :meth:`Workspace.remove_named` never deletes a tree a live git writes 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import os
@@ -54,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from runlane.agents.base import AttemptLimits
+from runlane.children import die_with_parent
 from runlane.errors import RunlaneError, redact_credentials
 
 AUTHOR_NAME = "runlane"
@@ -238,36 +238,11 @@ def _env(config: GitConfig, extra: dict[str, str] | None = None) -> dict[str, st
     return env
 
 
-_PR_SET_PDEATHSIG = 1
-try:  # looked up here, not in the forked child
-    _prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
-
-
-def die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGKILL when the thread that starts it
-    dies (the worker SIGKILLed, OOM-killed): git must not outlive its attempt and run
-    on in a workspace the next attempt cleans up. None where prctl is missing."""
-    prctl = _prctl
-    if prctl is None:
-        return None
-    parent = os.getpid()
-
-    def apply() -> None:
-        # In the forked child of a threaded worker: one prctl, no imports, no locks.
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent:  # the worker died before prctl took hold
-            os._exit(137)
-
-    return apply
-
-
 def _git(args: list[str], *, cwd: Path | None, timeout: float, config: GitConfig = (),
          env: dict[str, str] | None = None, stdin: bytes | None = None,
          hold: int | None = None) -> _Done:
     """Run git; on timeout kill its whole process group. What it creates is the
-    worker's alone (umask 077). It dies with the worker (:func:`die_with_parent`);
+    worker's alone (umask 077). It dies with the worker (runlane.children);
     ``hold``: the workspace's lock descriptor, inherited by git and every process it
     starts, so the lock outlives none of them."""
     proc = subprocess.Popen(
