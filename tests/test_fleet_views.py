@@ -160,7 +160,8 @@ def test_a_real_worker_drains_at_its_next_heartbeat_as_on_sigterm(
     with Runlane(db_url) as lane:
         first, second = submit(lane, 2, repo=str(remote))
         worker = WorkerProcess(db_url, tmp_path, tmp_path / "forge", "sleep 3; " + AGENT_WRITES,
-                               env={"RUNLANE_DRAIN_GRACE_SECONDS": "30"})
+                               env={"RUNLANE_DRAIN_GRACE_SECONDS": "30",
+                                    "RUNLANE_LEASE_TTL_SECONDS": "15"})
         try:
             def statuses() -> list[str]:
                 return sorted(str(run_row(lane.store, r).status) for r in (first, second))
