@@ -261,3 +261,37 @@ def test_a_page_of_one_tenant_in_one_status_is_an_index_walk_without_a_sort(
     assert scan["Index Name"] == "ix_runs_listing_tenant_status", scan
     assert scan["Actual Rows"] <= 51 and scan.get("Rows Removed by Filter", 0) == 0, scan
     assert "created_at" in scan["Index Cond"] and "run_id" in scan["Index Cond"], scan
+
+
+@pytest.mark.parametrize("filters, index", [
+    (("tenant", "status"), "ix_runs_listing_tenant_status"),
+    (("tenant",), "ix_runs_listing_tenant"),
+    ((), "ix_runs_listing"),
+])
+@pytest.mark.parametrize("newest_first", [True, False])
+def test_sqlite_walks_the_listing_indexes_without_a_sort(
+        tmp_path: Path, filters: tuple[str, ...], index: str, newest_first: bool) -> None:
+    from .conftest import migrated_sqlite
+
+    url = migrated_sqlite(tmp_path / "plan.db")
+    with Runlane(url) as lane, lane.store.engine.connect() as conn:
+        statement = views_sql.runs_page_sql(filters, newest_first=newest_first, cursor=True)
+        plan = [row[-1] for row in conn.execute(text("EXPLAIN QUERY PLAN " + statement), {
+            "tenant": "acme", "status": "QUEUED", "limit": 51, "cursor_created_at": T0,
+            "cursor_run_id": "x"})]
+    assert len(plan) == 1 and f"USING INDEX {index} " in plan[0], plan
+    assert "(created_at,run_id)" in plan[0], plan  # the cursor bounds the walk
+    assert not any("TEMP B-TREE" in step for step in plan), plan
+
+
+@pytest.mark.parametrize("call", [
+    lambda lane: lane.runs_page(), lambda lane: lane.workers(), lambda lane: lane.queues(),
+    lambda lane: lane.tenants(), lambda lane: lane.policy(),
+    lambda lane: lane.policy_versions(), lambda lane: lane.drain_worker("w"),
+])
+def test_a_database_never_upgraded_is_said_so(tmp_path: Path, call: Any) -> None:
+    from runlane.errors import SchemaOutdated
+
+    with Runlane(f"sqlite:///{tmp_path / 'none.db'}") as lane, \
+            pytest.raises(SchemaOutdated, match="runlane db upgrade"):
+        call(lane)
