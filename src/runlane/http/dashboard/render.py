@@ -143,23 +143,6 @@ def static_file(name: str) -> tuple[bytes, str] | None:
     return path.read_bytes(), kind
 
 
-def _plain(item: Any) -> dict[str, Any]:
-    """A model (or a mapping) as a dict of its fields, in their order."""
-    if hasattr(item, "model_dump"):
-        dumped: dict[str, Any] = item.model_dump(mode="json")
-        return dumped
-    if isinstance(item, dict):
-        return dict(item)
-    return dict(vars(item))
-
-
-def label(name: str) -> str:
-    """A field's column heading: ``oldest_ready_age_seconds`` → ``Oldest ready age``."""
-    words = name.removesuffix("_seconds").removesuffix("_usd").removesuffix("_id")
-    words = words.removesuffix("_at") if words != "at" else words
-    return words.replace("_", " ").capitalize() or name
-
-
 def cell(value: Any, name: str) -> str:
     """A field's value as the page shows it, by the field's name: times with their
     age, durations, dollars, lists and mappings in short; credentials masked."""
@@ -185,15 +168,4 @@ def cell(value: Any, name: str) -> str:
     return mask(value)
 
 
-def rows(items: list[Any]) -> tuple[list[str], list[dict[str, Any]]]:
-    """Models as table rows: the union of their fields (first seen first), and each
-    row's values by field."""
-    plain = [_plain(i) for i in items]
-    names: list[str] = []
-    for p in plain:
-        names.extend(k for k in p if k not in names)
-    return names, plain
-
-
-ENV.filters.update(cell=cell, label=label)
-ENV.globals.update(rows=rows, plain=_plain)
+ENV.filters.update(cell=cell)
