@@ -132,3 +132,19 @@ def processes_in(directory: Path) -> list[int]:
         if cwd == root or cwd.startswith(root + "/"):
             found.append(int(entry))
     return found
+
+
+def database_state(url: str) -> dict[str, list[str]]:
+    """Every row of every table of the schema, as text, in a stable order: equal
+    before and after a refused call means the call changed nothing."""
+    from runlane.store import schema
+    from runlane.store.engine import build_engine
+
+    engine = build_engine(url)
+    try:
+        with engine.connect() as conn:
+            return {table.name: sorted(repr(tuple(row)) for row in
+                                       conn.execute(text(f"SELECT * FROM {table.name}")))
+                    for table in schema.metadata.sorted_tables}
+    finally:
+        engine.dispose()

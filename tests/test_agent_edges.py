@@ -361,18 +361,30 @@ def test_an_ended_attempt_thread_does_not_drop_a_newer_attempt_of_its_run(
     store.close()
 
 
-def test_the_library_logs_to_stderr_not_stdout(tmp_path: Path) -> None:
+def test_the_library_is_quiet_unless_logging_is_configured(tmp_path: Path) -> None:
     """README: logs go to stderr. Used as a library (the README's Python example),
     runlane printed its structlog lines ('submitted', 'cancel_requested') on stdout,
-    mixed into the calling program's output (a review of 2026-12-02)."""
-    script = ("from runlane import Runlane\n"
+    mixed into the calling program's output (a review of 2026-12-02); issue 23: the
+    facade says nothing at all on stderr either unless the program configures logging,
+    and then its INFO lines go there."""
+    script = ("import sys\n"
+              "from runlane import Runlane\n"
+              "if sys.argv[1] == 'configured':\n"
+              "    from runlane.logs import configure_logging\n"
+              "    configure_logging('INFO')\n"
               f"lane = Runlane('sqlite:///{tmp_path / 'lib.db'}')\n"
               "lane.upgrade_schema()\n"
               "sub = lane.submit(tenant='acme', repo='/srv/git/app.git', prompt='p')\n"
-              "lane.cancel(sub.task_id)\n")
+              "lane.cancel(sub.task_id)\n"
+              "lane.run(sub.run_id)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNLANE_")}
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout == "", done.stdout
-    assert "submitted" in done.stderr and "cancel_requested" in done.stderr, done.stderr
+    for mode in ("quiet", "configured"):
+        done = subprocess.run([sys.executable, "-c", script, mode], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == "", done.stdout
+        if mode == "quiet":
+            assert done.stderr == "", done.stderr
+        else:
+            assert "submitted" in done.stderr and "cancel_requested" in done.stderr, \
+                done.stderr

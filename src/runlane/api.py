@@ -4,22 +4,38 @@ from __future__ import annotations
 
 import functools
 import random
+import time
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
+import structlog
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from runlane.agents.base import AttemptLimits
+from runlane.api_views import ViewsMixin
 from runlane.clock import Clock
 from runlane.codehost.base import CodeHost
+from runlane.domain import tokens as secrets_
+from runlane.domain.access import OPERATOR, Principal, Role
 from runlane.domain.policy import MAX_COUNT
 from runlane.domain.routing import parse_requirements, requirements_to_mapping
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskInvalid, TaskSpec, parse_task, valid_name
-from runlane.errors import DatabaseUnavailable, NotFound, RunlaneError, SchemaOutdated
+from runlane.errors import (
+    DatabaseUnavailable,
+    Forbidden,
+    NotFound,
+    RunlaneError,
+    SchemaOutdated,
+    Unauthenticated,
+)
+from runlane.models.events import EventView
+from runlane.models.runs import RunDetail, Submission, TaskDetail, run_detail, task_detail
+from runlane.models.tokens import CreatedToken, TokenInfo
 from runlane.sandbox import Sandbox, SandboxConfig
 from runlane.services.maintenance import (
     Reaper,
@@ -31,16 +47,22 @@ from runlane.services.maintenance import (
 from runlane.services.retention import Pruner, RetentionConfig
 from runlane.services.scheduler import Scheduler, SchedulerConfig
 from runlane.settings import Settings, load_settings
-from runlane.store import migrate
+from runlane.store import details, migrate, tokens
+from runlane.store import events as events_store
 from runlane.store.engine import build_engine
-from runlane.store.store import CancelResult, Store, Submission, Violation
+from runlane.store.retry import retry_task
+from runlane.store.store import CancelResult, Store, Violation
+from runlane.store.store import Submission as StoreSubmission
 from runlane.worker.attempt import AgentRunner, AttemptDriver, AttemptSettings, Judge
 from runlane.worker.worker import Worker, WorkerConfig
 
 # Attempts one worker process runs at once (threads): more is a typo.
 MAX_CONCURRENCY = 1000
+# Events one call of Runlane.events returns at most.
+MAX_EVENTS_PAGE = 10_000
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = structlog.get_logger("runlane.api")
 
 
 class InvalidArgument(RunlaneError, ValueError):
@@ -106,7 +128,7 @@ def shown_url(url: URL) -> str:
     return unquote(url.render_as_string(hide_password=True))
 
 
-class Runlane:
+class Runlane(ViewsMixin):
     """Submit, cancel, inspect and audit runs.
 
     >>> lane = Runlane("sqlite:///runlane.db")          # doctest: +SKIP
@@ -171,28 +193,67 @@ class Runlane:
     # --- tasks and runs ------------------------------------------------------------
 
     @_on_the_database
-    def submit(self, tenant: str, repo: str, prompt: str, **fields: Any) -> Submission:
+    def submit(self, tenant: str, repo: str, prompt: str, *,
+               principal: Principal = OPERATOR, **fields: Any) -> Submission:
+        """Submit one task for ``tenant`` (a tenant token: its own only). The same
+        tenant and idempotency key again returns the first task and run; with another
+        request it raises Conflict and writes nothing."""
+        _may_write(principal, "submit")
+        _own_tenant(principal, tenant)
         raw = {"tenant": tenant, "repo": repo, "prompt": prompt,
                **{k: v for k, v in fields.items() if v is not None}}
-        return self.store.submit([parse_task(raw)],
-                                 default_max_attempts=self.settings.max_attempts)[0]
+        return _submission(self.store.submit(
+            [parse_task(raw)], default_max_attempts=self.settings.max_attempts)[0])
 
     @_on_the_database
-    def submit_batch(self, rows: Iterable[dict[str, Any]]) -> list[Submission]:
-        """All or nothing: every row is validated before anything is written."""
+    def submit_batch(self, rows: Iterable[dict[str, Any]], *,
+                     principal: Principal = OPERATOR) -> list[Submission]:
+        """All or nothing: every row is validated (and, for a tenant token, of its
+        tenant) before anything is written."""
+        _may_write(principal, "submit")
         specs: list[TaskSpec] = []
         for number, row in enumerate(rows, start=1):
             if not isinstance(row, dict):
                 raise TaskInvalid(f"line {number}", "is not a JSON object")
             where = f"line {number}: "
             specs.append(parse_task(_flag_names(row, where), where=where))
-        return self.store.submit(specs, default_max_attempts=self.settings.max_attempts)
+        for spec in specs:
+            _own_tenant(principal, spec.tenant)
+        return [_submission(s) for s in self.store.submit(
+            specs, default_max_attempts=self.settings.max_attempts)]
 
     @_on_the_database
-    def cancel(self, task_id: str) -> CancelResult:
+    def cancel(self, task_id: str, *, principal: Principal = OPERATOR) -> CancelResult:
+        _may_write(principal, "cancel")
+        self._visible_task(task_id, principal)
+        return self.store.cancel(task_id)
+
+    @_on_the_database
+    def retry(self, task_id: str, *, principal: Principal = OPERATOR) -> Submission:
+        """A new run of a finished task (its newest run ended), linked to that run and
+        admitted under the policy in force as a submit is. Conflict while the task's
+        run is on its way."""
+        _may_write(principal, "retry")
         if not _is_text(task_id):
             raise NotFound(f"no task {task_id!r}")
-        return self.store.cancel(task_id)
+        return retry_task(self.store, task_id, tenant=principal.tenant,
+                          default_max_attempts=self.settings.max_attempts)
+
+    @_on_the_database
+    def task(self, task_id: str, *, principal: Principal = OPERATOR) -> TaskDetail:
+        """A task with its runs (oldest first), its parent and its children."""
+        if not _is_text(task_id):
+            raise NotFound(f"no task {task_id!r}")
+        return task_detail(details.task_detail(self.store, task_id, principal.tenant))
+
+    def _visible_task(self, task_id: str, principal: Principal) -> None:
+        """NotFound, with the message of a missing task, unless ``principal`` sees it."""
+        if not _is_text(task_id):
+            raise NotFound(f"no task {task_id!r}")
+        if principal.tenant is not None:
+            tenant = details.task_tenant(self.store, task_id)
+            if tenant is None or not principal.sees(tenant):
+                raise NotFound(f"no task {task_id!r}")
 
     @_on_the_database
     def runs(self, *, status: str | None = None, tenant: str | None = None,
@@ -211,10 +272,98 @@ class Runlane:
         return self.store.list_runs(status=status, tenant=tenant, limit=limit)
 
     @_on_the_database
-    def run(self, run_id: str) -> dict[str, Any]:
+    def run(self, run_id: str, *, principal: Principal = OPERATOR) -> RunDetail:
+        """One run with its attempts (worker, lease, fencing token, stages, reason,
+        cost), events, side effects, pull request and retry links."""
         if not _is_text(run_id):
             raise NotFound(f"no run {run_id!r}")
-        return self.store.get_run(run_id)
+        return run_detail(details.run_detail(self.store, run_id, principal.tenant))
+
+    # --- API tokens ------------------------------------------------------------------
+
+    @_on_the_database
+    def create_token(self, *, role: Role | str, tenant: str | None = None,
+                     expires_at: datetime | None = None, name: str | None = None,
+                     principal: Principal = OPERATOR) -> CreatedToken:
+        """A new token; ``.token`` is its secret, returned this once (only its hash is
+        stored). ``read`` and ``submit`` tokens are a tenant's; ``admin`` is every
+        tenant's and takes none."""
+        _admin_only(principal, "create tokens")
+        try:
+            role = secrets_.parse_role(role)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if role is Role.ADMIN and tenant is not None:
+            raise InvalidArgument("an admin token is for every tenant: give no tenant")
+        if role is not Role.ADMIN and tenant is None:
+            raise InvalidArgument(f"a {role.value} token is a tenant's: give its tenant")
+        if tenant is not None and not (isinstance(tenant, str) and valid_name(tenant)):
+            raise InvalidArgument(f"tenant {tenant!r} is not a tenant name")
+        if name is not None and not (_is_text(name) and 0 < len(name) <= 255
+                                     and name.isprintable()):
+            raise InvalidArgument("name must be 1-255 printable characters")
+        expires = None
+        if expires_at is not None:
+            if not isinstance(expires_at, datetime):
+                raise InvalidArgument(f"expires_at {expires_at!r} is not a datetime")
+            if expires_at.tzinfo is None:
+                expires_at = expires_at.replace(tzinfo=UTC)
+            expires = expires_at.timestamp()
+            if expires <= (self.store.clock.now() or time.time()):
+                raise InvalidArgument(f"expires_at {expires_at.isoformat()} is not in "
+                                      "the future")
+        token_id = secrets_.new_token_id()
+        secret = secrets_.new_secret(token_id)
+        row = tokens.insert_token(self.store, token_id=token_id, tenant=tenant,
+                                  role=role.value, name=name,
+                                  secret_sha256=secrets_.secret_hash(secret),
+                                  expires_at=expires)
+        log.info("token_created", token_id=token_id, tenant=tenant, role=role.value)
+        return CreatedToken(token=secret, info=_token_info(row, row["created_at"]))
+
+    @_on_the_database
+    def tokens(self, *, principal: Principal = OPERATOR) -> list[TokenInfo]:
+        """Every token, oldest first, with its state (never a secret)."""
+        _admin_only(principal, "list tokens")
+        rows, now = tokens.list_tokens(self.store)
+        return [_token_info(r, now) for r in rows]
+
+    @_on_the_database
+    def revoke_token(self, token_id: str, *, principal: Principal = OPERATOR) -> TokenInfo:
+        """Revoke a token at once (its next request is refused); revoking again keeps
+        the first time."""
+        _admin_only(principal, "revoke tokens")
+        if not _is_text(token_id):
+            raise NotFound(f"no token {token_id!r}")
+        row = tokens.revoke_token_row(self.store, token_id)
+        log.info("token_revoked", token_id=token_id)
+        return _token_info(row, row["revoked_at"])
+
+    @_on_the_database
+    def authenticate(self, secret: str) -> Principal:
+        """The principal of a bearer token, or Unauthenticated (one message whether it
+        is unknown, revoked, expired or malformed). The hash comparison takes the same
+        time however much of it matches; a failure is logged with at most the first
+        digits of the id the secret claimed, never the secret."""
+        token_id = secrets_.token_id_of(secret) if _is_text(secret) else None
+        row = tokens.token_row(self.store, token_id) if token_id else None
+        why = None
+        if row is None:
+            secrets_.hashes_match(str(secret), "0" * 64)  # as long as a real check
+            why = "malformed" if token_id is None else "unknown"
+        elif not secrets_.hashes_match(secret, row["secret_sha256"]):
+            why = "mismatch"
+        elif row["revoked_at"] is not None:
+            why = "revoked"
+        elif row["expires_at"] is not None and row["expires_at"] <= row["now"]:
+            why = "expired"
+        if why is not None or row is None:
+            log.warning("authentication_failed", token_id_prefix=secrets_.shown_id(token_id),
+                        reason=why)
+            raise Unauthenticated(secrets_.REFUSED)
+        tokens.token_used(self.store, row["token_id"], float(row["now"]))
+        return Principal(role=Role(row["role"]), tenant=row["tenant"],
+                         token_id=row["token_id"])
 
     @_on_the_database
     def audit(self, *, remote_checks: bool = False, limit: int = 1000,
@@ -233,6 +382,36 @@ class Runlane:
             found.extend(remote_audit(self.store, code_host_for or default_code_host_for,
                                       limit=limit).violations)
         return found
+
+    # --- the event stream --------------------------------------------------------------
+
+    @_on_the_database
+    def events(self, *, principal: Principal = OPERATOR, after: str | None = None,
+               limit: int = 500) -> list[EventView]:
+        """Run transitions in commit order after the cursor ``after`` (None: from the
+        first), at most ``limit`` (1..10000), of the principal's tenant only (every
+        tenant for an admin). Each event's ``cursor`` resumes after it, with nothing
+        missed and nothing twice (store/events.py says how on PostgreSQL)."""
+        if isinstance(limit, bool) or not isinstance(limit, int) \
+                or not 1 <= limit <= MAX_EVENTS_PAGE:
+            raise InvalidArgument(f"limit {limit!r} is not an integer in 1..{MAX_EVENTS_PAGE}")
+        position = events_store.START
+        if after is not None:
+            parsed = events_store.parse_cursor(after) if _is_text(after) else None
+            if parsed is None:
+                raise InvalidArgument(f"after {after!r} is not an event cursor "
+                                      "(the id of an event of this stream)")
+            position = parsed
+        rows = events_store.events_after(self.store.reads, position, tenant=principal.tenant,
+                                         limit=limit)
+        return [EventView.from_row(r, events_store.format_cursor((r["tx_id"], r["event_id"])))
+                for r in rows]
+
+    @_on_the_database
+    def events_tail(self) -> str:
+        """The cursor of "now": ``events(after=events_tail())`` gives only events not
+        deliverable yet when it was taken (a live view's start)."""
+        return events_store.format_cursor(events_store.events_tail(self.store.reads))
 
     # --- maintenance ------------------------------------------------------------------
 
@@ -331,6 +510,43 @@ class Runlane:
         pruner = self.pruner()
         return {**self.reaper().run_once(), **self.reconciler().run_once(),
                 **self.scheduler().run_once(), **(pruner.run_once() if pruner else {})}
+
+
+def _submission(s: StoreSubmission) -> Submission:
+    return Submission(task_id=s.task_id, run_id=s.run_id, status=s.status, created=s.created,
+                      reason_code=s.reason_code, truncated_sections=s.truncated_sections,
+                      payload_bytes=s.payload_bytes)
+
+
+def _may_write(principal: Principal, what: str) -> None:
+    """A ``read`` principal never writes (HTTP 403)."""
+    if not principal.can_submit:
+        raise Forbidden(f"a {principal.role.value} token may not {what}")
+
+
+def _own_tenant(principal: Principal, tenant: Any) -> None:
+    """A tenant's token writes for its own tenant only (HTTP 403)."""
+    if principal.tenant is not None and tenant != principal.tenant:
+        raise Forbidden(f"this token is tenant {principal.tenant!r}'s: it may not write "
+                        f"for tenant {tenant!r}")
+
+
+def _admin_only(principal: Principal, what: str) -> None:
+    if not principal.is_admin or principal.tenant is not None:
+        raise Forbidden(f"only an admin may {what}")
+
+
+def _token_info(row: dict[str, Any], now: float) -> TokenInfo:
+    state = "active"
+    if row["revoked_at"] is not None:
+        state = "revoked"
+    elif row["expires_at"] is not None and row["expires_at"] <= now:
+        state = "expired"
+    return TokenInfo.model_validate({
+        **{k: row[k] for k in ("token_id", "tenant", "role", "name")},
+        **{k: None if row[k] is None else datetime.fromtimestamp(row[k], UTC)
+           for k in ("created_at", "expires_at", "revoked_at", "last_used_at")},
+        "state": state})
 
 
 # A batch line may also use the names of `runlane submit`'s flags (CONTRACT.md: "the

@@ -21,6 +21,7 @@ from rich.table import Column, Table
 from sqlalchemy.exc import DBAPIError
 
 from runlane.api import MAX_CONCURRENCY, Runlane, shown_url
+from runlane.cli_serve import host_port_options
 from runlane.domain.policy import MAX_COUNT, PolicyInvalid, load_policy
 from runlane.domain.routing import (
     canonical_capabilities,
@@ -115,10 +116,6 @@ RUN_FIELDS = ("run_id", "task_id", "tenant", "repo", "queue", "status", "priorit
               "attempt_count", "max_attempts", "fencing_token", "visible_at", "created_at",
               "updated_at", "ended_at", "reason_code", "message", "outcome", "cost_usd",
               "estimated_cost_usd", "user_id", "risk_class", "route_key", "policy_version")
-ATTEMPT_FIELDS = ("attempt_no", "status", "reason_code", "message", "worker_id",
-                  "fencing_token", "lease_status", "lease_expires_at", "started_at", "ended_at",
-                  "retry_after_seconds", "cost_usd", "estimated_cost_usd", "input_tokens",
-                  "output_tokens", "late_cost_usd")
 
 
 def run_document(run: dict[str, Any]) -> dict[str, Any]:
@@ -342,29 +339,16 @@ def runs_show(run_id: str, as_json: bool) -> None:
     """One run with its attempts and its event history."""
     with _lane() as lane:
         run = lane.run(run_id)
-    document = run_document(run)
-    document["prompt"] = run["task"]["prompt"]
-    document["idempotency_key"] = run["task"]["idempotency_key"]
-    document["truncated_sections"] = run["task"]["truncated_sections"]
-    document["parent_task_id"] = run["task"]["parent_task_id"]
-    document["depends_on"] = run["depends_on"]
-    document["admission"] = _times(run["admission"]) if run["admission"] else run["admission"]
-    document["limits"] = run["limits"]
-    if "unroutable_because" in run:
-        document["unroutable_because"] = run["unroutable_because"]
-    document["attempts"] = [_times({k: a[k] for k in ATTEMPT_FIELDS}) for a in run["attempts"]]
-    # Cost reported after a lease was lost: in the tenant's spend, not in cost_usd.
-    document["late_cost_usd"] = sum((float(a["late_cost_usd"]) for a in run["attempts"]), 0.0)
-    document["events"] = [_times({k: v for k, v in e.items() if k != "run_id"})
-                          for e in run["events"]]
+    # The model's JSON: every field `runs show --json` has printed, and more (CONTRACT.md).
+    document = run.model_dump(mode="json")
     if as_json:
         _print_json(document)
         return
     for key in ("run_id", "task_id", "tenant", "repo", "queue", "status", "priority",
                 "attempt_count", "reason_code", "message", "outcome", "cost_usd",
                 "late_cost_usd", "estimated_cost_usd", "policy_version", "route_key",
-                "parent_task_id",
-                "depends_on", "created_at"):
+                "parent_task_id", "depends_on", "retry_of_run_id", "retried_by_run_id",
+                "created_at"):
         out.print(f"[bold]{key}[/bold]: {document[key]}")
     admission = document["admission"] or {}
     if admission:
@@ -539,10 +523,14 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
 @click.option("--capability", "capabilities", multiple=True,
               help="KEY=VALUE declared by every worker, as `runlane worker --capability` "
               "(repeatable): runs that require it are served.")
+@click.option("--serve", is_flag=True, help="Also serve the HTTP API and dashboard "
+              "(as `runlane serve`, on --host and --port).")
+@host_port_options
 def up(workers: int, agent_command: str, verify_command: str | None, queues: tuple[str, ...],
-       concurrency: int, capabilities: tuple[str, ...]) -> None:
+       concurrency: int, capabilities: tuple[str, ...], serve: bool, host: str,
+       port: int) -> None:
     """Everything on one machine: maintenance and N worker processes (restarted if they
-    die); SIGTERM or Ctrl-C drains the workers and stops."""
+    die), and with --serve the HTTP API; SIGTERM or Ctrl-C drains the workers and stops."""
     from runlane.services.supervisor import WorkerPool
 
     _capabilities(capabilities)  # bad input is refused here, not by each worker's restart
@@ -561,15 +549,24 @@ def up(workers: int, agent_command: str, verify_command: str | None, queues: tup
                           env={f"RUNLANE_{name.upper()}": value
                                for name, value in state.settings.items()})
         stop = _stop_on_sigterm()
+        web = None
+        if serve:  # first: a port in use stops `up` before anything else starts
+            from runlane.http.serve import ServerThread
+
+            web = ServerThread(lane, host, port)
+            web.start()
         threads = _start_maintenance(lane, stop)
         pool.start()
-        out.print(f"runlane up: {workers} worker(s) {pool.pids()}, maintenance running; "
-                  "Ctrl-C to stop", soft_wrap=True)
+        served = f", HTTP API on http://{host}:{port}" if web else ""
+        out.print(f"runlane up: {workers} worker(s) {pool.pids()}, maintenance running"
+                  f"{served}; Ctrl-C to stop", soft_wrap=True)
         try:
             while not stop.wait(1.0):
                 pool.supervise()
         except KeyboardInterrupt:
             stop.set()
+        if web is not None:
+            web.stop()
         pool.stop(lane.settings.drain_grace_seconds + lane.settings.agent_term_grace_seconds)
         _join(threads)
 
@@ -718,13 +715,21 @@ def demo(directory: Path, as_json: bool) -> None:
         sys.exit(1)
 
 
-def _register_chaos() -> None:
+def _register_more() -> None:
+    """Commands kept in modules of their own (this one would pass 800 lines)."""
     from runlane.chaos.cli import chaos_command
+    from runlane.cli_serve import serve_command
+    from runlane.cli_tasks import retry_command, tasks_group
+    from runlane.cli_tokens import tokens_group
 
     app.add_command(chaos_command)
+    app.add_command(serve_command)
+    app.add_command(tokens_group)
+    app.add_command(retry_command)
+    app.add_command(tasks_group)
 
 
-_register_chaos()
+_register_more()
 
 
 def run_command(command: click.Command, prog_name: str) -> None:

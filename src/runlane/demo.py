@@ -244,14 +244,15 @@ def run_demo(directory: Path, console: Console | None = None, *, workers: int = 
 def _summary(lane: Runlane, submissions: list[Any], again: list[Any], fleet: dict[str, Path],
              wall: float, killed: int | None, restarts: int, url: str) -> dict[str, Any]:
     runs = lane.runs()
-    attempts = [a for r in runs for a in lane.run(r["run_id"])["attempts"]]
+    attempts = [(r["run_id"], a) for r in runs for a in lane.run(r["run_id"]).attempts]
     pull_requests = lane.pull_requests()
     branches = 0
     for bare in fleet.values():
         listed = subprocess.run(["git", "--git-dir", str(bare), "branch", "--list", "agent/*"],
                                 capture_output=True, text=True, check=True).stdout
         branches += len(listed.split())
-    recovered = next((a["run_id"] for a in attempts if a["reason_code"] == "WORKER_LOST"), None)
+    recovered = next((run_id for run_id, a in attempts if a.reason_code == "WORKER_LOST"),
+                     None)
     return {
         "database": url,
         "tasks": len(submissions),
@@ -264,8 +265,8 @@ def _summary(lane: Runlane, submissions: list[Any], again: list[Any], fleet: dic
         "runs_by_state": dict(Counter(r["status"] for r in runs)),
         "outcomes": dict(Counter(r["outcome"] for r in runs if r["outcome"])),
         "attempts": len(attempts),
-        "attempts_by_reason": dict(Counter(a["reason_code"] for a in attempts
-                                           if a["reason_code"])),
+        "attempts_by_reason": dict(Counter(a.reason_code for _, a in attempts
+                                           if a.reason_code)),
         "retries": len(attempts) - len(runs),
         "pull_requests": len(pull_requests),
         "agent_branches": branches,

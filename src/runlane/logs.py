@@ -29,9 +29,10 @@ def configure_logging(level: str = "INFO", json: bool = True) -> None:
 
 
 def log_to_stderr_unless_configured() -> None:
-    """Used as a library, runlane logs to stderr at INFO, as the README says, not on
-    stdout at every level (structlog's default), mixed into the program's own output.
-    An application that configured structlog keeps its configuration, and one that
-    configures it later replaces this one."""
+    """Used as a library, runlane is quiet: only warnings and errors reach stderr (a
+    program's own output is never mixed with runlane's INFO lines), never stdout
+    (structlog's default). An application that configured structlog keeps its
+    configuration; one that wants runlane's INFO lines calls
+    ``runlane.logs.configure_logging("INFO")``."""
     if not structlog.is_configured():
-        configure_logging("INFO", json=False)
+        configure_logging("WARNING", json=False)

@@ -85,6 +85,10 @@ class Settings(BaseSettings):
     sandbox: Literal["bwrap", "off"] = "bwrap"
     sandbox_read_only_paths: Annotated[tuple[Path, ...], NoDecode] = ()
     sandbox_pass_env: Annotated[tuple[str, ...], NoDecode] = ()
+    # How often `runlane serve`'s event stream looks at the event table without a
+    # wake-up: SQLite's only wake-up; on PostgreSQL, besides LISTEN/NOTIFY, what
+    # delivers events a long transaction held back (docs/http-api.md).
+    events_poll_seconds: float = Field(0.5, gt=0, le=60)
 
     @field_validator("sandbox_read_only_paths", mode="before")
     @classmethod

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -281,3 +283,26 @@ def enforce_payload_cap(spec: TaskSpec, cap_bytes: int = DEFAULT_PAYLOAD_CAP_BYT
         f"the cap is {cap_bytes}",
         reason=Reason.PAYLOAD_TOO_LARGE,
     )
+
+
+def _normal(value: Any) -> Any:
+    """``value`` with every set or tuple as a sorted list: the same request always has
+    the same text, whatever the order a set iterates in (it changes per process)."""
+    if isinstance(value, dict):
+        return {str(k): _normal(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted((_normal(v) for v in value), key=repr)
+    if isinstance(value, (list, tuple)):
+        return [_normal(v) for v in value]
+    return value
+
+
+def task_digest(spec: TaskSpec) -> str:
+    """The SHA-256 of a task as asked (before any truncation): the same tenant and
+    idempotency key with another digest is another request under a used key, a
+    conflict. Normalized: priority classes are their numbers, a set of capabilities
+    is sorted, mapping keys are sorted; a field left unset is null (so an unset queue
+    differs from ``--queue default``: the first lets the policy choose)."""
+    text = json.dumps(_normal(spec.model_dump()), sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()

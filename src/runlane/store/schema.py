@@ -67,6 +67,10 @@ tasks = Table(
     Column("requires", Text, nullable=False, server_default=text("''")),  # canonical route key
     Column("parent_task_id", ID),
     Column("estimated_cost_usd", Float),
+    # Added by 0019: the SHA-256 of the task as asked (domain/tasks.py:task_digest),
+    # for tasks with an idempotency key only: the same key with another digest is a
+    # conflict. NULL on tasks submitted before 0019: taken as matching.
+    Column("request_digest", String(64)),
     # One task per (tenant, idempotency key); a task without a key has no entry, so an
     # unkeyed submit writes none (migration 0015). The submit's ON CONFLICT names the
     # predicate (sql.SUBMIT_WRITE_PG, Store._write_submission).
@@ -124,8 +128,15 @@ runs = Table(
     # worker is due to close the pull request of a run that ended without success.
     Column("finalize_only_after", Integer),
     Column("close_due_at", Timestamp),
+    # Added by 0019: the run this one retries (``runlane retry``), a finished run of the
+    # same task; NULL for a task's first run.
+    Column("retry_of_run_id", ID),
     Index("ix_runs_task_id", "task_id"),
-    Index("ix_runs_tenant_created", "tenant", "created_at"),
+    # The runs listing (migration 0020, store/listing.py): a page is a walk of one of
+    # these from its cursor, newest or oldest first, never a sort.
+    Index("ix_runs_listing_tenant_status", "tenant", "status", "created_at", "run_id"),
+    Index("ix_runs_listing_tenant", "tenant", "created_at", "run_id"),
+    Index("ix_runs_listing", "created_at", "run_id"),
     Index("ix_runs_status_updated", "status", "updated_at"),
     # The scheduler pass pages through waiting runs with a keyset on (created_at, id).
     Index("ix_runs_waiting", "status", "created_at", "run_id",
@@ -135,6 +146,11 @@ runs = Table(
     Index("ix_runs_close_due", "close_due_at",
           postgresql_where=text("close_due_at IS NOT NULL"),
           sqlite_where=text("close_due_at IS NOT NULL")),
+    # A run is retried at most once (0019): two retries racing on the same finished
+    # run cannot both insert; the loser changes nothing. No entry for a first run.
+    Index("uq_runs_retry_of", "retry_of_run_id", unique=True,
+          postgresql_where=text("retry_of_run_id IS NOT NULL"),
+          sqlite_where=text("retry_of_run_id IS NOT NULL")),
 )
 
 # The dispatch index (migration 0004, through the online-index guard; it replaced
@@ -320,7 +336,15 @@ run_events = Table(
     Column("reason_code", String(64)),
     Column("fencing_token", BigInteger),
     Column("message", Text),
+    # Added by 0021 (the HTTP API's event stream): on PostgreSQL the top-level
+    # transaction id of the writer (a trigger sets it; 0 for rows older than 0021), so
+    # that a reader delivers events in (tx_id, event_id) order and only from
+    # transactions older than every one still running: an event id taken by a
+    # transaction that commits later is neither skipped nor delivered twice
+    # (store/events.py). SQLite writes one transaction at a time: 0, event_id order.
+    Column("tx_id", BigInteger, nullable=False, server_default="0"),
     Index("ix_run_events_run", "run_id", "event_id"),
+    Index("ix_run_events_tx", "tx_id", "event_id"),
 )
 
 # The side-effect ledger (invariant 8): one row per external effect of a run, keyed
@@ -350,5 +374,24 @@ workers = Table(
     Column("status", String(16), nullable=False),  # STARTING, READY, DRAINING, STOPPED, DEAD
     Column("started_at", Timestamp, nullable=False),
     Column("heartbeat_at", Timestamp, nullable=False),
+    # Set by `runlane workers drain` (0020): the worker drains at its next heartbeat.
+    Column("drain_requested_at", Timestamp),
 )
 
+
+# API tokens (0019): a tenant's (or, tenant NULL, an admin's) bearer token. Only the
+# SHA-256 of the secret is kept (domain/tokens.py); the id is the secret's own prefix,
+# so a request finds its row by the primary key.
+api_tokens = Table(
+    "api_tokens",
+    metadata,
+    Column("token_id", String(32), primary_key=True),
+    Column("tenant", String(128)),  # NULL: every tenant (role admin)
+    Column("role", String(16), nullable=False),  # read, submit, admin
+    Column("name", String(255)),
+    Column("secret_sha256", String(64), nullable=False),
+    Column("created_at", Timestamp, nullable=False),
+    Column("expires_at", Timestamp),
+    Column("revoked_at", Timestamp),
+    Column("last_used_at", Timestamp),
+)

@@ -989,11 +989,12 @@ _TASKS_FROM_ITEMS = """
     INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
                        max_attempts, context, truncated_sections, payload_bytes,
                        cancel_requested_at, created_at, user_id, requires, parent_task_id,
-                       estimated_cost_usd)
+                       estimated_cost_usd, request_digest)
     SELECT task_id, tenant, repo, prompt, queue, priority, idempotency_key, max_attempts,
            COALESCE(context, CAST('{{{{}}}}' AS json)),
            COALESCE(truncated_sections, CAST('[]' AS json)), payload_bytes, NULL,
-           (SELECT now FROM clock), user_id, requires, parent_task_id, estimated_cost_usd
+           (SELECT now FROM clock), user_id, requires, parent_task_id, estimated_cost_usd,
+           request_digest
     FROM items
     WHERE idempotency_key IS {keyed}
       AND (SELECT version FROM policy) = CAST(:version AS integer)  -- see "Policy" above"""
@@ -1012,7 +1013,8 @@ items AS MATERIALIZED (
         task_id text, run_id text, tenant text, repo text, repo_key text, prompt text,
         idempotency_key text, context json, truncated_sections json,
         payload_bytes integer, user_id text, parent_task_id text,
-        estimated_cost_usd double precision, decision_no integer, status text)
+        estimated_cost_usd double precision, decision_no integer, status text,
+        request_digest text)
     JOIN unnest(CAST(:decision_queues AS text[]), CAST(:decision_priorities AS integer[]),
                 CAST(:decision_max_attempts AS integer[]),
                 CAST(:decision_requires AS text[]))
@@ -1118,11 +1120,16 @@ SELECT (SELECT version FROM policy) AS policy_version,
        (SELECT COUNT(*) FROM inserted_runs) AS runs_inserted,
        (SELECT COUNT(*) FROM woken) AS queues_woken
 """
-# An idempotency key already taken: the task and run it names.
+# An idempotency key already taken: the task, the digest of the request that took
+# it (NULL before migration 0019), and the task's first run (a retried task has more:
+# a replay answers as the first submit did).
 EXISTING_RUN = """
-SELECT t.task_id, r.run_id, r.status, t.payload_bytes, t.truncated_sections FROM tasks t
-JOIN runs r ON r.task_id = t.task_id
+SELECT t.task_id, r.run_id, r.status, t.payload_bytes, t.truncated_sections,
+       t.request_digest
+FROM tasks t JOIN runs r ON r.task_id = t.task_id
 WHERE t.tenant = :tenant AND t.idempotency_key = :key
+ORDER BY r.created_at, r.run_id
+LIMIT 1
 """
 ROUTES = "SELECT route_key FROM routes"
 # The reconciler's marks of lanes whose route no live worker serves (they leave the
@@ -1286,6 +1293,8 @@ SELECT
     AS failed
 FROM task_dependencies d JOIN runs r ON r.task_id = d.depends_on
 WHERE d.task_id = :task_id
+  -- A retried dependency stands as its newest run (no run retries it).
+  AND NOT EXISTS (SELECT 1 FROM runs n WHERE n.retry_of_run_id = r.run_id)
 """
 # The scheduler pass: waiting runs due for another look, paged by (created_at, id).
 DUE_WAITING = """
@@ -1749,11 +1758,23 @@ AUDIT_CHECKS: dict[str, str] = {
                          AND x.to_status = 'CLAIMED'
         WHERE c.to_status IN ('CANCEL_REQUESTED', 'CANCELLED')
         GROUP BY c.event_id, c.run_id, c.to_status""",
-    # A task executes through one run: a second one would execute it twice.
+    # A task executes through one run: a second one would execute it twice. Every
+    # further run is a retry (`runlane retry`) linked to a finished run of the task.
     "task_with_two_runs": """
         SELECT MIN(run_id) AS run_id, 'task ' || task_id || ' has '
-               || CAST(COUNT(*) AS TEXT) || ' runs' AS detail
-        FROM runs GROUP BY task_id HAVING COUNT(*) > 1""",
+               || CAST(COUNT(*) AS TEXT) || ' runs that retry none' AS detail
+        FROM runs WHERE retry_of_run_id IS NULL
+        GROUP BY task_id HAVING COUNT(*) > 1""",
+    # A retry follows a finished run of its own task: never one still on its way (the
+    # task would run twice at once), never another task's.
+    "retry_of_unfinished_run": """
+        SELECT n.run_id, 'retries run ' || n.retry_of_run_id || ', which is '
+               || COALESCE(o.status, 'missing') || CASE WHEN o.task_id <> n.task_id
+               THEN ' and of task ' || o.task_id ELSE '' END AS detail
+        FROM runs n JOIN runs o ON o.run_id = n.retry_of_run_id
+        WHERE n.retry_of_run_id IS NOT NULL
+          AND (o.status NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'POLICY_DENIED')
+               OR o.task_id <> n.task_id)""",
     # Every status change is a compare-and-set recorded as one event per hop: each
     # event starts where the run's previous one ended. A status overwritten without
     # its event (a run taken out of a terminal state, say) breaks the chain.

@@ -63,9 +63,11 @@ from runlane.domain.tasks import (
     TaskInvalid,
     TaskSpec,
     enforce_payload_cap,
+    task_digest,
 )
 from runlane.errors import (
     CancelRequested,
+    Conflict,
     CostLimitExceeded,
     LeaseLost,
     NotFound,
@@ -278,6 +280,14 @@ def _admission_request_key(spec: TaskSpec, repo: str) -> tuple[Any, ...] | None:
             requires)
 
 
+def _key_conflict(spec: TaskSpec, task_id: str | None) -> Conflict:
+    """The same tenant and idempotency key, another request: nothing is written."""
+    where = f" by task {task_id}" if task_id else " earlier in this batch"
+    return Conflict(f"idempotency key {spec.idempotency_key!r} of tenant {spec.tenant!r} "
+                    f"was used{where} for a different request (repository, prompt, queue, "
+                    "priority, requirements or other fields differ); nothing was written")
+
+
 # Claims one call may make when a candidate got no slot (Store.claim).
 CLAIM_ROUNDS = 3
 
@@ -364,7 +374,8 @@ class _SubmitBatch:
                 "payload_bytes": item["payload_bytes"], "cancel_requested_at": None,
                 "created_at": self.now, "user_id": item.get("user_id"),
                 "requires": d.requires, "parent_task_id": item.get("parent_task_id"),
-                "estimated_cost_usd": item.get("estimated_cost_usd")})
+                "estimated_cost_usd": item.get("estimated_cost_usd"),
+                "request_digest": item.get("request_digest")})
         return rows
 
     def run_rows(self, inserted: set[str]) -> list[dict[str, Any]]:
@@ -641,6 +652,10 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
         WAITING_CAPACITY until the decision's retry-after. The same (tenant,
         idempotency key) again returns the existing task and run.
         """
+        # What each keyed task was asked as, before any truncation: the same key with
+        # another request is a conflict, refused before anything is written.
+        digests = [task_digest(spec) if spec.idempotency_key is not None else None
+                   for spec in specs]
         fitted = [enforce_payload_cap(spec, self.payload_cap_bytes) for spec in specs]
         # The identity of each repository (its runs' scope, what the policy matches):
         # here, before any transaction, as it may read the file system (a local path).
@@ -650,9 +665,12 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
         # whose dependencies already ended, are more writes, and the named tasks' runs
         # stay share-locked until the commit (NAMED_TASKS: retention must not
         # delete them meanwhile). Any other submit needs no BEGIN and no COMMIT (see
-        # _transaction): one or two round trips where it was four.
+        # _transaction): one or two round trips where it was four. A keyed task may
+        # meet its key taken by another request (a Conflict found after the write,
+        # which must then write nothing): a transaction, rolled back.
         one_write = self.is_postgres and not any(
-            spec.depends_on or spec.parent_task_id for spec, _ in fitted)
+            spec.depends_on or spec.parent_task_id or spec.idempotency_key is not None
+            for spec, _ in fitted)
 
         def work(conn: Connection) -> list[Submission]:
             presumed = self._submit_policy_seen if self.is_postgres else None
@@ -660,6 +678,12 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
                 batch, planned, aliases = self._plan_submission(
                     conn, fitted, repo_keys, default_max_attempts=default_max_attempts,
                     actor=actor, presumed=presumed)
+                for i, first in aliases.items():  # a key repeated inside the batch
+                    if digests[i] != digests[first]:
+                        raise _key_conflict(fitted[i][0], None)
+                for i, item in zip(planned, batch.items, strict=True):
+                    if digests[i] is not None:
+                        item["request_digest"] = digests[i]
                 skipped = self._write_submission(conn, batch) if planned else set()
                 if skipped is not None:
                     break
@@ -691,6 +715,11 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
                             raise TaskInvalid("idempotency_key", (
                                 f"{item.get('idempotency_key')!r} names a task whose run "
                                 "retention deleted; submit with another key"))
+                        # Tasks written before migration 0019 have no digest: taken as
+                        # matching (what they were asked with is not known).
+                        if existing.request_digest is not None \
+                                and existing.request_digest != digests[i]:
+                            raise _key_conflict(fitted[i][0], existing.task_id)
                         # A replay answers as the first submit did (its size too).
                         truncated = existing.truncated_sections or []
                         results[i] = Submission(
@@ -1791,14 +1820,21 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
 
         self._transaction(work)
 
-    def set_worker_status(self, worker_id: str, status: str) -> None:
-        def work(conn: Connection) -> None:
-            conn.execute(
-                self._q("UPDATE workers SET status = :status, heartbeat_at = {now} "
-                        "WHERE worker_id = :worker_id"),
-                {"status": status, "worker_id": worker_id, "now": self.clock.now()})
+    def set_worker_status(self, worker_id: str, status: str) -> bool:
+        """Record the worker's status and heartbeat; answer whether an operator asked it
+        to drain (``runlane workers drain``, migration 0020): the worker's heartbeat loop
+        reads the request here, one statement as before. A worker asked to drain is
+        DRAINING from this write on, whatever it said."""
+        def work(conn: Connection) -> bool:
+            row = conn.execute(
+                self._q("UPDATE workers SET status = CASE WHEN drain_requested_at IS NOT NULL "
+                        "AND CAST(:status AS VARCHAR(16)) = 'READY' THEN 'DRAINING' "
+                        "ELSE CAST(:status AS VARCHAR(16)) END, heartbeat_at = {now} "
+                        "WHERE worker_id = :worker_id RETURNING drain_requested_at"),
+                {"status": status, "worker_id": worker_id, "now": self.clock.now()}).first()
+            return row is not None and row.drain_requested_at is not None
 
-        self._transaction(work)
+        return self._transaction(work)
 
     # --- reads --------------------------------------------------------------------
 

@@ -258,7 +258,11 @@ class Worker:
             try:
                 result = self.store.heartbeat(self.worker_id, [s.lease for s in states.values()],
                                               lease_ttl=self.config.lease_ttl_seconds)
-                self._set_status("DRAINING" if self.draining.is_set() else "READY")
+                if self._set_status("DRAINING" if self.draining.is_set() else "READY") \
+                        and not self.draining.is_set():
+                    # `runlane workers drain`: exactly as SIGTERM would.
+                    self.log.info("drain_requested", by="operator")
+                    self.request_drain()
                 last_ok = time.monotonic()
             except Exception as exc:  # a dead heartbeat thread would keep leases "alive"
                 self.log.error("heartbeat_failed", error=f"{type(exc).__name__}: {exc}")
@@ -279,9 +283,12 @@ class Worker:
             for run_id in result.cancel_requested:
                 states[run_id].cancel.set()
 
-    def _set_status(self, status: str) -> None:
+    def _set_status(self, status: str) -> bool:
+        """Whether an operator asked this worker to drain (False when the write failed:
+        the next beat asks again)."""
         with contextlib.suppress(DBAPIError):
-            self.store.set_worker_status(self.worker_id, status)
+            return self.store.set_worker_status(self.worker_id, status)
+        return False
 
     # --- drain -------------------------------------------------------------------------
 

@@ -1,0 +1,141 @@
+"""The live event stream: one wake-up source per server, shared by every open SSE
+connection, and the stream of one connection.
+
+Wake-ups: on PostgreSQL a ``LISTEN runlane_events`` thread (a trigger NOTIFYs at each
+commit that adds events, migration 0021), on SQLite a poll of the table's last id,
+every ``poll_seconds``. On PostgreSQL every stream also looks again each
+``poll_seconds`` without a notification: events that a still-running older transaction
+held back (store/events.py) become deliverable when it ends, which may notify nothing,
+and a notification sent while the listener reconnected is lost. Either way the
+database is the truth and the wake-up only says when to look: a stream that wakes for
+nothing finds nothing; one that was not woken finds it at its next look.
+
+A connection's stream reads pages of ``Runlane.events`` after its cursor (in the
+threadpool: the facade blocks), writes each event with ``id:`` = its cursor (so a
+browser's EventSource resumes with ``Last-Event-ID``), and between pages waits on the
+hub, writing a comment line every ``keepalive_seconds`` so that proxies and clients
+see a live connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import structlog
+from starlette.concurrency import run_in_threadpool
+
+from runlane.api import Runlane
+from runlane.domain.access import Principal
+from runlane.errors import RunlaneError
+from runlane.models.events import EventView
+from runlane.store.events import EVENTS_CHANNEL
+from runlane.store.wakeup import Listener
+
+log = structlog.get_logger("runlane.http.events")
+
+PAGE = 500
+RETRY_MS = 1000  # the client's reconnection delay (the SSE "retry:" field)
+
+
+class EventHub:
+    """Counts wake-ups; a stream waits for the count to move past what it saw."""
+
+    def __init__(self, lane: Runlane, *, poll_seconds: float) -> None:
+        self.lane = lane
+        self.poll_seconds = poll_seconds
+        self.generation = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed = asyncio.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._listener = Listener(lane.settings.database_url, channels=(EVENTS_CHANNEL,))
+
+    @property
+    def postgres(self) -> bool:
+        return self._listener.enabled
+
+    def start(self) -> None:
+        """On the server's event loop (its lifespan)."""
+        self._loop = asyncio.get_running_loop()
+        self._changed = asyncio.Event()
+        self._listener.start()
+        self._thread = threading.Thread(target=self._run, name="runlane-events", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.poke()
+        self._listener.close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _bump(self) -> None:
+        """On the loop: move the count on and wake every waiter."""
+        self.generation += 1
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def wait(self, seen: int, timeout: float) -> bool:
+        """Until the count moves past ``seen`` (True) or ``timeout`` passes (False)."""
+        if self.generation != seen:
+            return True
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except TimeoutError:
+            return self.generation != seen
+        return True
+
+    def _run(self) -> None:
+        from runlane.store.events import last_event_id
+
+        last = -1
+        while not self._stop.is_set():
+            woken = self._listener.wait(self.poll_seconds)
+            if self._stop.is_set():
+                return
+            if not woken and not self.postgres:
+                try:
+                    now = last_event_id(self.lane.store.reads)
+                except Exception as exc:  # a database away: look again at the next poll
+                    log.warning("events_poll_failed", error=str(exc).splitlines()[0])
+                    continue
+                if now == last:
+                    continue
+                last = now
+            assert self._loop is not None
+            try:
+                self._loop.call_soon_threadsafe(self._bump)
+            except RuntimeError:  # the loop closed: the server is stopping
+                return
+
+
+def sse(event: EventView) -> str:
+    return f"id: {event.cursor}\ndata: {event.model_dump_json()}\n\n"
+
+
+async def event_stream(lane: Runlane, hub: EventHub, who: Principal, first: list[EventView],
+                       after: str, seen: int, *, keepalive_seconds: float
+                       ) -> AsyncIterator[str]:
+    """The text of one connection's stream, from ``first`` (a page read after ``after``
+    once the hub's count was ``seen``) on, until the client goes away (the server then
+    cancels this generator). The count is always taken before the read, so a wake-up
+    that comes while a page is read is never lost."""
+    yield f"retry: {RETRY_MS}\n: connected\n\n"
+    cursor, page = after, first
+    while True:
+        for event in page:
+            yield sse(event)
+            cursor = event.cursor
+        if len(page) < PAGE and not await hub.wait(seen, keepalive_seconds):
+            page = []
+            yield ": keep-alive\n\n"
+            continue
+        seen = hub.generation
+        try:
+            page = await run_in_threadpool(lane.events, principal=who, after=cursor,
+                                           limit=PAGE)
+        except RunlaneError as exc:  # e.g. the database restarting: look again later
+            log.warning("events_read_failed", error=str(exc))
+            page = []
