@@ -43,6 +43,7 @@ SAFE_METHODS = frozenset({"GET", "HEAD"})
 # A token longer than this is no runlane token: refused before it reaches the database.
 MAX_TOKEN_CHARS = 512
 
+# auto_error=False: a missing header is our own 401 problem, not FastAPI's 403.
 bearer = HTTPBearer(auto_error=False, description="A runlane token "
                     "(`runlane tokens create --tenant T --role read|submit|admin`).")
 
