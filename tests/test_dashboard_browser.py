@@ -272,8 +272,37 @@ def test_the_cancel_button_cancels(browser: Any, served: Served) -> None:
         time.sleep(0.05)
     assert "Cancellation requested" in page.locator(".notice").inner_text()
     assert page.locator("#cancel").count() == 0, "no cancel button on a finished run"
-    assert page.locator("#retry").count() == 1
     _shot(page, "run-cancelled", served)
+
+    page.click("#retry")
+    page.wait_for_url(re.compile(r".*/runs/[^/?]+\?notice=retry$"))
+    retried = page.url.rsplit("/", 1)[1].split("?")[0]
+    assert retried != mine["run_id"]
+    assert served.lane.run(retried).retry_of_run_id == mine["run_id"]
+    assert served.lane.run(retried).task_id == mine["task_id"]
+
+
+def test_an_admin_drains_a_worker_and_a_tenant_cannot(browser: Any, served: Served) -> None:
+    served.lane.store.register_worker("w-drain-1", version="test", queues=["default"])
+    page = _page(browser, served)
+    _sign_in(page, served.tokens["acme"])
+    page.goto("/workers")
+    assert page.locator("form[action$='/drain']").count() == 0, "no drain for a tenant"
+    csrf = page.locator("form[action='/logout'] input[name=csrf]").input_value()
+    answer = page.request.post("/workers/w-drain-1/drain", form={"csrf": csrf},
+                               headers={"Origin": served.url}, max_redirects=0)
+    assert answer.status in (403, 404)
+    (worker,) = served.lane.workers()
+    assert worker.drain_requested_at is None, "nothing changed"
+
+    admin = _page(browser, served)
+    _sign_in(admin, served.tokens["admin"])
+    admin.goto("/workers")
+    admin.click("#worker-w-drain-1 form[action$='/drain'] button")
+    admin.wait_for_url(re.compile(r".*/workers\?notice=drain$"))
+    (worker,) = served.lane.workers()
+    assert worker.drain_requested_at is not None
+    assert admin.locator("#worker-w-drain-1 form[action$='/drain']").count() == 0
 
 
 def test_a_read_token_sees_no_buttons_and_cannot_cancel(browser: Any, served: Served) -> None:

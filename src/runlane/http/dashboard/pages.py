@@ -97,6 +97,18 @@ def _error_page(request: Request, exc: RunlaneError, who: Principal | None,
     return harden(page("error.html", status_code=status, **context))
 
 
+def _internal_error(request: Request, who: Principal | None, token: str | None) -> Response:
+    """Anything unexpected: logged with its traceback on the server, and a page that
+    says only that it failed (the error could name SQL, paths or values)."""
+    log.exception("dashboard_error", path=request.url.path)
+    context: dict[str, Any] = {"who": who, "path": request.url.path, "status": 500,
+                               "message": "Something went wrong on the server; its log "
+                               "says what."}
+    if who is not None and token is not None:
+        context.update(csrf=session.csrf_token(token), csrf_field=session.CSRF_FIELD)
+    return harden(page("error.html", status_code=500, **context))
+
+
 def _view(request: Request, build: Callable[[Principal, str], Response]) -> Response:
     """Run a page's body with the session's principal; no session: to the sign-in page;
     a refusal of the facade: an error page saying it (never a traceback)."""
@@ -111,6 +123,8 @@ def _view(request: Request, build: Callable[[Principal, str], Response]) -> Resp
         return harden(build(who, token))
     except RunlaneError as exc:
         return _error_page(request, exc, who, token)
+    except Exception:
+        return _internal_error(request, who, token)
 
 
 def _form(request: Request, csrf: str | None,
@@ -126,6 +140,8 @@ def _form(request: Request, csrf: str | None,
         return _redirect(act(who))
     except RunlaneError as exc:
         return _error_page(request, exc, who, token)
+    except Exception:
+        return _internal_error(request, who, token)
 
 
 # --- static files, sign-in ------------------------------------------------------------
@@ -171,6 +187,8 @@ def login(request: Request, token: Annotated[str, Form(max_length=1000)] = "") -
                            error="That token is not valid (unknown, revoked or expired)."))
     except RunlaneError as exc:
         return _error_page(request, exc, None, None)
+    except Exception:
+        return _internal_error(request, None, None)
     response = _redirect("/runs")
     session.set_session(response, request, secret)
     return response

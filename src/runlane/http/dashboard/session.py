@@ -103,7 +103,7 @@ def _same_origin(request: Request, value: str) -> bool:
     host = request.headers.get("host", "")
     return bool(parts.scheme in ("http", "https") and parts.netloc and host
                 and parts.netloc.lower() == host.lower()
-                and parts.scheme == ("https" if secure(request) else request.url.scheme))
+                and parts.scheme == request.url.scheme)
 
 
 def check_origin(request: Request) -> None:
@@ -129,10 +129,9 @@ def check_csrf(request: Request, submitted: str | None) -> None:
 
 
 def secure(request: Request) -> bool:
-    """Whether the browser talks https to us (directly, or as a proxy says it)."""
-    if request.url.scheme == "https":
-        return True
-    return request.headers.get("x-forwarded-proto", "").lower() == "https"
+    """Whether the browser talks https to us. Behind a TLS proxy, uvicorn takes the
+    scheme from X-Forwarded-Proto of the proxies it trusts (--forwarded-allow-ips)."""
+    return request.url.scheme == "https"
 
 
 def set_session(response: Response, request: Request, token: str) -> None:
