@@ -395,6 +395,16 @@ def test_every_page_fits_the_screen(browser: Any, served: Served, tmp_path: Path
     page.goto("/login")  # signed in: still renders
     _shot(page, f"login-{size[0]}", served)
 
+    tenant = _page(browser, served, size)  # what a tenant's token sees of the fleet
+    _sign_in(tenant, served.tokens["acme-read"])
+    for path in ("/queues", "/policy", "/workers"):
+        tenant.goto(path)
+        width, client = tenant.evaluate(
+            "[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+        assert width <= client, f"{path} scrolls sideways at {size[0]} px"
+        _shot(tenant, f"tenant-{path.strip('/')}-{size[0]}", served)
+    assert tenant.locator("form[action$='/drain']").count() == 0
+
 
 def test_headers_csrf_and_origin(served: Served) -> None:
     """Through plain HTTP: the headers every page carries, and the refusals of forms
