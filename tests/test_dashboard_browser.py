@@ -119,12 +119,24 @@ def browser() -> Iterator[Any]:
         chromium.close()
 
 
-def _page(browser: Any, served: Served, size: tuple[int, int] = WIDE) -> Any:
-    context = browser.new_context(viewport={"width": size[0], "height": size[1]},
-                                  base_url=served.url)
-    page = context.new_page()
-    page.set_default_timeout(10_000)
-    return page
+@pytest.fixture
+def open_page(browser: Any, served: Served) -> Iterator[Any]:
+    """``open_page(size)``: a new browser context's page on the served dashboard. Each
+    is closed before the server stops (an open event stream would keep the stopping
+    server waiting out its graceful shutdown)."""
+    contexts: list[Any] = []
+
+    def opened(size: tuple[int, int] = WIDE) -> Any:
+        context = browser.new_context(viewport={"width": size[0], "height": size[1]},
+                                      base_url=served.url)
+        contexts.append(context)
+        page = context.new_page()
+        page.set_default_timeout(10_000)
+        return page
+
+    yield opened
+    for context in contexts:
+        context.close()
 
 
 def _sign_in(page: Any, token: str) -> None:
@@ -154,8 +166,8 @@ def _shown_run_ids(page: Any) -> set[str]:
 
 
 def test_sign_in_sets_a_strict_http_only_cookie_and_sign_out_ends_it(
-        browser: Any, served: Served) -> None:
-    page = _page(browser, served)
+        open_page: Any, served: Served) -> None:
+    page = open_page()
     page.goto("/runs")
     assert page.url.endswith("/login"), "an anonymous visit goes to the sign-in page"
     _shot(page, "login", served)
@@ -182,8 +194,8 @@ def test_sign_in_sets_a_strict_http_only_cookie_and_sign_out_ends_it(
     assert page.url.endswith("/login")
 
 
-def test_a_revoked_token_signs_the_browser_out(browser: Any, served: Served) -> None:
-    page = _page(browser, served)
+def test_a_revoked_token_signs_the_browser_out(open_page: Any, served: Served) -> None:
+    page = open_page()
     _sign_in(page, served.tokens["acme-read"])
     (info,) = [t for t in served.lane.tokens() if t.tenant == "acme" and t.role == "read"]
     served.lane.revoke_token(info.token_id)
@@ -192,11 +204,11 @@ def test_a_revoked_token_signs_the_browser_out(browser: Any, served: Served) -> 
     assert "session ended" in page.locator(".notice").inner_text()
 
 
-def test_runs_page_lists_what_the_database_holds(browser: Any, served: Served) -> None:
+def test_runs_page_lists_what_the_database_holds(open_page: Any, served: Served) -> None:
     for n in range(3):
         served.submit("acme", "acme", f"acme task {n}")
     served.submit("globex", "globex", "globex task")
-    page = _page(browser, served)
+    page = open_page()
     _sign_in(page, served.tokens["admin"])
     held = {r["run_id"] for r in served.lane.runs()}
     assert len(held) == 4
@@ -213,9 +225,9 @@ def test_runs_page_lists_what_the_database_holds(browser: Any, served: Served) -
     assert _shown_run_ids(page) == {r["run_id"] for r in served.lane.runs(tenant="globex")}
 
 
-def test_runs_page_pages_by_cursor(browser: Any, served: Served) -> None:
+def test_runs_page_pages_by_cursor(open_page: Any, served: Served) -> None:
     submitted = [served.submit("acme", "acme", f"task {n}")["run_id"] for n in range(5)]
-    page = _page(browser, served)
+    page = open_page()
     _sign_in(page, served.tokens["acme"])
     page.goto("/runs?limit=2")
     seen: list[str] = []
@@ -231,10 +243,10 @@ def test_runs_page_pages_by_cursor(browser: Any, served: Served) -> None:
     assert len(seen) == len(set(seen)), "no run shown twice across pages"
 
 
-def test_a_new_run_and_its_status_changes_appear_live(browser: Any, served: Served) -> None:
+def test_a_new_run_and_its_status_changes_appear_live(open_page: Any, served: Served) -> None:
     """A run submitted through the API shows on an open page within 2 s without a
     reload; another tenant's, submitted first, never does; a cancel changes its badge."""
-    page = _page(browser, served)
+    page = open_page()
     _sign_in(page, served.tokens["acme"])
     page.locator("#live").wait_for(state="visible")  # the event stream is open
     page.evaluate("window.__same_document = true")
@@ -256,9 +268,9 @@ def test_a_new_run_and_its_status_changes_appear_live(browser: Any, served: Serv
     _shot(page, "runs-live", served)
 
 
-def test_the_cancel_button_cancels(browser: Any, served: Served) -> None:
+def test_the_cancel_button_cancels(open_page: Any, served: Served) -> None:
     mine = served.submit("acme", "acme", "to be cancelled")
-    page = _page(browser, served)
+    page = open_page()
     _sign_in(page, served.tokens["acme"])
     page.goto(f"/runs/{mine['run_id']}")
     assert "ghp_SECRET0123456789" not in page.content()
@@ -282,9 +294,9 @@ def test_the_cancel_button_cancels(browser: Any, served: Served) -> None:
     assert served.lane.run(retried).task_id == mine["task_id"]
 
 
-def test_an_admin_drains_a_worker_and_a_tenant_cannot(browser: Any, served: Served) -> None:
+def test_an_admin_drains_a_worker_and_a_tenant_cannot(open_page: Any, served: Served) -> None:
     served.lane.store.register_worker("w-drain-1", version="test", queues=["default"])
-    page = _page(browser, served)
+    page = open_page()
     _sign_in(page, served.tokens["acme"])
     page.goto("/workers")
     assert page.locator("form[action$='/drain']").count() == 0, "no drain for a tenant"
@@ -295,7 +307,7 @@ def test_an_admin_drains_a_worker_and_a_tenant_cannot(browser: Any, served: Serv
     (worker,) = served.lane.workers()
     assert worker.drain_requested_at is None, "nothing changed"
 
-    admin = _page(browser, served)
+    admin = open_page()
     _sign_in(admin, served.tokens["admin"])
     admin.goto("/workers")
     admin.click("#worker-w-drain-1 form[action$='/drain'] button")
@@ -305,9 +317,9 @@ def test_an_admin_drains_a_worker_and_a_tenant_cannot(browser: Any, served: Serv
     assert admin.locator("#worker-w-drain-1 form[action$='/drain']").count() == 0
 
 
-def test_a_read_token_sees_no_buttons_and_cannot_cancel(browser: Any, served: Served) -> None:
+def test_a_read_token_sees_no_buttons_and_cannot_cancel(open_page: Any, served: Served) -> None:
     mine = served.submit("acme", "acme", "read only")
-    page = _page(browser, served)
+    page = open_page()
     _sign_in(page, served.tokens["acme-read"])
     page.goto(f"/runs/{mine['run_id']}")
     assert page.locator("#cancel").count() == 0
@@ -320,10 +332,10 @@ def test_a_read_token_sees_no_buttons_and_cannot_cancel(browser: Any, served: Se
     assert served.lane.run(mine["run_id"]).status == "QUEUED"
 
 
-def test_a_tenant_never_sees_another_tenants_run(browser: Any, served: Served) -> None:
+def test_a_tenant_never_sees_another_tenants_run(open_page: Any, served: Served) -> None:
     theirs = served.submit("globex", "globex", "globex secret plan")
     mine = served.submit("acme", "acme", "acme work")
-    page = _page(browser, served)
+    page = open_page()
     _sign_in(page, served.tokens["acme"])
     assert _shown_run_ids(page) == {mine["run_id"]}
     page.goto("/runs?tenant=globex")  # a filter cannot widen a tenant's scope
@@ -372,7 +384,7 @@ PAGES = ["/runs", "/runs/{run}", "/workers", "/queues", "/policy"]
 
 
 @pytest.mark.parametrize("size", [WIDE, NARROW], ids=["1280", "390"])
-def test_every_page_fits_the_screen(browser: Any, served: Served, tmp_path: Path,
+def test_every_page_fits_the_screen(open_page: Any, served: Served, tmp_path: Path,
                                     size: tuple[int, int]) -> None:
     """No horizontal scroll at 390 px (nor at 1280), with long ids and URLs; the
     policy page shows the version in force."""
@@ -381,7 +393,7 @@ def test_every_page_fits_the_screen(browser: Any, served: Served, tmp_path: Path
                         repo=SECRET_REPO.replace("app.git", "a-rather-long-repository-name-"
                                                  "that-would-overflow-a-phone-screen.git"))
     _claim(served, run["run_id"])
-    page = _page(browser, served, size)
+    page = open_page(size)
     _sign_in(page, served.tokens["admin"])
     for path in PAGES:
         page.goto(path.format(run=run["run_id"]))
@@ -395,7 +407,7 @@ def test_every_page_fits_the_screen(browser: Any, served: Served, tmp_path: Path
     page.goto("/login")  # signed in: still renders
     _shot(page, f"login-{size[0]}", served)
 
-    tenant = _page(browser, served, size)  # what a tenant's token sees of the fleet
+    tenant = open_page(size)  # what a tenant's token sees of the fleet
     _sign_in(tenant, served.tokens["acme-read"])
     for path in ("/queues", "/policy", "/workers"):
         tenant.goto(path)
@@ -453,7 +465,7 @@ def test_headers_csrf_and_origin(served: Served) -> None:
 
 
 def test_the_run_page_shows_the_tail_of_the_agent_log_masked(
-        browser: Any, served: Served, tmp_path: Path) -> None:
+        open_page: Any, served: Served, tmp_path: Path) -> None:
     mine = served.submit("acme", "acme", "with a log")
     folder = tmp_path / "artifacts" / mine["run_id"] / "1"
     folder.mkdir(parents=True)
@@ -461,7 +473,7 @@ def test_the_run_page_shows_the_tail_of_the_agent_log_masked(
     lines.append("pushing to https://bot:ghs_TOKEN42@github.com/acme/app.git")
     (folder / "agent.log").write_text("\n".join(lines) + "\n")
     _claim(served, mine["run_id"])
-    page = _page(browser, served)
+    page = open_page()
     _sign_in(page, served.tokens["acme"])
     page.goto(f"/runs/{mine['run_id']}")
     text = page.locator("details.log pre").inner_text()
