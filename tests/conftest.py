@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+import structlog
 from hypothesis import settings as hypothesis_settings
 from sqlalchemy.engine import make_url
 
@@ -153,3 +154,12 @@ def store(db_url: str, clock: ManualClock) -> Iterator[Store]:
     s = Store(db_url, clock=clock, retry_policy=POLICY, rng=random.Random(1))
     yield s
     s.close()
+
+
+@pytest.fixture(autouse=True)
+def unconfigured_logging() -> None:
+    """Each test starts with structlog as a program that never configured it: the facade
+    quiets it on first use (WARNING), which would otherwise hide a later test's INFO
+    events from ``structlog.testing.capture_logs``."""
+    structlog.reset_defaults()
+

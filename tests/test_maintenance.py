@@ -611,3 +611,61 @@ def test_a_database_gone_mid_pass_ends_the_pass_instead_of_failing_every_row(
         with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
             admin.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
         store.close()
+
+
+class SessionEndsMidRow(Store):
+    """A store whose maintenance row number ``end_at_row`` (1-based, counted over the
+    store's life) loses its database session mid-transaction: its first statement runs,
+    then an administrator terminates that very backend (``pg_terminate_backend``, as a
+    PostgreSQL restart would), and the row's own statements run on the dead session."""
+
+    end_at_row: int | None = None
+    rows = 0
+
+    def _isolated(self, service: str, row: Any, work: Callable[[Any], bool]) -> bool | None:
+        self.rows += 1
+        if self.rows != self.end_at_row:
+            return super()._isolated(service, row, work)
+
+        def on_a_dying_session(conn: Any) -> bool:
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+            with psycopg.connect(ADMIN_URL, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+                wait_until(lambda: admin.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid]
+                ).fetchone() == (0,), 10, "the terminated backend to exit")
+            return work(conn)
+
+        return super()._isolated(service, row, on_a_dying_session)
+
+
+def test_a_session_terminated_mid_pass_ends_the_pass_and_the_next_pass_finishes(
+        request: pytest.FixtureRequest, tmp_path: Path, clock: ManualClock) -> None:
+    """The reaper's session is terminated while it works on the second of three expired
+    leases (the database itself is back at once, so a ping succeeds). That is no fault
+    of the row: nothing is logged or counted as a row failure; the pass ends with a
+    warning (``maintenance_pass_interrupted``, not ``maintenance_failed``), the row's
+    transaction is rolled back, and the next pass reaps what is left."""
+    from .conftest import empty_database
+
+    url = empty_database(request, "postgresql", tmp_path)
+    store = SessionEndsMidRow(url, clock=clock, retry_policy=POLICY)
+    try:
+        leases = claim_one_by_one(store, clock, 3)
+        clock.advance(TTL + 1)
+        store.end_at_row = 2
+        reaper = Reaper(store, ReaperConfig(batch_size=10))
+        with capture_logs() as logs:
+            reaper.run_logged()
+        assert failures(logs) == []
+        events = [e["event"] for e in logs]
+        assert "maintenance_failed" not in events
+        [interrupted] = [e for e in logs if e["event"] == "maintenance_pass_interrupted"]
+        assert interrupted["service"] == "reaper" and interrupted["log_level"] == "warning"
+        assert active_leases(store) == {x.run_id for x in leases[1:]}  # row 2 rolled back
+        assert reaper.run_once() == {"expired_leases": 2, "rows_failed": 0}
+        assert active_leases(store) == set()
+        for lease in leases:
+            assert run_row(store, lease.run_id).status == S.QUEUED.value
+    finally:
+        store.close()

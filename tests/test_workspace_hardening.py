@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.server
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -456,3 +457,87 @@ def test_a_symlinked_root_is_checked_where_it_points_and_on_the_way(tmp_path: Pa
     os.lchown(link, 65534, 65534)  # its owner can point it elsewhere
     reason = unsafe_workspace_root(link)
     assert reason is not None and f"{link}, on its path, is owned by uid 65534" in reason
+
+
+# --- git dies with its worker, and the workspace's lock outlives no git process -------------
+
+# A "worker": clones (or clones, commits and pushes) through an ssh remote whose ssh
+# command hangs, so that its git process is alive when the test SIGKILLs it.
+GIT_WORKER = r'''
+import sys
+from pathlib import Path
+from runlane.workspace import Workspace
+mode, root, remote = sys.argv[1:4]
+if mode == "clone":
+    Workspace.clone("ssh://example.invalid/repo.git", Path(root), "run-1-1", timeout=600)
+else:
+    ws = Workspace.clone(remote, Path(root), "run-1-1", timeout=600)
+    (ws.path / "new.txt").write_text("work\n")
+    ws.keep_agent_tree()
+    ws.commit_all("agent/task-1/run-1", "msg", "Agent-Run-ID: run-1")
+    ws.remote_url = "ssh://example.invalid/repo.git"
+    ws.push("agent/task-1/run-1")
+'''
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (R, S, Z...), None when it is gone."""
+    try:
+        stat_ = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return stat_[stat_.rfind(b")") + 2:].split()[0].decode()
+
+
+def _ppid(pid: int) -> int:
+    stat_ = Path(f"/proc/{pid}/stat").read_bytes()
+    return int(stat_[stat_.rfind(b")") + 2:].split()[1])
+
+
+@pytest.mark.parametrize("mode", ["clone", "push"])
+def test_git_dies_with_its_worker_and_the_lock_outlives_no_git_process(
+        remote: Path, tmp_path: Path, mode: str) -> None:
+    """SIGKILL a worker while its git runs (a clone; a push, as the finalizer's): git
+    gets SIGKILL with it (PR_SET_PDEATHSIG), and the workspace's lock stays held as long
+    as any process git started lives (here its ssh, which a dead git does not stop), so
+    the next attempt's cleanup (``remove_named``) leaves the tree alone until the last
+    one is gone, then removes it."""
+    from .support import SRC
+    from .test_worker import wait_until
+
+    ssh = tmp_path / "ssh.sh"
+    pid_file = tmp_path / "ssh.pid"
+    ssh.write_text(f'#!/bin/sh\necho $$ > "{pid_file}.tmp"\nmv "{pid_file}.tmp" "{pid_file}"\n'
+                   "exec sleep 300\n")
+    ssh.chmod(0o755)
+    root = tmp_path / "workspaces"
+    env = {**os.environ, "PYTHONPATH": SRC, "GIT_SSH_COMMAND": str(ssh),
+           "GIT_SSH_VARIANT": "simple"}
+    worker = subprocess.Popen([sys.executable, "-c", GIT_WORKER, mode, str(root), str(remote)],
+                              env=env, stderr=subprocess.PIPE)
+    ssh_pid = 0
+    try:
+        wait_until(lambda: pid_file.exists() or worker.poll() is not None, 30,
+                   f"the worker's git {mode} to start its ssh")
+        assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
+        ssh_pid = int(pid_file.read_text())
+        git_pid = _ppid(ssh_pid)
+        assert _ppid(git_pid) == worker.pid  # the worker's own git
+        assert not Workspace.remove_named(root, "run-1-1")  # its worker holds it
+
+        worker.kill()
+        worker.wait()
+        wait_until(lambda: _state(git_pid) in (None, "Z"), 5, "git to die with its worker")
+        assert _state(ssh_pid) not in (None, "Z")  # git's own child lives on...
+        assert not Workspace.remove_named(root, "run-1-1")  # ...and holds the lock
+        assert (root / "run-1-1").exists() or mode == "clone"
+
+        os.kill(ssh_pid, signal.SIGKILL)
+        wait_until(lambda: _state(ssh_pid) in (None, "Z"), 5, "the ssh command to end")
+        assert Workspace.remove_named(root, "run-1-1")
+        assert not (root / "run-1-1").exists()
+    finally:
+        worker.kill()
+        worker.wait()
+        if ssh_pid and _state(ssh_pid) not in (None, "Z"):
+            os.kill(ssh_pid, signal.SIGKILL)

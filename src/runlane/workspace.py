@@ -25,6 +25,13 @@ and global configuration, read when it clones) are passed on through
 the push. A local repository is cloned with ``--no-hardlinks``: a hard-linked object
 file, rewritten in place by the agent, changed the origin repository itself.
 ``ls-remote`` and ``push`` go to the URL recorded right after the clone.
+
+Git dies with its worker: every git process gets ``PR_SET_PDEATHSIG`` SIGKILL (a
+SIGKILLed worker's clone or push does not run on into the next attempt's cleanup),
+and every git call on a workspace inherits the workspace's lock descriptor, so the
+lock (an ``flock`` on the open file) is held while any git process of the attempt,
+or a helper it started (``ssh``, ``git-remote-https``), still lives: a later
+attempt's :meth:`Workspace.remove_named` never deletes a tree a live git writes to.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from runlane.agents.base import AttemptLimits
+from runlane.children import die_with_parent
 from runlane.errors import RunlaneError, redact_credentials
 
 AUTHOR_NAME = "runlane"
@@ -231,13 +239,17 @@ def _env(config: GitConfig, extra: dict[str, str] | None = None) -> dict[str, st
 
 
 def _git(args: list[str], *, cwd: Path | None, timeout: float, config: GitConfig = (),
-         env: dict[str, str] | None = None, stdin: bytes | None = None) -> _Done:
+         env: dict[str, str] | None = None, stdin: bytes | None = None,
+         hold: int | None = None) -> _Done:
     """Run git; on timeout kill its whole process group. What it creates is the
-    worker's alone (umask 077)."""
+    worker's alone (umask 077). It dies with the worker (runlane.children);
+    ``hold``: the workspace's lock descriptor, inherited by git and every process it
+    starts, so the lock outlives none of them."""
     proc = subprocess.Popen(
         ["git", *_SAFE, *args], cwd=cwd, env=_env(config, env), umask=0o077,
         stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        preexec_fn=die_with_parent(), pass_fds=() if hold is None else (hold,))
     try:
         out, err = proc.communicate(stdin, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -358,7 +370,7 @@ class Workspace:
         # --no-hardlinks: a clone of a path hard-links the origin's object files, and
         # an agent that rewrote one in place changed the origin repository.
         done = _git(["clone", "--quiet", "--no-hardlinks", "--", repo, str(dest)], cwd=None,
-                    timeout=timeout, config=config)
+                    timeout=timeout, config=config, hold=lock_fd)
         if done.timed_out or done.code != 0:
             _rmtree(dest)
             if done.timed_out:
@@ -368,15 +380,16 @@ class Workspace:
                               transient=is_transient(done.stderr))
         try:
             cloned = dest / ".git"  # the agent has not run yet
-            remote_url = _local(["config", "--get", "remote.origin.url"], cloned).strip()
+            remote_url = _local(["config", "--get", "remote.origin.url"], cloned,
+                                hold=lock_fd).strip()
             branch = _git(["--git-dir", str(cloned), "symbolic-ref", "--quiet", "--short",
-                           "HEAD"], cwd=cloned, timeout=LOCAL_TIMEOUT_SECONDS
+                           "HEAD"], cwd=cloned, timeout=LOCAL_TIMEOUT_SECONDS, hold=lock_fd
                           ).stdout.decode().strip()
             sha = _git(["--git-dir", str(cloned), "rev-parse", "--verify", "--quiet",
-                        "HEAD^{commit}"], cwd=cloned, timeout=LOCAL_TIMEOUT_SECONDS
-                       ).stdout.decode().strip()
+                        "HEAD^{commit}"], cwd=cloned, timeout=LOCAL_TIMEOUT_SECONDS,
+                       hold=lock_fd).stdout.decode().strip()
             if not sha and _local(["for-each-ref", "--count=1", "refs/remotes/origin/"],
-                                  cloned).strip():
+                                  cloned, hold=lock_fd).strip():
                 # The remote's HEAD names a branch it does not have (`git init --bare`,
                 # then a push of main): not an empty repository. Running the agent in
                 # an empty directory pushed a root commit with no common history.
@@ -384,7 +397,7 @@ class Workspace:
                     f"{repo}: its HEAD names no branch it has, so it has no "
                     "default branch to work on (set it: git symbolic-ref HEAD "
                     "refs/heads/<branch> in the repository)")
-            _copy_git_dir(dest, git_dir, timeout)
+            _copy_git_dir(dest, git_dir, timeout, hold=lock_fd)
         except WorkspaceError:
             _rmtree(dest)
             _rmtree(git_dir)
@@ -398,7 +411,8 @@ class Workspace:
              env: dict[str, str] | None = None, stdin: bytes | None = None) -> _Done:
         """git on the worker's own git directory, with the workspace as work tree."""
         return _git(["--git-dir", str(self.git_dir), "--work-tree", str(self.path), *args],
-                    cwd=self.path, timeout=timeout, config=self._config, env=env, stdin=stdin)
+                    cwd=self.path, timeout=timeout, config=self._config, env=env, stdin=stdin,
+                    hold=self._lock_fd)
 
     def _local(self, args: list[str], *, env: dict[str, str] | None = None,
                stdin: bytes | None = None) -> str:
@@ -670,13 +684,14 @@ def _hold(lock: Path, *, wait: bool = True) -> int:
     return fd
 
 
-def _copy_git_dir(dest: Path, git_dir: Path, timeout: float) -> None:
+def _copy_git_dir(dest: Path, git_dir: Path, timeout: float, *, hold: int | None = None
+                  ) -> None:
     """The worker's own copy of the clone's git directory, made before the agent runs:
     its objects copied (not hard-linked, which the agent could rewrite in place), its
     config the one git writes for a clone, its index the checkout's (so that a diff of
     the work tree need not read every file)."""
     done = _git(["clone", "--quiet", "--bare", "--no-hardlinks", "--", str(dest / ".git"),
-                 str(git_dir)], cwd=None, timeout=timeout)
+                 str(git_dir)], cwd=None, timeout=timeout, hold=hold)
     if done.timed_out or done.code != 0:
         raise CloneFailed("cannot copy the clone's git directory: "
                           f"{'timed out' if done.timed_out else _summary(done.stderr)}",
@@ -745,8 +760,8 @@ def _stdout(command: str, done: _Done) -> str:
     return done.stdout.decode("utf-8", "surrogateescape")
 
 
-def _local(args: list[str], git_dir: Path) -> str:
+def _local(args: list[str], git_dir: Path, *, hold: int | None = None) -> str:
     """A git command on ``git_dir`` that does not touch the network; its stdout, or
     WorkspaceError."""
     return _stdout(args[0], _git(["--git-dir", str(git_dir), *args], cwd=git_dir,
-                                 timeout=LOCAL_TIMEOUT_SECONDS))
+                                 timeout=LOCAL_TIMEOUT_SECONDS, hold=hold))

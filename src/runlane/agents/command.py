@@ -35,6 +35,7 @@ import structlog
 
 from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, Failure, StopReason
 from runlane.agents.resources import ResourceWatch
+from runlane.children import chained, die_with_parent
 from runlane.domain.reasons import Reason
 from runlane.sandbox import GroupState, Members, Sandbox
 from runlane.sandbox.environment import agent_environment as agent_environment
@@ -366,7 +367,11 @@ class CommandRunner:
         try:
             proc = subprocess.Popen(
                 spawn.argv, cwd=workspace, env=spawn.env, pass_fds=spawn.pass_fds,
-                preexec_fn=limits.resources.preexec(),  # the kernel's resource limits
+                # The kernel's resource limits; and SIGKILL when this thread dies, from
+                # before exec: bwrap's own --die-with-parent takes hold only once it
+                # runs, and a worker dead before that closed the block pipe (its EOF
+                # releases the command, unwatched and orphaned).
+                preexec_fn=chained(limits.resources.preexec(), die_with_parent()),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, close_fds=True)
         except (OSError, subprocess.SubprocessError) as exc:
@@ -380,9 +385,15 @@ class CommandRunner:
         pgid = proc.pid  # start_new_session: bwrap (or the shell) leads its own group
         members = spawn.members(proc)
         # A guard process ends the agent at its lease deadline if this worker cannot;
-        # the command runs once it is watched.
+        # the command runs once it is watched, and only if it may still start: a worker
+        # paused between the start and here (its deadline passed, the run maybe another
+        # worker's by now) never lets it run. What is held is killed, and the watch
+        # below finds the reason.
         control, guard_key = guard(members, control, self.term_grace_seconds)
-        spawn.release()
+        if not spawn.held or self._may_start(control):
+            spawn.release()
+        else:
+            members.signal(signal.SIGKILL)
         lines = _ControlLines(control, out)
         pump = _Pump(proc.stdout, proc.stderr, lines.stdout_line, out.line, out)
         pump.start()
@@ -408,7 +419,13 @@ class CommandRunner:
             # Also on an exception (or KeyboardInterrupt) here: nothing of the group survives.
             killed = self._end_group(proc, members, out, requested=stopped is not None,
                                      watch=watch)
-            forget(guard_key)
+            if forget(guard_key) and stopped is None:
+                # The guard ended it: its lease deadline passed while this worker did not
+                # act (paused). Whatever its exit status says, the lease is the cause.
+                stopped = StopReason.LEASE_LOST
+                out.note("the agent was ended by the worker's guard: its lease deadline "
+                         "passed")
+                log.warning("agent_ended_by_guard", pgid=pgid)
             if stopped is None:
                 # A kernel limit whose signal ended the agent command (SIGXFSZ, SIGXCPU).
                 limit = limits.resources.ended_by(proc.returncode)
@@ -430,6 +447,12 @@ class CommandRunner:
             progress=lines.progress,
             signal=-code if code is not None and code < 0 else None, killed=killed,
             duration_seconds=time.monotonic() - started, limit=limit)
+
+    @staticmethod
+    def _may_start(control: AttemptControl) -> bool:
+        """Whether a command held by its sandbox may be released now: nothing says stop
+        (its lease deadline has not passed, no cancel, no drain)."""
+        return control.stop_reason() is None
 
     def _watch(self, proc: subprocess.Popen[bytes], control: AttemptControl,
                deadline: float | None, watch: ResourceWatch | None) -> StopReason | None:

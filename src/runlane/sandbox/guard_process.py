@@ -19,6 +19,9 @@ monotonic clock (the same in every process of the machine)::
     extend KEY DEADLINE
     forget KEY
 
+On its stdout: ``ready`` once, then ``fired KEY`` when it ends an agent (before the
+first signal), so that the worker tells a lost lease from a failed agent.
+
 End of input (the worker exited or died): every agent still watched is killed at
 once, and the guard exits.
 """
@@ -74,8 +77,10 @@ def _signal(entry: Entry, sig: signal.Signals) -> None:
 
 def _say(event: str, key: str, **fields: object) -> None:
     at = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
-    print(json.dumps({"event": event, "level": "warning", "logger": "runlane.sandbox.guard",
-                      "key": key, **fields, "timestamp": at}), file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):  # a closed stderr must not stop the guard acting
+        print(json.dumps({"event": event, "level": "warning",
+                          "logger": "runlane.sandbox.guard", "key": key, **fields,
+                          "timestamp": at}), file=sys.stderr, flush=True)
 
 
 class Guard:
@@ -103,6 +108,10 @@ class Guard:
             if entry.terminated_at is None and now >= entry.deadline:
                 _say("sandbox_guard_stopping", key, reason="the lease deadline passed with no "
                      "word from the worker: SIGTERM to every process of the agent")
+                # Before the first signal: a worker that sees its agent gone finds this
+                # in the pipe and reports a lost lease, not a failed agent.
+                with contextlib.suppress(OSError):  # a worker gone: nobody to tell
+                    print(f"fired {key}", flush=True)
                 _signal(entry, signal.SIGTERM)
                 entry.terminated_at = now
             if entry.terminated_at is not None:

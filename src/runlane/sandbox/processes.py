@@ -154,13 +154,14 @@ class Namespace:
             os.close(self._info_fd)
             self._info_fd = None
 
-    def info(self) -> dict[str, int]:
+    def info(self, timeout: float = INFO_WAIT_SECONDS) -> dict[str, int]:
         """bwrap's JSON: ``child-pid`` (host pid of the namespace's PID 1) and
-        ``pid-namespace``; empty when bwrap exited before writing it."""
+        ``pid-namespace``; empty when bwrap exited before writing it, or did not write
+        it within ``timeout`` seconds."""
         if self._info is not None:
             return self._info
         data = b""
-        deadline = time.monotonic() + INFO_WAIT_SECONDS
+        deadline = time.monotonic() + timeout
         while self._info_fd is not None and time.monotonic() < deadline:
             ready, _, _ = select.select([self._info_fd], [], [], 0.05)
             if not ready:

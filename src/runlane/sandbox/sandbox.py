@@ -127,6 +127,12 @@ class Spawn:
                 os.close(fd)
         self._child_fds.clear()
 
+    @property
+    def held(self) -> bool:
+        """The command waits for :meth:`release` (bwrap's ``--block-fd``; never with
+        ``SANDBOX=off``, where it runs from the start)."""
+        return self._release_write is not None
+
     def release(self) -> None:
         """Let the command run: bwrap holds it (``--block-fd``) until told, so that the
         guard watches it before it runs a single instruction (a worker paused in between

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 
 import structlog
 
-from runlane.store.maintenance import WALL_CLOCK_MARGIN_SECONDS
+from runlane.store.maintenance import WALL_CLOCK_MARGIN_SECONDS, session_lost
 from runlane.store.maintenance_sql import FIRST_KEY
 from runlane.store.store import Store
 
@@ -89,6 +89,12 @@ class MaintenanceService:
             if any(counts.values()):
                 log.info("maintenance_pass", service=self.name, **counts)
         except Exception as exc:
+            if session_lost(exc):  # a restarted database, a terminated backend: no row's
+                first = (str(exc).splitlines() or [""])[0][:300]
+                log.warning("maintenance_pass_interrupted", service=self.name,
+                            error=f"{type(exc).__name__}: {first}",
+                            consequence="the next pass takes up the rest")
+                return
             log.error("maintenance_failed", service=self.name, error=str(exc))
 
     def run_forever(self, stop: threading.Event) -> None:

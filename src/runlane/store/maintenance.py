@@ -31,6 +31,13 @@ T = TypeVar("T")
 WALL_CLOCK_MARGIN_SECONDS = 1800.0
 
 
+def session_lost(exc: BaseException) -> bool:
+    """``exc`` says the database session itself went away (the server restarted, the
+    backend was terminated, the connection broke): SQLAlchemy invalidated the
+    connection. Never the fault of the row being worked on."""
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
+
+
 @dataclass(frozen=True)
 class ReapBatch:
     """One page of the reaper's walk over expired leases."""
@@ -60,14 +67,17 @@ class MaintenanceMixin:
         or None when it raised (rolled back; logged with the row's run and token). A
         row that cannot be processed (a status this runlane does not know, a value its
         statement cannot read, a bug) must not stop the rest of a pass. When the
-        database itself is gone (a ping fails too), that is not the row's doing: the
-        error is raised, it ends the pass, and the next pass tries again. (The error's
-        class cannot tell: SQLite reports malformed JSON in a row as an
-        OperationalError, as it does a locked file.)"""
+        database itself is gone (a ping fails too), or the row's session was (a
+        PostgreSQL restart, ``pg_terminate_backend``: SQLAlchemy saw the connection
+        drop, see :func:`session_lost`), that is not the row's doing: the error is
+        raised, it ends the pass, and the next pass tries again. (Without a dropped
+        connection the error's class cannot tell: SQLite reports malformed JSON in a
+        row as an OperationalError, as it does a locked file.)"""
         try:
             return self._transaction(work)
         except Exception as exc:
-            if isinstance(exc, DBAPIError) and not self._database_answers():
+            if session_lost(exc) or (isinstance(exc, DBAPIError)
+                                     and not self._database_answers()):
                 raise
             first = (str(exc).strip().splitlines() or [""])[0][:300]
             log.error("maintenance_row_failed", service=service, run_id=row.run_id,

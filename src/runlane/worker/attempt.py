@@ -82,9 +82,34 @@ class AttemptState:
     # output-reader thread, checked on the attempt's (hence the lock).
     _counts: CooperativeLimits | None = None
     _counting: threading.Lock = field(default_factory=threading.Lock)
+    # Told each new local deadline as the heartbeat sets it (the sandbox's guard, which
+    # ends the agent at it): see watch_deadline.
+    _deadline_watchers: list[Callable[[float], None]] = field(default_factory=list)
+    _watchers_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def extended(self, sent_at: float, ttl: float) -> None:
-        self.local_deadline = sent_at + ttl - min(ttl * 0.2, 5.0) - self.stop_grace
+        self.local_deadline = deadline = (sent_at + ttl - min(ttl * 0.2, 5.0)
+                                          - self.stop_grace)
+        with self._watchers_lock:
+            watchers = list(self._deadline_watchers)
+        for tell in watchers:  # on the heartbeat thread: at once, not at the next poll
+            try:
+                tell(deadline)
+            except Exception as exc:  # a watcher must never stop the heartbeat
+                log.error("deadline_watcher_failed", run_id=self.lease.run_id,
+                          error=f"{type(exc).__name__}: {exc}")
+
+    def watch_deadline(self, tell: Callable[[float], None]) -> Callable[[], None]:
+        """Call ``tell`` with every new local deadline (from the heartbeat thread); the
+        function returned stops it."""
+        with self._watchers_lock:
+            self._deadline_watchers.append(tell)
+
+        def unwatch() -> None:
+            with self._watchers_lock, contextlib.suppress(ValueError):
+                self._deadline_watchers.remove(tell)
+
+        return unwatch
 
     def stop_reason(self) -> StopReason | None:
         if not self.lost.is_set() and time.monotonic() >= self.local_deadline:
@@ -414,6 +439,15 @@ class AttemptDriver:
     def _stopped(self, state: AttemptState, reason: StopReason,
                  limit: str | None = None) -> str:
         if reason is StopReason.LEASE_LOST:
+            if not state.lost.is_set():
+                # Not this thread's own finding: the sandbox's guard ended the agent at
+                # the lease deadline while this worker could not (paused, then resumed,
+                # and its heartbeat may have extended the lease since). As the local
+                # deadline: stop, write nothing else, give a live lease back.
+                log.warning("agent_ended_at_lease_deadline", run_id=state.lease.run_id,
+                            attempt_no=state.lease.attempt_no)
+                state.deadline_fired = True
+                state.lost.set()
             if state.deadline_fired:
                 # Stopped on the local deadline, without word from the database: if the
                 # lease is in fact still live, give it back rather than leave the run to

@@ -272,7 +272,7 @@ class Worker:
                 wait = min(1.0, self.config.heartbeat_seconds)
                 continue
             wait = max(0.0, self.config.heartbeat_seconds - (time.monotonic() - sent_at))
-            for run_id in result.extended:
+            for run_id in result.extended:  # each also tells the sandbox's guard at once
                 states[run_id].extended(sent_at, self.config.lease_ttl_seconds)
             # An attempt may end its lease while the beat is on its way: not a loss.
             lost = sorted(r for r in result.lost if holds_lease(states[r].lease))
