@@ -250,6 +250,13 @@ def test_a_new_run_and_its_status_changes_appear_live(open_page: Any, served: Se
     _sign_in(page, served.tokens["acme"])
     page.locator("#live").wait_for(state="visible")  # the event stream is open
     page.evaluate("window.__same_document = true")
+    # A second reader of the same stream, with the same cookie: what the browser gets.
+    page.evaluate("""() => {
+        window.__events = [];
+        window.__stream = new EventSource('/v1/events');
+        window.__stream.onmessage = m => window.__events.push(JSON.parse(m.data));
+    }""")
+    page.wait_for_function("() => window.__stream.readyState === 1")
 
     other = served.submit("globex", "globex", "not for acme's eyes")
     mine = served.submit("acme", "acme", "shows up live")
@@ -259,6 +266,10 @@ def test_a_new_run_and_its_status_changes_appear_live(open_page: Any, served: Se
     assert page.evaluate("window.__same_document === true"), "no reload happened"
     assert other["run_id"] not in _shown_run_ids(page)
     assert "not for acme" not in page.content()
+    page.wait_for_function(
+        f"() => window.__events.some(e => e.run_id === {mine['run_id']!r})", timeout=2_000)
+    streamed = page.evaluate("window.__events")
+    assert {e["tenant"] for e in streamed} == {"acme"}, "the stream is the token's scope"
 
     served.lane.cancel(mine["task_id"])
     badge = page.locator(f"tr[data-run='{mine['run_id']}'] [data-field=status]")
