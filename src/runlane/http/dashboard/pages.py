@@ -169,7 +169,7 @@ def login_form(request: Request) -> Response:
 
 
 @router.post("/login")
-def login(request: Request, token: Annotated[str, Form(max_length=1000)] = "") -> Response:
+def login(request: Request, token: Annotated[str, Form()] = "") -> Response:
     """Check the token (``Runlane.authenticate``); on success the session cookie holds
     it (session.py says why). A failure says only that it failed."""
     try:
