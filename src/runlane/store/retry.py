@@ -13,6 +13,7 @@ cancel mark is cleared: the retry is the newer request.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -27,7 +28,7 @@ from runlane.domain.tasks import PayloadReport, TaskSpec
 from runlane.errors import Conflict, NotFound
 from runlane.models.runs import Submission
 from runlane.store import sql
-from runlane.store.scheduling import policy_needs_usage
+from runlane.store.scheduling import JOIN_AHEAD, policy_needs_usage
 from runlane.store.schema import runs
 from runlane.store.store import _RUN_COLUMNS, WAKEUP_CHANNEL, _SubmitBatch
 
@@ -47,6 +48,21 @@ WHERE r.task_id = :task_id
 ORDER BY r.created_at DESC, r.run_id DESC
 LIMIT 1
 """
+# The lane upsert of a submit (sql.LANE_UPSERT, SQLite's path) with typed parameters:
+# PostgreSQL cannot deduce one type for a parameter used as a column value and in a
+# comparison. The same text on SQLite (its CASTs are no-ops there).
+_TYPES = {"queue": "text", "route_key": "text", "tenant": "text", "tenant_scope": "text",
+          "priority": "integer", "queued": "integer", "weight": "double precision",
+          "vtime": "double precision"}
+
+
+def _typed(statement: str) -> str:
+    return re.sub(r":(" + "|".join(sorted(_TYPES, key=len, reverse=True)) + r")\b",
+                  lambda m: f"CAST(:{m.group(1)} AS {_TYPES[m.group(1)]})", statement)
+
+
+LANE_UPSERT = _typed(sql.LANE_UPSERT)
+LANE_VIRTUAL_TIME = _typed(sql.LANE_VIRTUAL_TIME)
 CLEAR_CANCEL = "UPDATE tasks SET cancel_requested_at = NULL WHERE task_id = :task_id"
 DEPENDENCIES = "SELECT depends_on FROM task_dependencies WHERE task_id = :task_id"
 
@@ -110,13 +126,18 @@ def _write_retry(store: Store, conn: Connection, task: Any, latest: Any,
     batch.items[-1]["task_id"] = task.task_id  # a new run of this task, not a new task
     [run] = batch.run_rows({task.task_id})
     status = batch.run_statuses[-1]
-    key = (run["queue"], run["route_key"], run["priority"], run["tenant"])
     conn.execute(store._q(sql.ROUTE_INSERT), {"route_key": run["route_key"], "now": now})
-    lane_ids = store._lane_ids(conn, {key: (int(status is S.QUEUED), run["weight"])})
+    head = conn.execute(store._q(LANE_VIRTUAL_TIME),
+                        {"queue": run["queue"], "priority": run["priority"]}).scalar()
+    lane_id = int(conn.execute(store._q(LANE_UPSERT), {
+        "queue": run["queue"], "route_key": run["route_key"], "priority": run["priority"],
+        "tenant": run["tenant"], "weight": run["weight"], "queued": int(status is S.QUEUED),
+        "vtime": 0.0 if head is None else float(head) - JOIN_AHEAD,
+        "tenant_scope": f"tenant:{run['tenant']}"}).one().lane_id)
     store._bulk_insert(conn, runs, [
         {column: run[column] for column in _RUN_COLUMNS}
         | {"attempt_count": 0, "fencing_token": 0, "cost_usd": 0.0, "created_at": now,
-           "updated_at": now, "lane_id": lane_ids[key], "retry_of_run_id": latest.run_id}])
+           "updated_at": now, "lane_id": lane_id, "retry_of_run_id": latest.run_id}])
     store._record(conn, [{
         "run_id": run["run_id"], "attempt_no": None, "at": now, "actor": actor,
         "from_status": None, "to_status": run["status"], "reason_code": run["reason_code"],
