@@ -53,7 +53,7 @@ def test_submit_show_list_cancel(cli: CLI) -> None:
                    "--priority", "high", "--idempotency-key", "k1")
     assert sub["status"] == "QUEUED" and sub["created"]
     again = cli.json("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p",
-                     "--idempotency-key", "k1")
+                     "--priority", "high", "--idempotency-key", "k1")
     assert (again["run_id"], again["created"]) == (sub["run_id"], False)
     [run] = cli.json("runs", "list")
     for field in ("run_id", "task_id", "tenant", "repo", "queue", "status", "priority",
