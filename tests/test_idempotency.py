@@ -81,7 +81,7 @@ def test_a_batch_with_one_conflicting_key_writes_none_of_its_rows(lane: Runlane,
         lane.submit_batch(rows)
     assert database_state(db_url) == before
     # A key repeated inside one batch with two requests: the same.
-    with pytest.raises(Conflict, match="'k3'.*earlier in this batch"):
+    with pytest.raises(Conflict, match=r"'k3'.*earlier in this batch"):
         lane.submit_batch([{"tenant": "acme", "repo": REPO, "prompt": "a",
                             "idempotency_key": "k3"},
                            {"tenant": "acme", "repo": REPO, "prompt": "b",
