@@ -88,8 +88,10 @@ def test_a_task_on_its_way_is_not_retried_and_nothing_changes(lane: Runlane, db_
         lane.cancel(first.task_id)
     assert lane.run(first.run_id).status == state
     before = database_state(db_url)
-    with pytest.raises(Conflict, match=f"is not finished: its run {first.run_id} is {state}"):
+    with pytest.raises(Conflict, match=f"is not finished: its run {first.run_id} is {state}"
+                       ) as refused:
         lane.retry(first.task_id)
+    assert refused.value.reason_code == "TASK_NOT_FINISHED"
     assert database_state(db_url) == before
     with pytest.raises(NotFound, match="no task"):
         lane.retry(new_id())

@@ -1,14 +1,15 @@
 """``runlane retry TASK_ID``: a new run of a finished task, linked to the run it follows.
 
 A task executes through one run at a time: a retry is refused while the task's newest
-run is on its way (``Conflict``), and two retries racing on the same run cannot both
-write: the task row is locked first (PostgreSQL ``FOR UPDATE``; SQLite's transaction
-holds the write lock from BEGIN IMMEDIATE), and ``uq_runs_retry_of`` admits one run
-per ``retry_of_run_id`` whatever happens. The new run is admitted under the policy in
-force, as a submit is (queued, denied or deferred with its reason), enters its lane as
-a submit's run does, and its first status is checked against the transition table.
-It waits for the task's dependencies again, as the first run did. A cancelled task's
-cancel mark is cleared: the retry is the newer request.
+run is on its way (``RetryRefused``, a ``Conflict``), and two retries racing on the
+same run cannot both write: the task row is locked first (PostgreSQL ``FOR UPDATE``;
+SQLite's transaction holds the write lock from BEGIN IMMEDIATE), and
+``uq_runs_retry_of`` admits one run per ``retry_of_run_id`` whatever happens. The new
+run is admitted under the policy in force, as a submit is (queued, denied or deferred
+with its reason), enters its lane as a submit's run does, and its first status is
+checked against the transition table. It waits for the task's dependencies again, as
+the first run did. A cancelled task's cancel mark is cleared: the retry is the newer
+request.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from runlane.domain.reasons import Reason
 from runlane.domain.routing import requirements_from_canonical
 from runlane.domain.states import TERMINAL, RunStatus
 from runlane.domain.tasks import PayloadReport, TaskSpec
-from runlane.errors import Conflict, NotFound
+from runlane.errors import NotFound, RetryRefused
 from runlane.models.runs import Submission
 from runlane.store import sql
 from runlane.store.scheduling import JOIN_AHEAD, policy_needs_usage
@@ -78,12 +79,12 @@ def retry_task(store: Store, task_id: str, *, tenant: str | None,
             raise NotFound(f"no task {task_id!r}")
         latest = conn.execute(store._q(LATEST_RUN), {"task_id": task_id}).first()
         if latest is None:
-            raise Conflict(f"task {task_id} has no run left to retry (retention deleted "
-                           "it); submit it again")
+            raise RetryRefused(f"task {task_id} has no run left to retry (retention "
+                               "deleted it); submit it again", "NO_RUN_TO_RETRY")
         if S(latest.status) not in TERMINAL:
-            raise Conflict(f"task {task_id} is not finished: its run {latest.run_id} is "
-                           f"{latest.status}; retry it once that run has ended (or cancel "
-                           "it first)")
+            raise RetryRefused(f"task {task_id} is not finished: its run {latest.run_id} "
+                               f"is {latest.status}; retry it once that run has ended (or "
+                               "cancel it first)", "TASK_NOT_FINISHED")
         return _write_retry(store, conn, task, latest, default_max_attempts, actor)
 
     try:
@@ -91,8 +92,8 @@ def retry_task(store: Store, task_id: str, *, tenant: str | None,
     except IntegrityError as exc:  # uq_runs_retry_of: another retry won the race
         if "uq_runs_retry_of" not in str(exc.orig) and "retry_of_run_id" not in str(exc.orig):
             raise
-        raise Conflict(f"task {task_id} was retried by another request at the same time"
-                       ) from None
+        raise RetryRefused(f"task {task_id} was retried by another request at the same "
+                           "time", "RETRY_RACE") from None
     log.info("retried", task_id=task_id, run_id=result.run_id,
              retry_of_run_id=result.retry_of_run_id, status=result.status)
     return result
