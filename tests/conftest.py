@@ -21,6 +21,7 @@ from sqlalchemy.engine import make_url
 
 from runlane.clock import ManualClock
 from runlane.domain.retry import RetryPolicy
+from runlane.logs import configure_logging
 from runlane.store import schema
 from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
@@ -29,6 +30,9 @@ from runlane.store.store import Store
 hypothesis_settings.register_profile("ci", max_examples=300, deadline=None)
 hypothesis_settings.register_profile("dev", max_examples=60, deadline=None)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+# The tests read runlane's INFO lines (structlog's capture_logs sees what the level
+# lets through): configured as an application would; a library import alone is quiet.
+configure_logging("INFO", json=False)
 
 ADMIN_URL = os.environ.get("RUNLANE_TEST_POSTGRES_URL",
                            "postgresql://postgres@127.0.0.1:5432/test")
