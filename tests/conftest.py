@@ -15,7 +15,6 @@ from pathlib import Path
 
 import psycopg
 import pytest
-import structlog
 from hypothesis import settings as hypothesis_settings
 from sqlalchemy.engine import make_url
 
@@ -30,9 +29,6 @@ from runlane.store.store import Store
 hypothesis_settings.register_profile("ci", max_examples=300, deadline=None)
 hypothesis_settings.register_profile("dev", max_examples=60, deadline=None)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
-# The tests read runlane's INFO lines (structlog's capture_logs sees what the level
-# lets through): configured as an application would; a library import alone is quiet.
-configure_logging("INFO", json=False)
 
 ADMIN_URL = os.environ.get("RUNLANE_TEST_POSTGRES_URL",
                            "postgresql://postgres@127.0.0.1:5432/test")
@@ -161,9 +157,8 @@ def store(db_url: str, clock: ManualClock) -> Iterator[Store]:
 
 
 @pytest.fixture(autouse=True)
-def unconfigured_logging() -> None:
-    """Each test starts with structlog as a program that never configured it: the facade
-    quiets it on first use (WARNING), which would otherwise hide a later test's INFO
-    events from ``structlog.testing.capture_logs``."""
-    structlog.reset_defaults()
-
+def info_logging() -> None:
+    """The tests read runlane's INFO lines (structlog's capture_logs sees what the level
+    lets through): each test starts configured as an application would, whatever an
+    earlier test in the process left (a library import alone is quiet: WARNING)."""
+    configure_logging("INFO", json=False)
