@@ -63,7 +63,8 @@ def old_document(run: dict[str, Any]) -> dict[str, Any]:
     document["limits"] = run["limits"]
     document["attempts"] = [_times({k: a[k] for k in ATTEMPT_FIELDS}) for a in run["attempts"]]
     document["late_cost_usd"] = sum((float(a["late_cost_usd"]) for a in run["attempts"]), 0.0)
-    document["events"] = [_times({k: v for k, v in e.items() if k != "run_id"})
+    # tx_id (migration 0021, the event stream's commit order) came after that document.
+    document["events"] = [_times({k: v for k, v in e.items() if k not in ("run_id", "tx_id")})
                           for e in run["events"]]
     return json.loads(json.dumps(document, default=str))
 

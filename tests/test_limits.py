@@ -80,7 +80,7 @@ def run_one(lane: Runlane, remote: Path, forge_dir: Path, agent: str | PythonAge
     thread.start()
     thread.join(timeout=120)
     assert not thread.is_alive()
-    run = lane.run(run_id)
+    run = lane.run(run_id).model_dump()
     run["elapsed"] = time.monotonic() - started
     return run
 
