@@ -51,4 +51,8 @@ def test_demo_summary_agrees_with_its_database(tmp_path: Path) -> None:
     assert len({p["run_id"] for p in prs}) == 10
     assert summary["duplicate_submits_ignored"] == 2
     assert lane.audit() == []
+    # It ends with the command that serves this database and a token that signs in.
+    dashboard = summary["dashboard"]
+    assert dashboard["command"].endswith(f"--database-url {summary['database']} serve")
+    assert lane.authenticate(dashboard["token"]).is_admin
     lane.close()

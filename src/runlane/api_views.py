@@ -230,7 +230,8 @@ class ViewsMixin:
 
     def _worker_views(self, principal: Principal, *, include_stopped: bool,
                       worker_id: str | None = None) -> list[WorkerView]:
-        now, rows, leases = views.workers(self.store)
+        now, rows, leases = views.workers(self.store, include_stopped=include_stopped,
+                                          worker_id=worker_id)
         held: dict[str, list[LeaseView]] = defaultdict(list)
         for lease in leases:
             if principal.sees(lease["tenant"]):
@@ -242,11 +243,7 @@ class ViewsMixin:
                     lease_expires_at=timestamp(lease["lease_expires_at"])))
         found = []
         for row in rows:
-            if worker_id is not None and row["worker_id"] != worker_id:
-                continue
             if principal.tenant is not None and not held.get(row["worker_id"]):
-                continue
-            if worker_id is None and not include_stopped and row["status"] == "STOPPED":
                 continue
             mine = held.get(row["worker_id"], [])
             found.append(WorkerView(

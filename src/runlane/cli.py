@@ -29,7 +29,6 @@ from runlane.domain.routing import (
     parse_requirements,
     requirements_to_mapping,
 )
-from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskInvalid, valid_name
 from runlane.errors import DatabaseUnavailable, RunlaneError
 from runlane.logs import configure_logging
@@ -278,58 +277,6 @@ def cancel(task_id: str, as_json: bool) -> None:
 
 
 # --- runs ---------------------------------------------------------------------------
-
-
-@runs_app.command("list")
-@click.option("--status", help="Only runs in this status.")
-@click.option("--tenant", help="Only runs of this tenant.")
-@click.option("--limit", type=click.IntRange(min=1, max=MAX_COUNT), default=1000,
-              show_default=True)
-@click.option("--unroutable", is_flag=True,
-              help="Only waiting runs that no live worker can serve (queue or capabilities).")
-@json_flag
-def runs_list(status: str | None, tenant: str | None, limit: int, unroutable: bool,
-              as_json: bool) -> None:
-    """List runs, oldest first: at most --limit of them (a line on stderr says when
-    more exist)."""
-    if tenant is not None and not valid_name(tenant):
-        raise TaskInvalid("--tenant", f"{tenant!r} is not a tenant name")
-    if status is not None:
-        status = status.upper()
-        if status not in RunStatus.__members__:
-            raise TaskInvalid("--status", f"unknown status; one of {', '.join(RunStatus)}")
-        if unroutable and status != RunStatus.QUEUED.value:
-            # Not ignored: `--unroutable --status SUCCEEDED` listed queued runs.
-            raise TaskInvalid("--status", "--unroutable lists QUEUED runs only")
-    # One more than asked for tells whether the limit cut the list.
-    fetch = min(limit + 1, MAX_COUNT)
-    with _lane() as lane:
-        if unroutable:
-            rows = lane.store.unroutable_runs(tenant=tenant, limit=fetch)
-        else:
-            rows = lane.runs(status=status, tenant=tenant, limit=fetch)
-    if len(rows) > limit:
-        rows = rows[:limit]
-        sys.stderr.write(f"runlane: only the oldest {limit} matching runs are listed "
-                         "(--limit); more exist: raise --limit or narrow with --status "
-                         "or --tenant\n")
-    documents = [run_document(r) | ({"unroutable_because": r["unroutable_because"]}
-                                     if unroutable else {}) for r in rows]
-    if as_json:
-        _print_json(documents)
-        return
-    # Whole run ids, whatever the terminal's width (`runs show RUN_ID` takes them from
-    # here): the other columns fold onto more lines instead, losing nothing either.
-    run_column = Column("run", no_wrap=True,
-                        min_width=max((len(r["run_id"]) for r in documents), default=3))
-    table = Table(run_column, *(Column(name, overflow="fold") for name in (
-        "tenant", "status", "prio", "attempts", "reason", "updated",
-        *(["why unroutable"] if unroutable else []))))
-    for r in documents:
-        table.add_row(r["run_id"], r["tenant"], r["status"], str(r["priority"]),
-                      f"{r['attempt_count']}/{r['max_attempts']}", r["reason_code"] or "",
-                      r["updated_at"], *([r["unroutable_because"]] if unroutable else []))
-    out.print(table)
 
 
 @runs_app.command("show")
@@ -730,6 +677,15 @@ def _register_more() -> None:
 
 
 _register_more()
+
+
+def _register_views() -> None:
+    from runlane.cli_views import register
+
+    register(app)
+
+
+_register_views()
 
 
 def run_command(command: click.Command, prog_name: str) -> None:

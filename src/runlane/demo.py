@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -235,6 +236,12 @@ def run_demo(directory: Path, console: Console | None = None, *, workers: int = 
     summary = _summary(lane, submissions, again, fleet, time.monotonic() - started,
                        killed, pool.restarts, url)
     summary["sandbox"] = sandbox.mode
+    # A token to look at the demo's runs in the dashboard: admin (both tenants), for a
+    # week; only its hash stays in the database.
+    token = lane.create_token(role="admin", name="demo",
+                              expires_at=datetime.now(UTC) + timedelta(days=7))
+    summary["dashboard"] = {"command": f".venv/bin/runlane --database-url {url} serve",
+                            "url": "http://127.0.0.1:8080/", "token": token.token}
     lane.close()
     if console:
         _print_summary(console, summary, url)
@@ -325,3 +332,10 @@ def _print_summary(console: Console, summary: dict[str, Any], url: str) -> None:
                   f"  .venv/bin/runlane --database-url {url} runs show {show}\n"
                   f"  .venv/bin/runlane --database-url {url} prs list\n"
                   f"  .venv/bin/runlane --database-url {url} audit", soft_wrap=True)
+    dashboard = summary["dashboard"]
+    console.print("\n[bold]see it in a browser:[/bold]", soft_wrap=True)
+    console.print(f"  {dashboard['command']}", soft_wrap=True, markup=False,
+                  highlight=False)
+    console.print(f"  then open {dashboard['url']} and sign in with this token (admin, "
+                  f"valid 7 days, shown once):\n  {dashboard['token']}", soft_wrap=True,
+                  markup=False, highlight=False)

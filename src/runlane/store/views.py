@@ -56,11 +56,17 @@ def _worker_row(row: Any) -> dict[str, Any]:
     return found
 
 
-def workers(store: Store) -> tuple[float, list[dict[str, Any]], list[dict[str, Any]]]:
-    """(the database's now, every worker, every live lease with its run's tenant)."""
+def workers(store: Store, *, include_stopped: bool = False, worker_id: str | None = None
+            ) -> tuple[float, list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the database's now, the workers not stopped (or every one, or the one named),
+    every live lease with its run's tenant)."""
+    if worker_id is not None:
+        statement, params = vsql.WORKER, {"worker_id": worker_id}
+    else:
+        statement, params = (vsql.WORKERS_ALL if include_stopped else vsql.WORKERS_LIVE), {}
     with store.reads.connect() as conn:
         now = float(conn.execute(store._q(vsql.NOW), {"now": store.clock.now()}).scalar_one())
-        found = [_worker_row(r) for r in conn.execute(store._q(vsql.WORKERS))]
+        found = [_worker_row(r) for r in conn.execute(store._q(statement), params)]
         leases = [dict(r._mapping) for r in conn.execute(store._q(vsql.ACTIVE_LEASES))]
     return now, found, leases
 

@@ -59,16 +59,18 @@ def runs_page_sql(filters: tuple[str, ...], *, newest_first: bool, cursor: bool)
 
 NOW = "SELECT {now} AS now"
 
-WORKERS = """
-SELECT worker_id, version, queues, capabilities, status, started_at, heartbeat_at,
-       drain_requested_at
-FROM workers
+WORKER_COLUMNS = """worker_id, version, queues, capabilities, status, started_at, heartbeat_at,
+       drain_requested_at"""
+# The registry keeps every worker that ever ran (STOPPED, DEAD): the live ones by default.
+WORKERS_LIVE = f"""
+SELECT {WORKER_COLUMNS} FROM workers WHERE status <> 'STOPPED'
 ORDER BY started_at DESC, worker_id
 """
-WORKER = """
-SELECT worker_id, version, queues, capabilities, status, started_at, heartbeat_at,
-       drain_requested_at
-FROM workers WHERE worker_id = :worker_id
+WORKERS_ALL = f"""
+SELECT {WORKER_COLUMNS} FROM workers ORDER BY started_at DESC, worker_id
+"""
+WORKER = f"""
+SELECT {WORKER_COLUMNS} FROM workers WHERE worker_id = :worker_id
 """
 # Every live lease, with its run's tenant: as many rows as attempts running now (the
 # partial index of active leases), whatever the size of ``runs``.
