@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-chaos lint bench bench-peers clean bwrap
+.PHONY: demo test test-chaos lint bench bench-peers clean bwrap chromium
 
 # Agent commands run in bubblewrap (docs/sandbox.md): installed when missing (as root,
 # with apt-get), else the fix is printed. `make demo` with RUNLANE_SANDBOX=off needs none.
@@ -16,6 +16,18 @@ bwrap:
 	    echo "error: bubblewrap (bwrap) is missing: sudo apt-get install -y bubblewrap" \
 	      "(or dnf install bubblewrap); or run agents without a sandbox:" \
 	      "RUNLANE_SANDBOX=off make demo" >&2; \
+	    exit 1; \
+	  fi; }
+
+# The dashboard's browser tests drive Debian's chromium (Playwright's own browser cannot
+# be downloaded here): installed when missing (as root, with apt-get), else the fix.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update && apt-get install -y chromium; \
+	  else \
+	    echo "error: chromium is missing (the dashboard's browser tests need it):" \
+	      "sudo apt-get install -y chromium" >&2; \
 	    exit 1; \
 	  fi; }
 
@@ -32,7 +44,7 @@ demo: $(STAMP) bwrap
 # (tests marked chaos: the short PostgreSQL profile, the SQLite profile, the planted
 # bugs and their control), one at a time after the main suite, so that nothing else
 # of the suite competes with their recovery-time figures (about 5 minutes).
-test: $(STAMP) bwrap
+test: $(STAMP) bwrap chromium
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest -n 2 --dist loadgroup -m "not chaos"

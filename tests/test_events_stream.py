@@ -198,3 +198,51 @@ def test_tx_ids_are_set_by_the_trigger_whatever_the_insert(pg_lane: Runlane,
     with psycopg.connect(libpq_url(pg_url), autocommit=True) as conn:
         tx_ids = {r[0] for r in conn.execute("SELECT tx_id FROM run_events")}
     assert len(tx_ids) == 1 and 0 not in tx_ids  # one transaction wrote all three
+
+
+def test_a_long_transaction_in_another_database_holds_nothing_back(
+        pg_lane: Runlane, pg_url: str) -> None:
+    """The horizon is this database's running transactions, not the server's: a
+    transaction that holds an id in the database next door (another application on the
+    same server) does not stop delivery."""
+    from .conftest import ADMIN_URL, _libpq
+
+    with psycopg.connect(_libpq(ADMIN_URL)) as elsewhere:
+        elsewhere.execute("SELECT pg_current_xact_id()")  # an id, held open
+        sub = pg_lane.submit("acme", REPO, "x")
+        got = wait_for(lambda: drain(pg_lane, None), "the event", timeout=5.0)
+        assert [e.run_id for e in got] == [sub.run_id]
+        elsewhere.rollback()
+
+
+def test_the_horizon_widens_32_bit_ids_across_an_epoch() -> None:
+    from runlane.store.events import widen
+
+    assert widen(5, 2**32 + 10) == 2**32 + 5
+    assert widen(2**32 - 3, 2**32 + 10) == 2**32 - 3  # the epoch before
+    assert widen(7, 2**32 - 2) == 2**32 + 7  # running, above xmax, the next epoch
+    assert widen(100, 200) == 100
+
+
+def test_a_tenants_next_cursor_moves_past_other_tenants_events(lane: Runlane) -> None:
+    """A quiet tenant's reader is not left behind every other tenant's events (each
+    look would scan them all again): a short page's ``next`` is past what it read."""
+    acme = Principal(Role.READ, "acme")
+    start = lane.events_page(principal=acme, after="0")
+    for i in range(5):
+        lane.submit("globex", REPO, f"g{i}")
+    last_globex = wait_for(lambda: (found := drain(lane, None)) and len(found) >= 5
+                           and found, "globex's events")[-1]
+    page = wait_for(lambda: (p := lane.events_page(principal=acme, after=start.next))
+                    and key_of(p.next) >= key(last_globex) and p, "acme's cursor to move")
+    assert page.items == []
+    mine = lane.submit("acme", REPO, "mine")
+    later = wait_for(lambda: lane.events_page(principal=acme, after=page.next).items,
+                     "acme's own event")
+    assert [e.run_id for e in later] == [mine.run_id]
+
+
+def key_of(cursor: str) -> tuple[int, int]:
+    parsed = parse_cursor(cursor)
+    assert parsed is not None
+    return parsed

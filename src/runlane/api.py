@@ -33,7 +33,7 @@ from runlane.errors import (
     SchemaOutdated,
     Unauthenticated,
 )
-from runlane.models.events import EventView
+from runlane.models.events import EventPage, EventView
 from runlane.models.runs import RunDetail, Submission, TaskDetail, run_detail, task_detail
 from runlane.models.tokens import CreatedToken, TokenInfo
 from runlane.sandbox import Sandbox, SandboxConfig
@@ -392,6 +392,13 @@ class Runlane(ViewsMixin):
         first), at most ``limit`` (1..10000), of the principal's tenant only (every
         tenant for an admin). Each event's ``cursor`` resumes after it, with nothing
         missed and nothing twice (store/events.py says how on PostgreSQL)."""
+        return self.events_page(principal=principal, after=after, limit=limit).items
+
+    @_on_the_database
+    def events_page(self, *, principal: Principal = OPERATOR, after: str | None = None,
+                    limit: int = 500) -> EventPage:
+        """``events`` with the cursor to go on from (``next``), which a tenant's reader
+        should prefer to its last event's: it is past other tenants' events read."""
         if isinstance(limit, bool) or not isinstance(limit, int) \
                 or not 1 <= limit <= MAX_EVENTS_PAGE:
             raise InvalidArgument(f"limit {limit!r} is not an integer in 1..{MAX_EVENTS_PAGE}")
@@ -402,10 +409,13 @@ class Runlane(ViewsMixin):
                 raise InvalidArgument(f"after {after!r} is not an event cursor "
                                       "(the id of an event of this stream)")
             position = parsed
-        rows = events_store.events_after(self.store.reads, position, tenant=principal.tenant,
-                                         limit=limit)
-        return [EventView.from_row(r, events_store.format_cursor((r["tx_id"], r["event_id"])))
-                for r in rows]
+        rows, end = events_store.events_after(self.store.reads, position,
+                                              tenant=principal.tenant, limit=limit)
+        return EventPage(
+            items=[EventView.from_row(r, events_store.format_cursor((r["tx_id"],
+                                                                     r["event_id"])))
+                   for r in rows],
+            next=events_store.format_cursor(end))
 
     @_on_the_database
     def events_tail(self) -> str:

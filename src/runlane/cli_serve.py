@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import click
 
+from runlane.errors import RunlaneError
+
 HOST = "127.0.0.1"
 PORT = 8080
+
+
+class ServeFailed(RunlaneError):
+    """The server could not start (its cause is logged just before)."""
 
 
 def host_port_options(fn: click.decorators.FC) -> click.decorators.FC:
@@ -30,4 +36,9 @@ def serve_command(host: str, port: int, keepalive_seconds: float) -> None:
         srv = server(lane, host, port, keepalive_seconds=keepalive_seconds)
         out.print(f"runlane serve: http://{host}:{port} (API /v1, docs /docs); Ctrl-C to "
                   "stop", soft_wrap=True, highlight=False)
-        srv.run()  # a port in use: uvicorn logs it and exits 1
+        try:
+            srv.run()
+        except SystemExit as exc:  # uvicorn's startup failure (a port in use): logged
+            if exc.code:
+                raise ServeFailed(f"cannot serve on {host}:{port} (see above)") from None
+            raise

@@ -1,5 +1,6 @@
-"""Who is asking: ``Authorization: Bearer <token>`` → ``Runlane.authenticate`` → a
-Principal, a dependency of every /v1 route. A missing, unknown, revoked or expired
+"""Who is asking: ``Authorization: Bearer <token>`` (or, on GET, the dashboard's
+session cookie) → ``Runlane.authenticate`` → a Principal, a dependency of every /v1
+route. A missing, unknown, revoked or expired
 token is a 401 problem with ``WWW-Authenticate: Bearer``; the facade compares in
 constant time and logs failures without the token."""
 
@@ -8,15 +9,12 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Request, Security
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPAuthorizationCredentials
 
 from runlane.api import Runlane
 from runlane.domain.access import Principal
-from runlane.errors import Forbidden, Unauthenticated
-
-# auto_error=False: a missing header is our own 401 problem, not FastAPI's 403.
-bearer = HTTPBearer(auto_error=False, description="A runlane token "
-                    "(`runlane tokens create --tenant T --role read|submit|admin`).")
+from runlane.errors import Forbidden
+from runlane.http.dashboard.session import bearer, request_principal
 
 
 def lane_of(request: Request) -> Runlane:
@@ -27,14 +25,11 @@ def lane_of(request: Request) -> Runlane:
 def principal(request: Request,
               credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)],
               ) -> Principal:
-    """The request's principal (a plain function: FastAPI runs it in the threadpool,
-    since authenticate reads the database)."""
-    if credentials is None or credentials.scheme.lower() != "bearer" \
-            or not credentials.credentials:
-        raise Unauthenticated("a bearer token is required (Authorization: Bearer <token>)")
-    who: Principal = lane_of(request).authenticate(  # type: ignore[attr-defined]
-        credentials.credentials)
-    return who
+    """The request's principal: the bearer token, or on GET and HEAD the dashboard's
+    session cookie, so that a signed-in browser's EventSource reads /v1/events (a
+    write always needs the header: no other site's form can write with the cookie).
+    One function with the dashboard's: ``runlane.http.dashboard.session``."""
+    return request_principal(request, credentials)
 
 
 def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:

@@ -29,7 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from runlane.api import Runlane
 from runlane.domain.access import Principal
 from runlane.errors import RunlaneError
-from runlane.models.events import EventView
+from runlane.models.events import EventPage, EventView
 from runlane.store.events import EVENTS_CHANNEL
 from runlane.store.wakeup import Listener
 
@@ -115,27 +115,33 @@ def sse(event: EventView) -> str:
     return f"id: {event.cursor}\ndata: {event.model_dump_json()}\n\n"
 
 
-async def event_stream(lane: Runlane, hub: EventHub, who: Principal, first: list[EventView],
-                       after: str, seen: int, *, keepalive_seconds: float
-                       ) -> AsyncIterator[str]:
-    """The text of one connection's stream, from ``first`` (a page read after ``after``
-    once the hub's count was ``seen``) on, until the client goes away (the server then
-    cancels this generator). The count is always taken before the read, so a wake-up
-    that comes while a page is read is never lost."""
+async def event_stream(lane: Runlane, hub: EventHub, who: Principal, first: EventPage,
+                       seen: int, *, keepalive_seconds: float) -> AsyncIterator[str]:
+    """The text of one connection's stream, from ``first`` (a page read once the hub's
+    count was ``seen``) on, until the client goes away (the server then cancels this
+    generator). The count is always taken before the read, so a wake-up that comes
+    while a page is read is never lost."""
     yield f"retry: {RETRY_MS}\n: connected\n\n"
-    cursor, page = after, first
+    loop = asyncio.get_running_loop()
+    page, last_write = first, loop.time()
     while True:
-        for event in page:
+        for event in page.items:
             yield sse(event)
-            cursor = event.cursor
-        if len(page) < PAGE and not await hub.wait(seen, keepalive_seconds):
-            page = []
-            yield ": keep-alive\n\n"
-            continue
+            last_write = loop.time()
+        cursor = page.next
+        if len(page.items) < PAGE:
+            # A comment when nothing was written for keepalive_seconds, however often
+            # the hub woke this stream for nothing.
+            if loop.time() - last_write >= keepalive_seconds:
+                yield ": keep-alive\n\n"
+                last_write = loop.time()
+            if not await hub.wait(seen, keepalive_seconds - (loop.time() - last_write)):
+                page = EventPage(items=[], next=cursor)
+                continue
         seen = hub.generation
         try:
-            page = await run_in_threadpool(lane.events, principal=who, after=cursor,
+            page = await run_in_threadpool(lane.events_page, principal=who, after=cursor,
                                            limit=PAGE)
         except RunlaneError as exc:  # e.g. the database restarting: look again later
             log.warning("events_read_failed", error=str(exc))
-            page = []
+            page = EventPage(items=[], next=cursor)

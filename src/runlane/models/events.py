@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from runlane.errors import redact_credentials
+from runlane.models.runs import Timestamp
 
 
 class EventView(BaseModel):
@@ -23,7 +24,7 @@ class EventView(BaseModel):
     task_id: str
     tenant: str
     attempt_no: int | None = None
-    at: datetime
+    at: Timestamp
     actor: str
     from_status: str | None = None
     to_status: str
@@ -41,3 +42,11 @@ class EventView(BaseModel):
             from_status=row.get("from_status"), to_status=row["to_status"],
             reason_code=row.get("reason_code"), fencing_token=row.get("fencing_token"),
             message=redact_credentials(message) if message else message)
+
+
+class EventPage(BaseModel):
+    """A page of the stream: ``next`` is the cursor to pass as ``after`` for the next
+    one (past what this read could see, so it may be past the last item)."""
+
+    items: list[EventView]
+    next: str

@@ -18,4 +18,4 @@ def returns(method: str) -> Any:
     function = getattr(Runlane, method, None)
     if function is None:
         return Any
-    return typing.get_type_hints(function)["return"]
+    return typing.get_type_hints(function).get("return", Any)

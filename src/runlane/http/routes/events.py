@@ -7,22 +7,16 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from runlane.http.auth import Lane, Who
 from runlane.http.stream import PAGE, EventHub, event_stream
-from runlane.models.events import EventView
+from runlane.models.events import EventPage
 
 router = APIRouter(tags=["events"])
 
 AFTER = ("Resume after this cursor (an event's `id`/`cursor`); `0` replays from the "
          "first event kept. Without it (and without Last-Event-ID) the stream starts now.")
-
-
-class EventPage(BaseModel):
-    items: list[EventView]
-    next: str = "0"  # the cursor to pass as `after` for the next page
 
 
 @router.get("/events", response_class=StreamingResponse, responses={
@@ -40,9 +34,9 @@ async def events(request: Request, lane: Lane, who: Who,
     if start is None:
         start = await run_in_threadpool(lane.events_tail)
     seen = hub.generation
-    first = await run_in_threadpool(lane.events, principal=who, after=start, limit=PAGE)
+    first = await run_in_threadpool(lane.events_page, principal=who, after=start, limit=PAGE)
     return StreamingResponse(
-        event_stream(lane, hub, who, first, start, seen,
+        event_stream(lane, hub, who, first, seen,
                      keepalive_seconds=request.app.state.keepalive_seconds),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -52,6 +46,6 @@ async def events(request: Request, lane: Lane, who: Who,
 def events_page(lane: Lane, who: Who,
                 after: Annotated[str, Query(max_length=64, description=AFTER)] = "0",
                 limit: Annotated[int, Query(ge=1, le=PAGE)] = 100) -> EventPage:
-    """At most `limit` transitions after `after`, in the stream's order."""
-    items = lane.events(principal=who, after=after, limit=limit)
-    return EventPage(items=items, next=items[-1].cursor if items else after)
+    """At most `limit` transitions after `after`, in the stream's order; pass `next`
+    as `after` for the next page."""
+    return lane.events_page(principal=who, after=after, limit=limit)

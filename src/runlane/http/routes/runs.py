@@ -24,7 +24,7 @@ def runs(lane: Lane, who: Who, status: Name = None, tenant: Name = None, queue: 
                                              description="`next` of the page before.")] = None,
          limit: Annotated[int, Query(ge=1, le=500)] = 50,
          newest_first: bool = True) -> Any:
-    return lane.runs_page(  # type: ignore[attr-defined]
+    return lane.runs_page(
         principal=who, status=status, tenant=tenant, queue=queue, repo=repo,
         created_after=created_after, created_before=created_before, cursor=cursor,
         limit=limit, newest_first=newest_first)
@@ -32,4 +32,4 @@ def runs(lane: Lane, who: Who, status: Name = None, tenant: Name = None, queue: 
 
 @router.get("/runs/{run_id}", response_model=returns("run"))
 def run(run_id: Annotated[str, Path(max_length=64)], lane: Lane, who: Who) -> Any:
-    return lane.run(run_id, principal=who)  # type: ignore[call-arg]
+    return lane.run(run_id, principal=who)

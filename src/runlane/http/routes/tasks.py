@@ -55,26 +55,26 @@ def submit(body: TaskRequest, lane: Lane, who: Who, response: Response) -> Any:
     return result
 
 
-@router.post("/tasks/batch", status_code=201, response_model=list[returns("submit")])  # type: ignore[misc]
+@router.post("/tasks/batch", status_code=201, response_model=returns("submit_batch"))
 def submit_batch(lane: Lane, who: Who,
                  body: Annotated[list[TaskRequest], Body(max_length=MAX_BATCH)]) -> Any:
     """All or nothing: every task is validated before anything is written."""
-    return lane.submit_batch([t.fields(who.tenant) for t in body],  # type: ignore[call-arg]
+    return lane.submit_batch([t.fields(who.tenant) for t in body],
                              principal=who)
 
 
 @router.get("/tasks/{task_id}", response_model=returns("task"))
 def task(task_id: TaskId, lane: Lane, who: Who) -> Any:
     """The task with its runs, parent and children."""
-    return lane.task(task_id, principal=who)  # type: ignore[attr-defined]
+    return lane.task(task_id, principal=who)
 
 
 @router.post("/tasks/{task_id}/cancel", response_model=returns("cancel"))
 def cancel(task_id: TaskId, lane: Lane, who: Who) -> Any:
-    return lane.cancel(task_id, principal=who)  # type: ignore[call-arg]
+    return lane.cancel(task_id, principal=who)
 
 
 @router.post("/tasks/{task_id}/retry", status_code=201, response_model=returns("retry"))
 def retry(task_id: TaskId, lane: Lane, who: Who) -> Any:
     """A new run of a finished task, linked to it."""
-    return lane.retry(task_id, principal=who)  # type: ignore[attr-defined]
+    return lane.retry(task_id, principal=who)
