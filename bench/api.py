@@ -84,6 +84,7 @@ from runlane.domain.access import Principal
 from runlane.domain.tasks import parse_task
 from runlane.logs import configure_logging
 from runlane.settings import Settings
+from runlane.store import events as events_store
 from scheduler import _nodes, _reads, _trim, lscpu
 
 START, END = "<!-- api-speed:start -->", "<!-- api-speed:end -->"
@@ -757,7 +758,7 @@ class Sse:
     last: list[float]  # per transition: until the last client had it
     notify: list[float]  # per transition: commit to the bare LISTEN's notification
     missing: int  # deliveries that never came
-    held: int  # transitions committed while an older transaction ran in the cluster
+    held: int  # transitions committed while an older transaction of the database ran
     clear: list[float]  # the deliveries of the other transitions
     server_cpu_ms: float  # per transition, server process
     idle_cpu_ms: float  # per second with the streams open and nothing happening
@@ -765,8 +766,10 @@ class Sse:
 
 
 SSE_STAGES = (
-    ("`Runlane.events` (each stream reads its page after each wake-up)", "Runlane.events"),
-    ("of which the statement (`events_after`)", "events_after"),
+    ("`Runlane.events_page` (each stream reads its page after each wake-up)",
+     "Runlane.events_page"),
+    ("of which `store.events.events_after` (its statements)", "events_after"),
+    ("of which the horizon (`events_horizon`, a statement of its own)", "horizon"),
     ("of which the `EventView` models", "EventView.from_row"),
     ("of which waiting for one of the pool's connections (SQLAlchemy, 4 + 4 overflow "
      "per engine on 2 CPUs)", "QueuePool._do_get"),
@@ -777,15 +780,15 @@ SSE_STAGES = (
 )
 
 
-Commit = tuple[tuple[str, str], float, int]  # (run_id, to_status), when, cluster's xmin
+Commit = tuple[tuple[str, str], float, int]  # (run_id, to_status), when, horizon
 
 
-def transitions(lane: Runlane, pipe: Any, n: int, probe: psycopg.Connection[Any] | None = None
+def transitions(lane: Runlane, pipe: Any, n: int, probe: bool = False
                 ) -> tuple[list[Commit], list[float], int]:
     """``n`` transitions, one at a time (a submit, the cancel of that task, ...): the key
-    and commit time of each, with the oldest transaction id still running in the cluster
-    right after it (``probe``: the xmin the stream's read compares with); the time
-    until every stream had it; and how many no stream set had within 10 s."""
+    and commit time of each, with (``probe``) the stream's delivery horizon read right
+    after it (store/events.py: rows of transactions below it may be delivered); the
+    time until every stream had it; and how many no stream set had within 10 s."""
     commits: list[Commit] = []
     last: list[float] = []
     missing, task_id = 0, None
@@ -799,9 +802,11 @@ def transitions(lane: Runlane, pipe: Any, n: int, probe: psycopg.Connection[Any]
             committed = time.monotonic()
             (run_id, status), = cancelled.runs.items()
             key, task_id = (run_id, status), None
-        xmin = -1 if probe is None else int(cast(tuple[Any], probe.execute(
-            "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint").fetchone())[0])
-        commits.append((key, committed, xmin))
+        below = -1
+        if probe:
+            with lane.store.reads.connect() as conn:
+                below = events_store.horizon(conn)
+        commits.append((key, committed, below))
         if pipe.poll(10):
             message = pipe.recv()
             if message != ("got", key):
@@ -836,8 +841,7 @@ def bench_sse(server: Server, lane: Runlane, clients: int, n: int, profile: bool
     idle_cpu_ms = (server.cpu() - idle_cpu) / (time.monotonic() - idle_started) * 1000
     transitions(lane, mine, 2)  # unmeasured
     cpu_before = server.cpu()
-    with psycopg.connect(libpq(server.url), autocommit=True) as probe:
-        commits, last, _ = transitions(lane, mine, n, probe)
+    commits, last, _ = transitions(lane, mine, n, probe=True)
     server_cpu_ms = (server.cpu() - cpu_before) / n * 1000
     progress(f"sse: {n} transitions")
     with spied(server, f"on {n // 2} transitions to {clients} streams (untimed)",
@@ -851,12 +855,12 @@ def bench_sse(server: Server, lane: Runlane, clients: int, n: int, profile: bool
     at = {key: committed for key, committed, _ in commits}
     latencies = [t - at[(run, status)] for _, run, status, _, t in deliveries
                  if (run, status) in at]
-    # A transition is held back when a transaction older than it still ran in the
-    # cluster (any database of the server) right after its commit: the stream's read
-    # delivers only rows of transactions older than every running one (store/events.py).
+    # A transition is held back when the delivery horizon right after its commit was
+    # not above its transaction: an older transaction of this database still ran, and
+    # the stream's read delivers only rows below the horizon (store/events.py).
     tx = {(run, status): int(cursor.partition("-")[0]) if "-" in cursor else 0
           for _, run, status, cursor, _ in deliveries}
-    held = {key for key, _, xmin in commits if key in tx and 0 <= xmin <= tx[key]}
+    held = {key for key, _, below in commits if key in tx and 0 <= below <= tx[key]}
     clear = [t - at[(run, status)] for _, run, status, _, t in deliveries
              if (run, status) in at and (run, status) not in held]
     # The bare LISTEN's notification of each measured commit: the first one after it.
@@ -1029,19 +1033,18 @@ def render(command: str, started: datetime, wall: float, env: list[tuple[str, st
                   "both processes); the client process's own handling of the streams is in "
                   "it. Floor: a bare `LISTEN runlane_events` connection in the client "
                   "process (commit to notification). Held back: on PostgreSQL a stream "
-                  "delivers only rows of transactions older than every transaction still "
-                  "running on the server, in any of its databases (store/events.py; the "
-                  "server here is shared with other work), so a transition committed while "
-                  "an older one runs waits for it to end and then for the stream's next "
-                  "look (notification, or every 0.5 s); this process reads "
-                  "`pg_snapshot_xmin(pg_current_snapshot())` right after each commit to "
-                  "tell them apart.", "",
+                  "delivers only rows of transactions below its horizon, the oldest "
+                  "transaction still running in the database (store/events.py), so a "
+                  "transition committed while an older one runs waits for it to end and "
+                  "then for the stream's next look (a notification, or every 0.5 s); this "
+                  "process reads the horizon (`store.events.horizon`) right after each "
+                  "commit to tell them apart.", "",
                   table(["", "p50 ms", "p90 ms", "p99 ms", "max ms", "samples"],
                         [r for x in sses for r in rows(x)], "lrrrrr"), ""]
         for x in sses:
             lines += [f"{x.clients} streams: transitions held back {x.held} of {x.transitions} "
                       "(a transaction older than the transition's was still running in the "
-                      "cluster, in any database of the server, right after its commit); "
+                      "database right after its commit); "
                       f"deliveries missing {x.missing}; server process "
                       f"CPU per transition {x.server_cpu_ms:.0f} ms; with the streams open "
                       f"and nothing happening, {x.idle_cpu_ms:.0f} ms per second.", ""]
