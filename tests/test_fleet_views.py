@@ -128,7 +128,7 @@ def test_draining_is_the_operators_and_the_worker_reads_it_at_its_heartbeat(
     register(store, "host/1/w1", ["default"])
     register(store, "host/2/w2", ["default"])
     for principal in (ACME, BETA, ACME_ADMIN, Principal(role=Role.SUBMIT)):
-        with pytest.raises(Forbidden, match="operator's"):
+        with pytest.raises(Forbidden, match="only an admin may drain"):
             lane.drain_worker("host/1/w1", principal=principal)
         with pytest.raises(Forbidden):  # the same answer for an id that does not exist
             lane.drain_worker("nope", principal=principal)

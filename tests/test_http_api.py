@@ -64,6 +64,9 @@ def assert_problem(response: httpx.Response, status: int, reason: str | None = N
         assert body["reason_code"] == reason, body
 
 
+POLICY = "[tenants.acme]\nweight = 2\n"
+
+
 def body_for(method: str, path: str) -> Any:
     if path == "/v1/tasks":
         return {"tenant": "acme", "repo": REPO, "prompt": "p"}
@@ -71,6 +74,8 @@ def body_for(method: str, path: str) -> Any:
         return [{"tenant": "acme", "repo": REPO, "prompt": "p"}]
     if path == "/v1/tokens":
         return {"role": "read", "tenant": "acme"}
+    if path == "/v1/policy":
+        return {"policy": POLICY}
     return None
 
 
@@ -123,7 +128,6 @@ def test_every_v1_route_refuses_a_request_without_a_token(served: Served) -> Non
 
 def test_every_v1_route_refuses_an_unknown_revoked_or_expired_token(served: Served) -> None:
     db = served.database_url
-    make_token(db, "admin")  # (skips until tokens exist)
     with Runlane(db) as lane:
         revoked = lane.create_token(role="admin", name="to-revoke")
         lane.revoke_token(revoked.info.token_id)
@@ -192,6 +196,29 @@ def test_a_read_token_writes_nothing_anywhere(served: Served) -> None:
             assert_problem(response, 403, "FORBIDDEN")
         assert client.get(f"/v1/runs/{mine.run_id}").status_code == 200  # reads work
     assert snapshot(db) == before
+
+
+def test_only_an_admin_of_every_tenant_applies_a_policy(served: Served) -> None:
+    db = served.database_url
+    before = snapshot(db)
+    for token in (make_token(db, "read", "acme"), make_token(db, "submit", "acme")):
+        with served.client(token) as client:
+            assert_problem(client.post("/v1/policy", json={"policy": POLICY}), 403,
+                           "FORBIDDEN")
+            assert_problem(client.get("/v1/audit"), 403, "FORBIDDEN")
+    assert snapshot(db) == before
+    with served.client(make_token(db, "admin")) as client:
+        bad = client.post("/v1/policy", json={"policy": "[tenants.acme]\nweight = -1\n"})
+        assert_problem(bad, 422, "POLICY_INVALID")
+        assert "weight" in bad.json()["detail"]
+        applied = client.post("/v1/policy", json={"policy": POLICY, "source": "ci.toml"})
+        assert applied.status_code == 200 and applied.json()["created"], applied.text
+        again = client.post("/v1/policy", json={"policy": POLICY}).json()
+        assert (again["version"], again["created"]) == (applied.json()["version"], False)
+        shown = client.get("/v1/policy").json()
+        assert (shown["version"], shown["source"]) == (applied.json()["version"], "ci.toml")
+    with Runlane(db) as lane:  # the CLI's path: the same facade call
+        assert lane.policy().version == applied.json()["version"]
 
 
 # --- submit -------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from runlane.api_views import ViewsMixin
 from runlane.clock import Clock
 from runlane.codehost.base import CodeHost
 from runlane.domain import tokens as secrets_
-from runlane.domain.access import OPERATOR, Principal, Role
-from runlane.domain.policy import MAX_COUNT
+from runlane.domain.access import OPERATOR, Principal, Role, require_operator
+from runlane.domain.policy import MAX_COUNT, parse_policy
 from runlane.domain.routing import parse_requirements, requirements_to_mapping
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskInvalid, TaskSpec, parse_task, valid_name
@@ -34,6 +34,7 @@ from runlane.errors import (
     Unauthenticated,
 )
 from runlane.models.events import EventPage, EventView
+from runlane.models.fleet import PolicyApplied
 from runlane.models.runs import RunDetail, Submission, TaskDetail, run_detail, task_detail
 from runlane.models.tokens import CreatedToken, TokenInfo
 from runlane.sandbox import Sandbox, SandboxConfig
@@ -288,7 +289,7 @@ class Runlane(ViewsMixin):
         """A new token; ``.token`` is its secret, returned this once (only its hash is
         stored). ``read`` and ``submit`` tokens are a tenant's; ``admin`` is every
         tenant's and takes none."""
-        _admin_only(principal, "create tokens")
+        require_operator(principal, "create tokens")
         try:
             role = secrets_.parse_role(role)
         except ValueError as exc:
@@ -324,7 +325,7 @@ class Runlane(ViewsMixin):
     @_on_the_database
     def tokens(self, *, principal: Principal = OPERATOR) -> list[TokenInfo]:
         """Every token, oldest first, with its state (never a secret)."""
-        _admin_only(principal, "list tokens")
+        require_operator(principal, "list tokens")
         rows, now = tokens.list_tokens(self.store)
         return [_token_info(r, now) for r in rows]
 
@@ -332,7 +333,7 @@ class Runlane(ViewsMixin):
     def revoke_token(self, token_id: str, *, principal: Principal = OPERATOR) -> TokenInfo:
         """Revoke a token at once (its next request is refused); revoking again keeps
         the first time."""
-        _admin_only(principal, "revoke tokens")
+        require_operator(principal, "revoke tokens")
         if not _is_text(token_id):
             raise NotFound(f"no token {token_id!r}")
         row = tokens.revoke_token_row(self.store, token_id)
@@ -367,11 +368,13 @@ class Runlane(ViewsMixin):
 
     @_on_the_database
     def audit(self, *, remote_checks: bool = False, limit: int = 1000,
-              code_host_for: Callable[[str], CodeHost] | None = None) -> list[Violation]:
+              code_host_for: Callable[[str], CodeHost] | None = None,
+              principal: Principal = OPERATOR) -> list[Violation]:
         """The invariants on the database; with ``remote_checks``, also the code host's
         side of pull-request evidence for at most ``limit`` runs that ended without
         success with a push or a pull request in their ledger
-        (``services/evidence_audit.py``)."""
+        (``services/evidence_audit.py``). The operator's only."""
+        require_operator(principal, "run the audit")
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_COUNT:
             raise InvalidArgument(f"limit {limit!r} is not an integer in 1..{MAX_COUNT}")
         found = self.store.audit()
@@ -382,6 +385,19 @@ class Runlane(ViewsMixin):
             found.extend(remote_audit(self.store, code_host_for or default_code_host_for,
                                       limit=limit).violations)
         return found
+
+    @_on_the_database
+    def apply_policy(self, text: str, *, source: str = "<api>",
+                     principal: Principal = OPERATOR) -> PolicyApplied:
+        """Validate the policy ``text`` (TOML) and store it as a new numbered version,
+        none if it is unchanged. The operator's only; a bad policy raises PolicyInvalid
+        naming the field and the problem, and nothing is stored."""
+        require_operator(principal, "apply a policy")
+        if not _is_text(text):
+            raise InvalidArgument("the policy must be TOML text")
+        applied = self.store.apply_policy(parse_policy(text, source), source=source)
+        return PolicyApplied(version=applied.version, digest=applied.digest,
+                             created=applied.created)
 
     # --- the event stream --------------------------------------------------------------
 
@@ -539,11 +555,6 @@ def _own_tenant(principal: Principal, tenant: Any) -> None:
     if principal.tenant is not None and tenant != principal.tenant:
         raise Forbidden(f"this token is tenant {principal.tenant!r}'s: it may not write "
                         f"for tenant {tenant!r}")
-
-
-def _admin_only(principal: Principal, what: str) -> None:
-    if not principal.is_admin or principal.tenant is not None:
-        raise Forbidden(f"only an admin may {what}")
 
 
 def _token_info(row: dict[str, Any], now: float) -> TokenInfo:

@@ -31,12 +31,12 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from runlane.domain.access import OPERATOR, Principal
+from runlane.domain.access import OPERATOR, Principal, require_operator
 from runlane.domain.policy import Policy
 from runlane.domain.repos import canonical_repo
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import valid_name
-from runlane.errors import Forbidden, NotFound, RunlaneError
+from runlane.errors import NotFound, RunlaneError
 from runlane.models.fleet import (
     LeaseView,
     LimitView,
@@ -161,11 +161,6 @@ def _scoped_out(principal: Principal, tenant: str | None) -> bool:
     return tenant is not None and not principal.sees(tenant)
 
 
-def _operator_only(principal: Principal, what: str) -> None:
-    if not principal.is_admin or principal.tenant is not None:
-        raise Forbidden(f"{what} is the operator's: it needs an admin token of no tenant")
-
-
 def _age(now: float, at: float | None) -> float | None:
     return None if at is None else max(0.0, now - float(at))
 
@@ -261,7 +256,7 @@ class ViewsMixin:
         """Ask a worker to drain: it sees the request at its next heartbeat and drains
         as on SIGTERM (no new claims; its runs finish within the grace period, else
         their leases are given back for retry). Repeating it changes nothing."""
-        _operator_only(principal, "draining a worker")
+        require_operator(principal, "drain a worker")
         if not (isinstance(worker_id, str) and worker_id and "\x00" not in worker_id):
             raise NotFound(f"no worker {worker_id!r}")
         views.request_drain(self.store, worker_id)

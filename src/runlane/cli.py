@@ -22,7 +22,7 @@ from sqlalchemy.exc import DBAPIError
 
 from runlane.api import MAX_CONCURRENCY, Runlane, shown_url
 from runlane.cli_serve import host_port_options
-from runlane.domain.policy import MAX_COUNT, PolicyInvalid, load_policy
+from runlane.domain.policy import MAX_COUNT, PolicyInvalid, read_policy_text
 from runlane.domain.routing import (
     canonical_capabilities,
     parse_capabilities,
@@ -335,11 +335,11 @@ def policy_app() -> None:
 @json_flag
 def policy_apply(file: Path, as_json: bool) -> None:
     """Validate FILE and store it as a new numbered version (none if unchanged)."""
-    policy = load_policy(file)  # PolicyInvalid names the file, the field and the problem
     # The file's name as a label: one that is not UTF-8 cannot be stored as it is.
     source = os.fsencode(file).decode("utf-8", errors="replace")
+    text = read_policy_text(file)  # PolicyInvalid names the file and the problem
     with _lane() as lane:
-        applied = lane.store.apply_policy(policy, source=source)
+        applied = lane.apply_policy(text, source=source)
     if as_json:
         _print_json({"version": applied.version, "digest": applied.digest,
                      "created": applied.created})

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from runlane.errors import Forbidden
+
 
 class Role(StrEnum):
     """``read`` never writes; ``submit`` submits, cancels and retries its tenant's tasks;
@@ -42,3 +44,10 @@ class Principal:
 # The CLI and the Python facade called without a principal: the database's own
 # credentials, so every tenant and every operation.
 OPERATOR = Principal(role=Role.ADMIN, tenant=None, token_id=None)
+
+
+def require_operator(principal: Principal, what: str) -> None:
+    """Refuse (Forbidden) unless ``principal`` is the operator: an admin of every tenant
+    (tokens, policy apply, audit, draining workers)."""
+    if not principal.is_admin or principal.tenant is not None:
+        raise Forbidden(f"only an admin may {what}")

@@ -504,15 +504,19 @@ def parse_policy(text: str, source: str = "<string>") -> Policy:
     return policy_from_document(data, source)
 
 
-def load_policy(path: str | Path) -> Policy:
+def read_policy_text(path: str | Path) -> str:
+    """The text of a policy file; PolicyInvalid when it cannot be read as UTF-8."""
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise PolicyInvalid(source, "(file)", f"cannot read: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise PolicyInvalid(source, "(file)", "is not UTF-8 text") from None
-    return parse_policy(text, source)
+
+
+def load_policy(path: str | Path) -> Policy:
+    return parse_policy(read_policy_text(path), str(path))
 
 
 def policy_document(policy: Policy) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from fastapi.security import HTTPAuthorizationCredentials
 
 from runlane.api import Runlane
 from runlane.domain.access import Principal
-from runlane.errors import Forbidden
 from runlane.http.dashboard.session import bearer, request_principal
 
 
@@ -32,13 +31,5 @@ def principal(request: Request,
     return request_principal(request, credentials)
 
 
-def admin(who: Annotated[Principal, Depends(principal)]) -> Principal:
-    """The principal of an operator-only route (audit): an admin token."""
-    if not who.is_admin:
-        raise Forbidden("this needs an admin token")
-    return who
-
-
 Lane = Annotated[Runlane, Depends(lane_of)]
 Who = Annotated[Principal, Depends(principal)]
-Admin = Annotated[Principal, Depends(admin)]

@@ -113,6 +113,14 @@ class PolicyView(_View):
     tenant_limits: TenantLimits | None = None
 
 
+class PolicyApplied(_View):
+    """What ``policy apply`` did: the version in force and whether it is new."""
+
+    version: int
+    digest: str
+    created: bool = Field(description="False: the policy was unchanged, no new version.")
+
+
 class PolicyVersionView(_View):
     """One stored version of the policy (content: ``runlane policy show``)."""
 

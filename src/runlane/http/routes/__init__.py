@@ -12,10 +12,5 @@ from runlane.api import Runlane
 
 def returns(method: str) -> Any:
     """The return type of ``Runlane.<method>``: a route's response model is whatever the
-    facade returns (a pydantic model of runlane.models), never a second definition.
-    ``Any`` while the method is missing (a facade method of another branch, not merged
-    yet: its route answers 500 until it is)."""
-    function = getattr(Runlane, method, None)
-    if function is None:
-        return Any
-    return typing.get_type_hints(function).get("return", Any)
+    facade returns (a pydantic model of runlane.models), never a second definition."""
+    return typing.get_type_hints(getattr(Runlane, method))["return"]

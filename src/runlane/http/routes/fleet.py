@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
+from pydantic import BaseModel, ConfigDict, Field
 
 from runlane.http.auth import Lane, Who
 from runlane.http.routes import returns
@@ -47,3 +48,20 @@ def policy(lane: Lane, who: Who) -> Any:
 @router.get("/policy/versions", tags=["policy"], response_model=returns("policy_versions"))
 def policy_versions(lane: Lane, who: Who) -> Any:
     return lane.policy_versions(principal=who)
+
+
+class PolicyText(BaseModel):
+    """A policy to apply: its TOML text, as `runlane policy apply FILE` reads it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = Field(max_length=1_000_000, description="The policy, in TOML.")
+    source: str = Field("<api>", max_length=255,
+                        description="A label stored with the version (a file name).")
+
+
+@router.post("/policy", tags=["policy"], response_model=returns("apply_policy"))
+def apply_policy(body: PolicyText, lane: Lane, who: Who) -> Any:
+    """Validate the policy and store it as a new numbered version, none if unchanged
+    (admin only; a bad policy is a 422 naming the field)."""
+    return lane.apply_policy(body.policy, source=body.source, principal=who)
