@@ -15,12 +15,12 @@ from pathlib import Path
 
 import psycopg
 import pytest
-import structlog
 from hypothesis import settings as hypothesis_settings
 from sqlalchemy.engine import make_url
 
 from runlane.clock import ManualClock
 from runlane.domain.retry import RetryPolicy
+from runlane.logs import configure_logging
 from runlane.store import schema
 from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
@@ -157,9 +157,8 @@ def store(db_url: str, clock: ManualClock) -> Iterator[Store]:
 
 
 @pytest.fixture(autouse=True)
-def unconfigured_logging() -> None:
-    """Each test starts with structlog as a program that never configured it: the facade
-    quiets it on first use (WARNING), which would otherwise hide a later test's INFO
-    events from ``structlog.testing.capture_logs``."""
-    structlog.reset_defaults()
-
+def info_logging() -> None:
+    """The tests read runlane's INFO lines (structlog's capture_logs sees what the level
+    lets through): each test starts configured as an application would, whatever an
+    earlier test in the process left (a library import alone is quiet: WARNING)."""
+    configure_logging("INFO", json=False)

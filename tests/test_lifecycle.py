@@ -12,7 +12,7 @@ from runlane.clock import ManualClock
 from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskInvalid
-from runlane.errors import CancelRequested, LeaseLost, NotFound
+from runlane.errors import CancelRequested, Conflict, LeaseLost, NotFound
 from runlane.store.store import Store
 
 from .conftest import T0
@@ -35,8 +35,12 @@ def test_submit_creates_task_run_and_delivery(store: Store) -> None:
 
 def test_duplicate_submit_returns_the_same_ids_and_creates_nothing(store: Store) -> None:
     [first] = submit(store, idempotency_key="ticket-1")
-    [again] = submit(store, idempotency_key="ticket-1", prompt="a different prompt")
+    [again] = submit(store, idempotency_key="ticket-1")
     assert (again.task_id, again.run_id, again.created) == (first.task_id, first.run_id, False)
+    assert len(store.list_runs()) == 1
+    # The same key for another request is a conflict (issue 23), and writes nothing.
+    with pytest.raises(Conflict, match="ticket-1"):
+        submit(store, idempotency_key="ticket-1", prompt="a different prompt")
     assert len(store.list_runs()) == 1
     # Another tenant may use the same key.
     [other] = submit(store, idempotency_key="ticket-1", tenant="globex")

@@ -582,6 +582,36 @@ def test_0017_attempts_keep_late_cost_and_downgrade_with_their_rows(
         assert conn.execute(text("SELECT late_cost_usd FROM attempts")).scalar_one() == 0
 
 
+BEFORE_0019 = "0018"
+
+
+def test_0019_adds_tokens_digests_and_retry_links_and_downgrades_with_the_rows(
+        fresh_url: str, make_engine: Callable[[str], Engine],
+        tmp_path: Path, fresh_pg: Callable[[str], str]) -> None:
+    """0019 adds ``api_tokens``, ``tasks.request_digest`` (NULL for the tasks already
+    there: taken as matching) and ``runs.retry_of_run_id`` with its partial unique
+    index; the downgrade leaves the schema exactly as 0018 made it, every row kept."""
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine, BEFORE_0019)
+    with engine.begin() as conn:
+        _insert_task_and_run(conn, 1)
+    assert migrate.upgrade(engine) == (BEFORE_0019, HEAD)
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT t.request_digest, r.retry_of_run_id FROM tasks t "
+                                 "JOIN runs r ON r.task_id = t.task_id")).one() == (None, None)
+        assert conn.execute(text("SELECT COUNT(*) FROM api_tokens")).scalar_one() == 0
+    if engine.dialect.name == "sqlite":
+        reference = make_engine(f"sqlite:///{tmp_path / 'before.db'}")
+    else:
+        reference = make_engine(fresh_pg("before_0019"))
+    migrate.upgrade(reference, BEFORE_0019)
+    assert migrate.downgrade(engine, BEFORE_0019) == (HEAD, BEFORE_0019)
+    assert reflect_schema(engine) == reflect_schema(reference)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT COUNT(*) FROM runs")).scalar_one() == 1
+    assert migrate.upgrade(engine) == (BEFORE_0019, HEAD)
+
+
 def test_metadata_matches_migrations(fresh_url: str,
                                      make_engine: Callable[[str], Engine]) -> None:
     engine = make_engine(fresh_url)

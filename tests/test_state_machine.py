@@ -38,7 +38,7 @@ from sqlalchemy import text
 from runlane.clock import ManualClock
 from runlane.domain.reasons import DEFAULT_RETRYABLE, Reason
 from runlane.domain.states import LEASED, STAGES, TERMINAL, RunStatus
-from runlane.errors import CancelRequested, LeaseLost, NotFound, TransitionRefused
+from runlane.errors import CancelRequested, Conflict, LeaseLost, NotFound, TransitionRefused
 from runlane.store import store as store_module
 from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
@@ -177,6 +177,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.ids.start()
         self.tasks: dict[str, ModelTask] = {}
         self.keys: dict[tuple[str, str], str] = {}  # (tenant, key) -> task id
+        # (tenant, key) -> the request that took it (priority, max attempts): the same
+        # key with another request is a conflict that writes nothing (issue 23).
+        self.key_requests: dict[tuple[str, str], tuple[int, int | None]] = {}
         self.runs: dict[str, ModelRun] = {}
         self.held: list[Held] = []
         self.dead_workers: set[str] = set()
@@ -306,6 +309,18 @@ class StoreMachine(RuleBasedStateMachine):
         specs = [spec(tenant=tenant, idempotency_key=key, priority=priority,
                       max_attempts=max_attempts)
                  for tenant, key, priority, max_attempts in batch]
+        requests = dict(self.key_requests)
+        conflict = False
+        for tenant, key, priority, max_attempts in batch:
+            if key is not None:
+                taken = requests.setdefault((tenant, key), (priority, max_attempts))
+                conflict = conflict or taken != (priority, max_attempts)
+        if conflict:  # the whole batch is refused; the model does not change
+            with pytest.raises(Conflict):
+                self.store.submit(specs)
+            event("submit: key taken by another request")
+            return
+        self.key_requests = requests
         submissions = self.store.submit(specs)
         assert len(submissions) == len(specs)
         first_in_batch: dict[tuple[str, str], int] = {}

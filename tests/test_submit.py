@@ -45,7 +45,7 @@ def test_a_batch_with_repeated_keys_and_several_lanes_counts_only_what_it_insert
         store: Store) -> None:
     [before] = store.submit([spec(idempotency_key="k1")])
     subs = store.submit([
-        spec(idempotency_key="k1", prompt="again"),  # taken by an earlier submit
+        spec(idempotency_key="k1"),  # taken by an earlier submit (the same request)
         spec(idempotency_key="k2"),
         spec(idempotency_key="k2"),  # a repeat inside the batch
         spec(),

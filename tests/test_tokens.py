@@ -38,7 +38,7 @@ def rows(lane: Runlane) -> list[Any]:
 
 
 def test_a_token_authenticates_as_its_tenant_and_role_and_only_its_hash_is_stored(
-        lane: Runlane) -> None:
+        lane: Runlane, clock: ManualClock) -> None:
     created = lane.create_token(role="submit", tenant="acme", name="ci")
     secret = created.token
     assert secret.startswith(f"rl_{created.info.token_id}_") and len(secret) > 50
@@ -47,6 +47,7 @@ def test_a_token_authenticates_as_its_tenant_and_role_and_only_its_hash_is_store
     principal = lane.authenticate(secret)
     assert principal == Principal(role=Role.SUBMIT, tenant="acme",
                                   token_id=created.info.token_id)
+    clock.advance(1)  # listed oldest first
     admin = lane.create_token(role="admin")
     assert lane.authenticate(admin.token) == Principal(role=Role.ADMIN, tenant=None,
                                                        token_id=admin.info.token_id)

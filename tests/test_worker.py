@@ -364,7 +364,7 @@ def test_a_retryable_failure_is_retried_then_succeeds(lane: Runlane, remote: Pat
                                                                  0.5)
     first, second = run["attempts"]
     assert first["reason_code"] == "PROVIDER_RATE_LIMIT" and first["retry_after_seconds"] == 0.2
-    assert second["started_at"] >= first["ended_at"] + 0.2
+    assert (second["started_at"] - first["ended_at"]).total_seconds() >= 0.2
     assert second["cost_usd"] == 0.5 and second["input_tokens"] == 10
 
 

@@ -50,6 +50,16 @@ class Conflict(RunlaneError):
     reason_code = "IDEMPOTENCY_CONFLICT"
 
 
+class RetryRefused(Conflict):
+    """A retry of a task whose newest run has not ended (``TASK_NOT_FINISHED``), or
+    that another retry just made (``RETRY_RACE``), or whose runs retention deleted
+    (``NO_RUN_TO_RETRY``); nothing was written (HTTP 409)."""
+
+    def __init__(self, message: str, reason_code: str) -> None:
+        super().__init__(message)
+        self.reason_code = reason_code
+
+
 class DatabaseUnavailable(RunlaneError):
     exit_code = 4
 

@@ -13,7 +13,7 @@ import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from runlane.domain.reasons import Reason
-from runlane.domain.routing import parse_requirements
+from runlane.domain.routing import canonical_requirements, parse_requirements
 
 PRIORITY_CLASSES: dict[str, int] = {
     "critical": 0,
@@ -300,9 +300,12 @@ def _normal(value: Any) -> Any:
 def task_digest(spec: TaskSpec) -> str:
     """The SHA-256 of a task as asked (before any truncation): the same tenant and
     idempotency key with another digest is another request under a used key, a
-    conflict. Normalized: priority classes are their numbers, a set of capabilities
-    is sorted, mapping keys are sorted; a field left unset is null (so an unset queue
-    differs from ``--queue default``: the first lets the policy choose)."""
-    text = json.dumps(_normal(spec.model_dump()), sort_keys=True, separators=(",", ":"),
+    conflict. Normalized: priority classes are their numbers, requirements are their
+    route key (sets sorted), mapping keys are sorted; a field left unset is null (so an
+    unset queue differs from ``--queue default``: the first lets the policy choose)."""
+    fields = spec.model_dump()
+    # A requirement's set is a set whatever its order ("git,maven" = "maven,git").
+    fields["requires"] = canonical_requirements(parse_requirements(spec.requires))
+    text = json.dumps(_normal(fields), sort_keys=True, separators=(",", ":"),
                       ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()

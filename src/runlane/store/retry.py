@@ -1,18 +1,20 @@
 """``runlane retry TASK_ID``: a new run of a finished task, linked to the run it follows.
 
 A task executes through one run at a time: a retry is refused while the task's newest
-run is on its way (``Conflict``), and two retries racing on the same run cannot both
-write: the task row is locked first (PostgreSQL ``FOR UPDATE``; SQLite's transaction
-holds the write lock from BEGIN IMMEDIATE), and ``uq_runs_retry_of`` admits one run
-per ``retry_of_run_id`` whatever happens. The new run is admitted under the policy in
-force, as a submit is (queued, denied or deferred with its reason), enters its lane as
-a submit's run does, and its first status is checked against the transition table.
-It waits for the task's dependencies again, as the first run did. A cancelled task's
-cancel mark is cleared: the retry is the newer request.
+run is on its way (``RetryRefused``, a ``Conflict``), and two retries racing on the
+same run cannot both write: the task row is locked first (PostgreSQL ``FOR UPDATE``;
+SQLite's transaction holds the write lock from BEGIN IMMEDIATE), and
+``uq_runs_retry_of`` admits one run per ``retry_of_run_id`` whatever happens. The new
+run is admitted under the policy in force, as a submit is (queued, denied or deferred
+with its reason), enters its lane as a submit's run does, and its first status is
+checked against the transition table. It waits for the task's dependencies again, as
+the first run did. A cancelled task's cancel mark is cleared: the retry is the newer
+request.
 """
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -24,10 +26,10 @@ from runlane.domain.reasons import Reason
 from runlane.domain.routing import requirements_from_canonical
 from runlane.domain.states import TERMINAL, RunStatus
 from runlane.domain.tasks import PayloadReport, TaskSpec
-from runlane.errors import Conflict, NotFound
+from runlane.errors import NotFound, RetryRefused
 from runlane.models.runs import Submission
 from runlane.store import sql
-from runlane.store.scheduling import policy_needs_usage
+from runlane.store.scheduling import JOIN_AHEAD, policy_needs_usage
 from runlane.store.schema import runs
 from runlane.store.store import _RUN_COLUMNS, WAKEUP_CHANNEL, _SubmitBatch
 
@@ -47,6 +49,21 @@ WHERE r.task_id = :task_id
 ORDER BY r.created_at DESC, r.run_id DESC
 LIMIT 1
 """
+# The lane upsert of a submit (sql.LANE_UPSERT, SQLite's path) with typed parameters:
+# PostgreSQL cannot deduce one type for a parameter used as a column value and in a
+# comparison. The same text on SQLite (its CASTs are no-ops there).
+_TYPES = {"queue": "text", "route_key": "text", "tenant": "text", "tenant_scope": "text",
+          "priority": "integer", "queued": "integer", "weight": "double precision",
+          "vtime": "double precision"}
+
+
+def _typed(statement: str) -> str:
+    return re.sub(r":(" + "|".join(sorted(_TYPES, key=len, reverse=True)) + r")\b",
+                  lambda m: f"CAST(:{m.group(1)} AS {_TYPES[m.group(1)]})", statement)
+
+
+LANE_UPSERT = _typed(sql.LANE_UPSERT)
+LANE_VIRTUAL_TIME = _typed(sql.LANE_VIRTUAL_TIME)
 CLEAR_CANCEL = "UPDATE tasks SET cancel_requested_at = NULL WHERE task_id = :task_id"
 DEPENDENCIES = "SELECT depends_on FROM task_dependencies WHERE task_id = :task_id"
 
@@ -62,12 +79,12 @@ def retry_task(store: Store, task_id: str, *, tenant: str | None,
             raise NotFound(f"no task {task_id!r}")
         latest = conn.execute(store._q(LATEST_RUN), {"task_id": task_id}).first()
         if latest is None:
-            raise Conflict(f"task {task_id} has no run left to retry (retention deleted "
-                           "it); submit it again")
+            raise RetryRefused(f"task {task_id} has no run left to retry (retention "
+                               "deleted it); submit it again", "NO_RUN_TO_RETRY")
         if S(latest.status) not in TERMINAL:
-            raise Conflict(f"task {task_id} is not finished: its run {latest.run_id} is "
-                           f"{latest.status}; retry it once that run has ended (or cancel "
-                           "it first)")
+            raise RetryRefused(f"task {task_id} is not finished: its run {latest.run_id} "
+                               f"is {latest.status}; retry it once that run has ended (or "
+                               "cancel it first)", "TASK_NOT_FINISHED")
         return _write_retry(store, conn, task, latest, default_max_attempts, actor)
 
     try:
@@ -75,8 +92,8 @@ def retry_task(store: Store, task_id: str, *, tenant: str | None,
     except IntegrityError as exc:  # uq_runs_retry_of: another retry won the race
         if "uq_runs_retry_of" not in str(exc.orig) and "retry_of_run_id" not in str(exc.orig):
             raise
-        raise Conflict(f"task {task_id} was retried by another request at the same time"
-                       ) from None
+        raise RetryRefused(f"task {task_id} was retried by another request at the same "
+                           "time", "RETRY_RACE") from None
     log.info("retried", task_id=task_id, run_id=result.run_id,
              retry_of_run_id=result.retry_of_run_id, status=result.status)
     return result
@@ -110,13 +127,18 @@ def _write_retry(store: Store, conn: Connection, task: Any, latest: Any,
     batch.items[-1]["task_id"] = task.task_id  # a new run of this task, not a new task
     [run] = batch.run_rows({task.task_id})
     status = batch.run_statuses[-1]
-    key = (run["queue"], run["route_key"], run["priority"], run["tenant"])
     conn.execute(store._q(sql.ROUTE_INSERT), {"route_key": run["route_key"], "now": now})
-    lane_ids = store._lane_ids(conn, {key: (int(status is S.QUEUED), run["weight"])})
+    head = conn.execute(store._q(LANE_VIRTUAL_TIME),
+                        {"queue": run["queue"], "priority": run["priority"]}).scalar()
+    lane_id = int(conn.execute(store._q(LANE_UPSERT), {
+        "queue": run["queue"], "route_key": run["route_key"], "priority": run["priority"],
+        "tenant": run["tenant"], "weight": run["weight"], "queued": int(status is S.QUEUED),
+        "vtime": 0.0 if head is None else float(head) - JOIN_AHEAD,
+        "tenant_scope": f"tenant:{run['tenant']}"}).one().lane_id)
     store._bulk_insert(conn, runs, [
         {column: run[column] for column in _RUN_COLUMNS}
         | {"attempt_count": 0, "fencing_token": 0, "cost_usd": 0.0, "created_at": now,
-           "updated_at": now, "lane_id": lane_ids[key], "retry_of_run_id": latest.run_id}])
+           "updated_at": now, "lane_id": lane_id, "retry_of_run_id": latest.run_id}])
     store._record(conn, [{
         "run_id": run["run_id"], "attempt_no": None, "at": now, "actor": actor,
         "from_status": None, "to_status": run["status"], "reason_code": run["reason_code"],

@@ -650,7 +650,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
         the run with the policy version): ADMIT queues it (or leaves it ADMITTED
         while its dependencies run), DENY ends it POLICY_DENIED, DEFER parks it in
         WAITING_CAPACITY until the decision's retry-after. The same (tenant,
-        idempotency key) again returns the existing task and run.
+        idempotency key) again with the same request returns the existing task and its
+        first run; with another request it raises Conflict and writes nothing.
         """
         # What each keyed task was asked as, before any truncation: the same key with
         # another request is a conflict, refused before anything is written.
