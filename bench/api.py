@@ -25,10 +25,14 @@
    one clock for both processes). Beside them a bare ``LISTEN runlane_events``
    connection in the client process gives the floor: commit to notification.
 
+After the timed parts, py-spy (when installed in the venv: ``pip install py-spy``;
+``--no-profile`` skips it) samples the server during untimed repeats of each part;
+``RUNLANE_BENCH_PROFILES=DIR`` keeps the raw samples.
+
 Progress goes to stderr, the Markdown section to stdout and, with ``--write``, into
 that file (its section replaced, or appended)::
 
-    .venv/bin/python bench/api.py --write docs/benchmarks.md   # ~10 min
+    .venv/bin/python bench/api.py --write docs/benchmarks.md   # ~4 min
     .venv/bin/python bench/api.py --runs 20000 --samples 20 --rounds 1 --clients 20
 """
 
