@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import structlog
 from starlette.concurrency import run_in_threadpool
@@ -48,6 +48,8 @@ class EventHub:
         self.generation = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed = asyncio.Event()
+        # Reads in flight or done since the count last moved: (tenant scope, cursor).
+        self._reads: dict[tuple[str | None, str | None], asyncio.Future[EventPage]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listener = Listener(lane.settings.database_url, channels=(EVENTS_CHANNEL,))
@@ -74,8 +76,34 @@ class EventHub:
     def _bump(self) -> None:
         """On the loop: move the count on and wake every waiter."""
         self.generation += 1
+        self._reads.clear()  # reads of an older count may miss what woke this one
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
+
+    async def page(self, who: Principal, cursor: str | None, seen: int) -> EventPage:
+        """``Runlane.events_page`` after ``cursor`` in ``who``'s scope, read once for
+        every stream at that cursor and scope since the count reached ``seen``: 100
+        streams woken by one commit cost one read, not 100 (docs/benchmarks.md). A read
+        started once the count was ``seen`` sees every commit that moved it there."""
+        key = (who.tenant, cursor)
+        if seen != self.generation:  # a newer wake-up: read for yourself, not shared
+            return await run_in_threadpool(self.lane.events_page, principal=who,
+                                           after=cursor, limit=PAGE)
+        shared = self._reads.get(key)
+        if shared is None:
+            shared = asyncio.ensure_future(run_in_threadpool(
+                self.lane.events_page, principal=who, after=cursor, limit=PAGE))
+            self._reads[key] = shared
+            shared.add_done_callback(self._forget_failed(key))
+        return await asyncio.shield(shared)
+
+    def _forget_failed(self, key: tuple[str | None, str | None]
+                       ) -> Callable[[asyncio.Future[EventPage]], None]:
+        def forget(done: asyncio.Future[EventPage]) -> None:
+            if (done.cancelled() or done.exception() is not None) \
+                    and self._reads.get(key) is done:
+                del self._reads[key]  # the next stream reads again
+        return forget
 
     async def wait(self, seen: int, timeout: float) -> bool:
         """Until the count moves past ``seen`` (True) or ``timeout`` passes (False)."""
@@ -140,8 +168,7 @@ async def event_stream(lane: Runlane, hub: EventHub, who: Principal, first: Even
                 continue
         seen = hub.generation
         try:
-            page = await run_in_threadpool(lane.events_page, principal=who, after=cursor,
-                                           limit=PAGE)
+            page = await hub.page(who, cursor, seen)
         except RunlaneError as exc:  # e.g. the database restarting: look again later
             log.warning("events_read_failed", error=str(exc))
             page = EventPage(items=[], next=cursor)
