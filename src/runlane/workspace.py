@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from runlane.agents.base import AttemptLimits
-from runlane.children import die_with_parent
+from runlane.children import dying_with_parent
 from runlane.errors import RunlaneError, redact_credentials
 
 AUTHOR_NAME = "runlane"
@@ -245,11 +245,12 @@ def _git(args: list[str], *, cwd: Path | None, timeout: float, config: GitConfig
     worker's alone (umask 077). It dies with the worker (runlane.children);
     ``hold``: the workspace's lock descriptor, inherited by git and every process it
     starts, so the lock outlives none of them."""
+    argv, preexec = dying_with_parent(["git", *_SAFE, *args])
     proc = subprocess.Popen(
-        ["git", *_SAFE, *args], cwd=cwd, env=_env(config, env), umask=0o077,
+        argv, cwd=cwd, env=_env(config, env), umask=0o077,
         stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        preexec_fn=die_with_parent(), pass_fds=() if hold is None else (hold,))
+        preexec_fn=preexec, pass_fds=() if hold is None else (hold,))
     try:
         out, err = proc.communicate(stdin, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -35,7 +35,7 @@ import structlog
 
 from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, Failure, StopReason
 from runlane.agents.resources import ResourceWatch
-from runlane.children import chained, die_with_parent
+from runlane.children import chained, dying_with_parent
 from runlane.domain.reasons import Reason
 from runlane.sandbox import GroupState, Members, Sandbox
 from runlane.sandbox.environment import agent_environment as agent_environment
@@ -364,14 +364,15 @@ class CommandRunner:
                                      network=limits.network, secrets=limits.secrets)
         for note in spawn.notes:
             out.note(note)
+        # SIGKILL when this thread dies, from before bwrap runs: its own
+        # --die-with-parent takes hold only once it runs, and a worker dead before that
+        # closed the block pipe (its EOF releases the command, unwatched and orphaned).
+        argv, dies = dying_with_parent(spawn.argv)
         try:
             proc = subprocess.Popen(
-                spawn.argv, cwd=workspace, env=spawn.env, pass_fds=spawn.pass_fds,
-                # The kernel's resource limits; and SIGKILL when this thread dies, from
-                # before exec: bwrap's own --die-with-parent takes hold only once it
-                # runs, and a worker dead before that closed the block pipe (its EOF
-                # releases the command, unwatched and orphaned).
-                preexec_fn=chained(limits.resources.preexec(), die_with_parent()),
+                argv, cwd=workspace, env=spawn.env, pass_fds=spawn.pass_fds,
+                # The kernel's resource limits (a preexec_fn only when the policy sets one).
+                preexec_fn=chained(limits.resources.preexec(), dies),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, close_fds=True)
         except (OSError, subprocess.SubprocessError) as exc:
