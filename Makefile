@@ -55,7 +55,7 @@ demo: $(STAMP) bwrap
 test: $(STAMP) bwrap chromium
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(TEST_ENV) $(BIN)/pytest -n 2 --dist loadgroup -m "not chaos"
+	$(TEST_ENV) $(BIN)/pytest -n 2 --dist loadgroup -m "not chaos" --durations=25
 	$(TEST_ENV) $(BIN)/pytest -m chaos
 
 # The fault harness's real runs alone (the second half of `make test`).
