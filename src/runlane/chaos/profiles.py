@@ -86,7 +86,7 @@ PROFILES: dict[str, ChaosConfig] = {
     "short": ChaosConfig(profile="short", engine="postgresql", runs=300, workers=4,
                          concurrency=4, maintainers=2, faults=_ALL, kill_every=6.0,
                          stop_every=12.0, terminate_every=4.0, restarts=1,
-                         duplicate_every=1.0, max_seconds=150.0),
+                         duplicate_every=1.0, max_seconds=165.0),
     # docs/reliability.md: the long run.
     "long": ChaosConfig(profile="long", engine="postgresql", runs=2000, workers=8,
                         concurrency=2, maintainers=2, faults=_ALL, kill_every=2.0,
