@@ -375,7 +375,8 @@ class _SubmitBatch:
                 "created_at": self.now, "user_id": item.get("user_id"),
                 "requires": d.requires, "parent_task_id": item.get("parent_task_id"),
                 "estimated_cost_usd": item.get("estimated_cost_usd"),
-                "request_digest": item.get("request_digest")})
+                "request_digest": item.get("request_digest"),
+                "traceparent": item.get("traceparent")})
         return rows
 
     def run_rows(self, inserted: set[str]) -> list[dict[str, Any]]:
@@ -643,7 +644,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
     # --- submit -------------------------------------------------------------------
 
     def submit(self, specs: Sequence[TaskSpec], *, default_max_attempts: int = 3,
-               actor: str = "api") -> list[Submission]:
+               actor: str = "api", traceparents: Sequence[str | None] | None = None
+               ) -> list[Submission]:
         """Admit and create a task and its run for each spec, all or nothing.
 
         Every run gets an admission decision under the policy in force (recorded on
@@ -652,6 +654,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
         WAITING_CAPACITY until the decision's retry-after. The same (tenant,
         idempotency key) again with the same request returns the existing task and its
         first run; with another request it raises Conflict and writes nothing.
+        ``traceparents``: each spec's submit span (observability/tracing.py), kept on
+        its new task for the task's attempts to join.
         """
         # What each keyed task was asked as, before any truncation: the same key with
         # another request is a conflict, refused before anything is written.
@@ -685,6 +689,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
                 for i, item in zip(planned, batch.items, strict=True):
                     if digests[i] is not None:
                         item["request_digest"] = digests[i]
+                    if traceparents is not None and traceparents[i] is not None:
+                        item["traceparent"] = traceparents[i]
                 skipped = self._write_submission(conn, batch) if planned else set()
                 if skipped is not None:
                     break
