@@ -1426,7 +1426,7 @@ _FENCE = """
               WHERE a.run_id = runs.run_id AND a.fencing_token = :token
                 AND a.lease_status = 'ACTIVE' AND a.lease_expires_at > {now})
 """
-_SET_RETURNING = """RETURNING status, lane_id, task_id,
+_SET_RETURNING = """RETURNING status, lane_id, task_id, queue,
     EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
       AS has_dependents,
     {now} AS now
