@@ -94,3 +94,19 @@ class Collector:
     def __exit__(self, *_: object) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def main() -> None:
+    """``python -m tests.otlp_collector``: a collector in a process of its own (the
+    tracing benchmark's, whose CPU must not count the collector's): prints its endpoint,
+    serves until stdin closes, then prints how many spans it received."""
+    import sys
+
+    with Collector() as collector:
+        print(collector.endpoint, flush=True)
+        sys.stdin.read()
+        print(len(collector.spans()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

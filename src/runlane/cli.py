@@ -95,7 +95,7 @@ def app(database_url: str | None, log_level: str | None, log_format: str | None,
     if command in TRACED_COMMANDS:
         from runlane.observability.tracing import configure_tracing
 
-        configure_tracing()  # OTEL_* variables (docs/observability.md); off when unset
+        configure_tracing()  # OTEL_* variables (docs/tracing.md); off when unset
 
 
 @app.group("db")

@@ -1,5 +1,5 @@
 """Traces (OpenTelemetry): one trace per task, from the submit that created it to each
-attempt, the attempt's stages and the agent's tool calls (docs/observability.md).
+attempt, the attempt's stages and the agent's tool calls (docs/tracing.md).
 
 The submit starts a span per task and stores its W3C ``traceparent`` on the task's row
 (``tasks.traceparent``, migration 0022); an attempt, claimed days later on another
@@ -60,10 +60,13 @@ def provider() -> trace.TracerProvider:
     return _override if _override is not None else trace.get_tracer_provider()
 
 
+_NO_OP = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+
+
 def enabled() -> bool:
     """Whether spans are recorded: a real provider is installed (the API's default is a
     proxy to a no-op one until someone sets one)."""
-    return not isinstance(provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
+    return not isinstance(provider(), _NO_OP)
 
 
 def tracer() -> trace.Tracer:

@@ -1,5 +1,5 @@
 """The INFO lines of run transitions: ``run_claimed`` and ``run_transition``, one per hop,
-each with the ids of the run's chain (docs/observability.md, "Logs").
+each with the ids of the run's chain (docs/tracing.md, "Logs").
 
 A hop is noted in the transaction that makes it (``note``: a tuple in ``conn.info``)
 and logged only once that transaction committed (``Store._transaction``): a move rolled
@@ -22,6 +22,7 @@ import structlog
 from sqlalchemy import Connection
 
 from runlane.domain.states import RunStatus
+from runlane.logs import enabled_for
 
 if TYPE_CHECKING:
     from runlane.store.store import Lease
@@ -44,7 +45,7 @@ def note(conn: Connection, run_id: str, task_id: str | None, queue: str | None,
 
 
 def log_moves(moves: Iterable[Move]) -> None:
-    if not log.is_enabled_for(logging.INFO):
+    if not enabled_for(logging.INFO, log):
         return
     for (run_id, task_id, queue, source, path, token, attempt_no, worker_id, actor,
          reason_code) in moves:
@@ -57,7 +58,7 @@ def log_moves(moves: Iterable[Move]) -> None:
 
 def log_claimed(leases: Sequence[Lease]) -> None:
     """``run_claimed``, the seed's line, for each lease of a claim (committed)."""
-    if not leases or not log.is_enabled_for(logging.INFO):
+    if not leases or not enabled_for(logging.INFO, log):
         return
     for lease in leases:
         log.info("run_claimed", **_ids(lease.run_id, lease.task_id, lease.queue,

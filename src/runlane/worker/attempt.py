@@ -331,7 +331,7 @@ class AttemptDriver:
                 ended = self.finalizer.resume(lease, workspace, task, state)
                 return ended
             # The sandbox is the workspace's: the agent's and the verify command's (each
-            # its own bwrap) see it, and it names them in the trace (docs/observability.md).
+            # its own bwrap) see it, and it names them in the trace (docs/tracing.md).
             state.trace.set({"runlane.sandbox_id": workspace.path.name})
             self.store.advance(lease, S.RUNNING)
             env = self._env(lease, task, workspace.path, artifacts, state.trace.traceparent())
