@@ -524,14 +524,18 @@ def test_0016_a_run_queued_under_a_spelling_is_admitted_again_under_the_canonica
     engine = make_engine(fresh_url)
     migrate.upgrade(engine, "0015")
     written = "https://github.com/acme/secret.git"
-    # Today's store writes a column that came after 0015 (0019's request digest): give
-    # it one for the submit, then take it away, leaving the rows 0015 knows.
+    # Today's store writes columns that came after 0015 (0019's request digest, 0022's
+    # traceparent): give it them for the submit, then take them away, leaving the rows
+    # 0015 knows.
+    later = ("request_digest", "traceparent")
     with engine.begin() as conn:
-        conn.execute(text("ALTER TABLE tasks ADD COLUMN request_digest VARCHAR(64)"))
+        for column in later:
+            conn.execute(text(f"ALTER TABLE tasks ADD COLUMN {column} VARCHAR(64)"))
     Store(fresh_url, engine=engine).submit(
         [parse_task({"tenant": "acme", "repo": written, "prompt": "p"})])
     with engine.begin() as conn:
-        conn.execute(text("ALTER TABLE tasks DROP COLUMN request_digest"))
+        for column in later:
+            conn.execute(text(f"ALTER TABLE tasks DROP COLUMN {column}"))
     rule = {"when": {"repo": ["git@github.com:acme/secret.git"]}, "action": "deny"}
     with engine.begin() as conn:  # as an older runlane left it: admitted under v1
         conn.execute(text(
