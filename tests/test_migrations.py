@@ -524,14 +524,18 @@ def test_0016_a_run_queued_under_a_spelling_is_admitted_again_under_the_canonica
     engine = make_engine(fresh_url)
     migrate.upgrade(engine, "0015")
     written = "https://github.com/acme/secret.git"
-    # Today's store writes a column that came after 0015 (0019's request digest): give
-    # it one for the submit, then take it away, leaving the rows 0015 knows.
+    # Today's store writes columns that came after 0015 (0019's request digest, 0022's
+    # traceparent): give it them for the submit, then take them away, leaving the rows
+    # 0015 knows.
+    later = ("request_digest", "traceparent")
     with engine.begin() as conn:
-        conn.execute(text("ALTER TABLE tasks ADD COLUMN request_digest VARCHAR(64)"))
+        for column in later:
+            conn.execute(text(f"ALTER TABLE tasks ADD COLUMN {column} VARCHAR(64)"))
     Store(fresh_url, engine=engine).submit(
         [parse_task({"tenant": "acme", "repo": written, "prompt": "p"})])
     with engine.begin() as conn:
-        conn.execute(text("ALTER TABLE tasks DROP COLUMN request_digest"))
+        for column in later:
+            conn.execute(text(f"ALTER TABLE tasks DROP COLUMN {column}"))
     rule = {"when": {"repo": ["git@github.com:acme/secret.git"]}, "action": "deny"}
     with engine.begin() as conn:  # as an older runlane left it: admitted under v1
         conn.execute(text(
@@ -610,6 +614,36 @@ def test_0019_adds_tokens_digests_and_retry_links_and_downgrades_with_the_rows(
     with engine.connect() as conn:
         assert conn.execute(text("SELECT COUNT(*) FROM runs")).scalar_one() == 1
     assert migrate.upgrade(engine) == (BEFORE_0019, HEAD)
+
+
+BEFORE_0022 = "0021"
+
+
+def test_0022_keeps_a_tasks_trace_and_downgrades_with_the_rows(
+        fresh_url: str, make_engine: Callable[[str], Engine],
+        tmp_path: Path, fresh_pg: Callable[[str], str]) -> None:
+    """0022 adds ``tasks.traceparent`` (NULL for the tasks already there: their attempts
+    start traces of their own); the downgrade leaves the schema exactly as 0021 made
+    it, every row kept."""
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine, BEFORE_0022)
+    with engine.begin() as conn:
+        _insert_task_and_run(conn, 1)
+    assert migrate.upgrade(engine) == (BEFORE_0022, HEAD)
+    with engine.begin() as conn:
+        assert conn.execute(text("SELECT traceparent FROM tasks")).scalar_one() is None
+        conn.execute(text("UPDATE tasks SET traceparent = :t"),
+                     {"t": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
+    if engine.dialect.name == "sqlite":
+        reference = make_engine(f"sqlite:///{tmp_path / 'before.db'}")
+    else:
+        reference = make_engine(fresh_pg("before_0022"))
+    migrate.upgrade(reference, BEFORE_0022)
+    assert migrate.downgrade(engine, BEFORE_0022) == (HEAD, BEFORE_0022)
+    assert reflect_schema(engine) == reflect_schema(reference)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT COUNT(*) FROM tasks")).scalar_one() == 1
+    assert migrate.upgrade(engine) == (BEFORE_0022, HEAD)
 
 
 def test_metadata_matches_migrations(fresh_url: str,

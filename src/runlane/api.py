@@ -37,6 +37,7 @@ from runlane.models.events import EventPage, EventView
 from runlane.models.fleet import PolicyApplied
 from runlane.models.runs import RunDetail, Submission, TaskDetail, run_detail, task_detail
 from runlane.models.tokens import CreatedToken, TokenInfo
+from runlane.observability import tracing
 from runlane.sandbox import Sandbox, SandboxConfig
 from runlane.services.maintenance import (
     Reaper,
@@ -203,8 +204,7 @@ class Runlane(ViewsMixin):
         _own_tenant(principal, tenant)
         raw = {"tenant": tenant, "repo": repo, "prompt": prompt,
                **{k: v for k, v in fields.items() if v is not None}}
-        return _submission(self.store.submit(
-            [parse_task(raw)], default_max_attempts=self.settings.max_attempts)[0])
+        return self._submit([parse_task(raw)])[0]
 
     @_on_the_database
     def submit_batch(self, rows: Iterable[dict[str, Any]], *,
@@ -220,8 +220,16 @@ class Runlane(ViewsMixin):
             specs.append(parse_task(_flag_names(row, where), where=where))
         for spec in specs:
             _own_tenant(principal, spec.tenant)
-        return [_submission(s) for s in self.store.submit(
-            specs, default_max_attempts=self.settings.max_attempts)]
+        return self._submit(specs)
+
+    def _submit(self, specs: list[TaskSpec]) -> list[Submission]:
+        """The store's submit inside one span per task (the start of its trace, kept on
+        the task for its attempts: observability/tracing.py)."""
+        with tracing.submit_spans(specs) as spans:
+            done = self.store.submit(specs, default_max_attempts=self.settings.max_attempts,
+                                     traceparents=spans.traceparents)
+            spans.submitted(done)
+        return [_submission(s) for s in done]
 
     @_on_the_database
     def cancel(self, task_id: str, *, principal: Principal = OPERATOR) -> CancelResult:

@@ -31,7 +31,7 @@ from runlane.domain.routing import (
 )
 from runlane.domain.tasks import TaskInvalid, valid_name
 from runlane.errors import DatabaseUnavailable, RunlaneError
-from runlane.logs import configure_logging
+from runlane.logs import FORMATS, configure_logging
 from runlane.settings import Settings, load_settings
 
 out = Console()
@@ -46,9 +46,14 @@ def json_flag(fn: F) -> F:
 class State:
     database_url: str | None = None
     settings: dict[str, str] = {}  # the other settings given as flags, by name
+    logging: dict[str, str] = {}  # --log-level and --log-format as given (for up's workers)
 
 
 state = State()
+# Commands that log at INFO unless told otherwise: what an operator watches run.
+LOUD_COMMANDS = frozenset({"worker", "maintain", "up"})
+# Commands whose spans are exported when tracing is configured (the others make none).
+TRACED_COMMANDS = frozenset({"submit", "worker", "up", "serve"})
 # Every setting is a flag of the top-level command (CONTRACT.md: a flag, else
 # RUNLANE_<NAME>, else runlane.toml, else the default), `--lease-ttl-seconds 30`.
 SETTING_FLAGS = tuple(name for name in Settings.model_fields if name != "database_url")
@@ -66,15 +71,31 @@ def setting_options(fn: F) -> F:
 @click.option("--database-url", default=None,
               help="SQLAlchemy URL (else RUNLANE_DATABASE_URL, runlane.toml, "
               "sqlite:///runlane.db).")
-@click.option("--log-level", envvar="RUNLANE_LOG_LEVEL", default="WARNING", show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+@click.option("--log-level", envvar="RUNLANE_LOG_LEVEL", default=None,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help="Default: INFO for worker, maintain and up (their runs' claims and "
+              "transitions), WARNING for the other commands.")
+@click.option("--log-format", envvar="RUNLANE_LOG_FORMAT", default=None,
+              type=click.Choice(FORMATS, case_sensitive=False),
+              help="Logs on stderr as JSON lines or for people (default: console on a "
+              "terminal, json otherwise).")
 @setting_options
 @click.version_option(package_name="runlane")
-def app(database_url: str | None, log_level: str, **settings: str | None) -> None:
+def app(database_url: str | None, log_level: str | None, log_format: str | None,
+        **settings: str | None) -> None:
     """runlane: a durable run scheduler for background AI coding agents."""
     state.database_url = database_url
     state.settings = {name: value for name, value in settings.items() if value is not None}
-    configure_logging(log_level)
+    state.logging = {k: v for k, v in (("LOG_LEVEL", log_level), ("LOG_FORMAT", log_format))
+                     if v is not None}
+    command = click.get_current_context().invoked_subcommand
+    level = log_level or ("INFO" if command in LOUD_COMMANDS else "WARNING")
+    fmt = (log_format or ("console" if sys.stderr.isatty() else "json")).lower()
+    configure_logging(level, json=fmt == "json", capture_stdlib=True)
+    if command in TRACED_COMMANDS:
+        from runlane.observability.tracing import configure_tracing
+
+        configure_tracing()  # OTEL_* variables (docs/tracing.md); off when unset
 
 
 @app.group("db")
@@ -494,7 +515,8 @@ def up(workers: int, agent_command: str, verify_command: str | None, queues: tup
         # The settings given as flags reach the workers as their environment.
         pool = WorkerPool(args, workers, database_url=lane.settings.database_url,
                           env={f"RUNLANE_{name.upper()}": value
-                               for name, value in state.settings.items()})
+                               for name, value in {**state.settings,
+                                                   **state.logging}.items()})
         stop = _stop_on_sigterm()
         web = None
         if serve:  # first: a port in use stops `up` before anything else starts

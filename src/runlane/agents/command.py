@@ -37,9 +37,11 @@ from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, Fail
 from runlane.agents.resources import ResourceWatch
 from runlane.children import chained, dying_with_parent
 from runlane.domain.reasons import Reason
+from runlane.observability import tracing
 from runlane.sandbox import GroupState, Members, Sandbox
 from runlane.sandbox.environment import agent_environment as agent_environment
 from runlane.sandbox.guard import forget, guard
+from runlane.sandbox.processes import Namespace
 
 log = structlog.get_logger("runlane.agents")
 
@@ -359,9 +361,17 @@ class CommandRunner:
         log_path = artifacts_dir / log_name
         out = _Log(log_path)
         started = time.monotonic()
-        spawn = self.sandbox.prepare(self.command, workspace=workspace,
-                                     artifacts_dir=artifacts_dir, env=env,
-                                     network=limits.network, secrets=limits.secrets)
+        # The sandbox's start, from its preparation to the command's release, as a
+        # child of the stage running the command (observability/tracing.py).
+        starting = tracing.start_stage("runlane.sandbox_start",
+                                       {"runlane.sandbox.mode": self.sandbox.mode})
+        try:
+            spawn = self.sandbox.prepare(self.command, workspace=workspace,
+                                         artifacts_dir=artifacts_dir, env=env,
+                                         network=limits.network, secrets=limits.secrets)
+        except BaseException as exc:
+            starting.fail(exc)
+            raise
         for note in spawn.notes:
             out.note(note)
         # SIGKILL when this thread dies, from before bwrap runs: its own
@@ -376,6 +386,7 @@ class CommandRunner:
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True, close_fds=True)
         except (OSError, subprocess.SubprocessError) as exc:
+            starting.fail(exc)
             spawn.close()
             out.note(f"ERROR could not start the agent command: {exc}")
             out.close()
@@ -393,8 +404,11 @@ class CommandRunner:
         control, guard_key = guard(members, control, self.term_grace_seconds)
         if not spawn.held or self._may_start(control):
             spawn.release()
+            if starting.recording:
+                starting.end(_sandbox_attributes(workspace, proc, members))
         else:
             members.signal(signal.SIGKILL)
+            starting.fail("not released: the attempt must stop")
         lines = _ControlLines(control, out)
         pump = _Pump(proc.stdout, proc.stderr, lines.stdout_line, out.line, out)
         pump.start()
@@ -530,6 +544,21 @@ class CommandRunner:
             except subprocess.TimeoutExpired:
                 log.warning("agent_shell_not_reaped", pid=proc.pid)
         return killed
+
+
+def _sandbox_attributes(workspace: Path, proc: subprocess.Popen[bytes],
+                        members: Members) -> dict[str, Any]:
+    """What names a started sandbox in its span: the workspace it sees (the attempt's
+    ``runlane.sandbox_id``), and the process to look for on the host: with bwrap the
+    host pid of its namespace's PID 1 and the namespace, without the shell's pid (it
+    leads the command's process group)."""
+    attributes: dict[str, Any] = {"runlane.sandbox_id": workspace.name,
+                                  "runlane.sandbox.pid": proc.pid}
+    if isinstance(members, Namespace):
+        info = members.info()  # bwrap wrote it before the command's release; kept
+        attributes["runlane.sandbox.pid"] = info.get("child-pid", proc.pid)
+        attributes["runlane.sandbox.pid_namespace"] = info.get("pid-namespace")
+    return attributes
 
 
 class _ControlLines:

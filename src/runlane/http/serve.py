@@ -20,7 +20,9 @@ def server(lane: Runlane, host: str, port: int, *,
     kwargs = {} if keepalive_seconds is None else {"keepalive_seconds": keepalive_seconds}
     app = create_app(lane, **kwargs)
     return uvicorn.Server(uvicorn.Config(
-        app, host=host, port=port, log_level="warning", access_log=False,
+        # log_config=None: uvicorn's records go to the root logger, where the CLI
+        # renders them as its own lines (runlane.logs), not through uvicorn's handlers.
+        app, host=host, port=port, log_level="warning", access_log=False, log_config=None,
         timeout_graceful_shutdown=GRACEFUL_SECONDS, lifespan="on"))
 
 

@@ -71,6 +71,9 @@ tasks = Table(
     # for tasks with an idempotency key only: the same key with another digest is a
     # conflict. NULL on tasks submitted before 0019: taken as matching.
     Column("request_digest", String(64)),
+    # Added by 0022: the W3C traceparent of the submit's span (observability/tracing.py);
+    # the task's attempts join that trace. NULL when the submit traced nothing.
+    Column("traceparent", String(128)),
     # One task per (tenant, idempotency key); a task without a key has no entry, so an
     # unkeyed submit writes none (migration 0015). The submit's ON CONFLICT names the
     # predicate (sql.SUBMIT_WRITE_PG, Store._write_submission).

@@ -989,12 +989,12 @@ _TASKS_FROM_ITEMS = """
     INSERT INTO tasks (task_id, tenant, repo, prompt, queue, priority, idempotency_key,
                        max_attempts, context, truncated_sections, payload_bytes,
                        cancel_requested_at, created_at, user_id, requires, parent_task_id,
-                       estimated_cost_usd, request_digest)
+                       estimated_cost_usd, request_digest, traceparent)
     SELECT task_id, tenant, repo, prompt, queue, priority, idempotency_key, max_attempts,
            COALESCE(context, CAST('{{{{}}}}' AS json)),
            COALESCE(truncated_sections, CAST('[]' AS json)), payload_bytes, NULL,
            (SELECT now FROM clock), user_id, requires, parent_task_id, estimated_cost_usd,
-           request_digest
+           request_digest, traceparent
     FROM items
     WHERE idempotency_key IS {keyed}
       AND (SELECT version FROM policy) = CAST(:version AS integer)  -- see "Policy" above"""
@@ -1014,7 +1014,7 @@ items AS MATERIALIZED (
         idempotency_key text, context json, truncated_sections json,
         payload_bytes integer, user_id text, parent_task_id text,
         estimated_cost_usd double precision, decision_no integer, status text,
-        request_digest text)
+        request_digest text, traceparent text)
     JOIN unnest(CAST(:decision_queues AS text[]), CAST(:decision_priorities AS integer[]),
                 CAST(:decision_max_attempts AS integer[]),
                 CAST(:decision_requires AS text[]))
@@ -1426,7 +1426,7 @@ _FENCE = """
               WHERE a.run_id = runs.run_id AND a.fencing_token = :token
                 AND a.lease_status = 'ACTIVE' AND a.lease_expires_at > {now})
 """
-_SET_RETURNING = """RETURNING status, lane_id, task_id,
+_SET_RETURNING = """RETURNING status, lane_id, task_id, queue,
     EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
       AS has_dependents,
     {now} AS now

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -75,7 +74,7 @@ from runlane.errors import (
     redact_credentials,
 )
 from runlane.store import maintenance_sql as msql
-from runlane.store import sql
+from runlane.store import sql, transition_log
 from runlane.store.engine import build_engine, dialect_of
 from runlane.store.evidence import (
     ENDED_WITHOUT_SUCCESS,
@@ -251,6 +250,7 @@ class _Snapshot:
     now: float
     # Attempts numbered above it are finalize-only (store/evidence.py); None: none yet.
     finalize_only_after: int | None = None
+    worker_id: str | None = None  # the attempt's
 
     @property
     def lease_live(self) -> bool:
@@ -375,7 +375,8 @@ class _SubmitBatch:
                 "created_at": self.now, "user_id": item.get("user_id"),
                 "requires": d.requires, "parent_task_id": item.get("parent_task_id"),
                 "estimated_cost_usd": item.get("estimated_cost_usd"),
-                "request_digest": item.get("request_digest")})
+                "request_digest": item.get("request_digest"),
+                "traceparent": item.get("traceparent")})
         return rows
 
     def run_rows(self, inserted: set[str]) -> list[dict[str, Any]]:
@@ -520,6 +521,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
         while True:
             sent = [False]
             skipped: set[int] = set()
+            moves = None
             try:
                 with engine.begin() as conn:
                     info = conn.info
@@ -534,8 +536,11 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
                     finally:
                         info.pop(_SENT, None)
                         info.pop(FREED_SCOPES, None)
+                        moves = info.pop(transition_log.MOVES, None)
                 if skipped:  # committed: the lanes its wake could not take
                     self._wake_skipped_lanes(skipped)
+                if moves:  # committed: announced (never a move rolled back)
+                    transition_log.log_moves(moves)
                 return result
             except DBAPIError as exc:
                 attempt += 1
@@ -591,6 +596,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
         message: str | None = None,
         outcome: str | None = None,
         visible_at: float | None = None,
+        worker_id: str | None = None,
     ) -> bool:
         """Compare-and-set a run from ``source`` along ``path``; True when it won.
 
@@ -621,6 +627,9 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
             run_id, source, path, at=now if now is not None else row.now, actor=actor,
             attempt_no=attempt_no, token=run_token, reason_code=reason_code,
             message=message))
+        transition_log.note(conn, run_id, row.task_id, row.queue, source, path,
+                            token=run_token, attempt_no=attempt_no, worker_id=worker_id,
+                            actor=actor, reason_code=reason_code)
         if target in TERMINAL and row.has_dependents:
             self._resolve_dependents(conn, row.task_id, now)
         if target in ENDED_WITHOUT_SUCCESS:  # a pull request it may have left open
@@ -643,7 +652,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
     # --- submit -------------------------------------------------------------------
 
     def submit(self, specs: Sequence[TaskSpec], *, default_max_attempts: int = 3,
-               actor: str = "api") -> list[Submission]:
+               actor: str = "api", traceparents: Sequence[str | None] | None = None
+               ) -> list[Submission]:
         """Admit and create a task and its run for each spec, all or nothing.
 
         Every run gets an admission decision under the policy in force (recorded on
@@ -652,6 +662,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
         WAITING_CAPACITY until the decision's retry-after. The same (tenant,
         idempotency key) again with the same request returns the existing task and its
         first run; with another request it raises Conflict and writes nothing.
+        ``traceparents``: each spec's submit span (observability/tracing.py), kept on
+        its new task for the task's attempts to join.
         """
         # What each keyed task was asked as, before any truncation: the same key with
         # another request is a conflict, refused before anything is written.
@@ -685,6 +697,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
                 for i, item in zip(planned, batch.items, strict=True):
                     if digests[i] is not None:
                         item["request_digest"] = digests[i]
+                    if traceparents is not None and traceparents[i] is not None:
+                        item["traceparent"] = traceparents[i]
                 skipped = self._write_submission(conn, batch) if planned else set()
                 if skipped is not None:
                     break
@@ -1005,11 +1019,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
 
     @staticmethod
     def _claimed(worker_id: str, leases: list[Lease]) -> list[Lease]:
-        # One level check per claim, not a bound logger built per lease to be dropped.
-        for lease in leases if log.is_enabled_for(logging.DEBUG) else ():
-            log.debug("claimed", task_id=lease.task_id, run_id=lease.run_id,
-                      attempt_id=lease.attempt_id, fencing_token=lease.fencing_token,
-                      worker_id=worker_id, lease_expires_at=lease.expires_at)
+        transition_log.log_claimed(leases)  # committed
         return leases
 
     # --- heartbeat ----------------------------------------------------------------
@@ -1063,7 +1073,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
             created_at=row.created_at, cost_usd=row.cost_usd, attempt_no=row.attempt_no,
             fencing_token=row.fencing_token, lease_status=row.lease_status,
             lease_expires_at=row.lease_expires_at, now=row.now,
-            finalize_only_after=row.finalize_only_after,
+            finalize_only_after=row.finalize_only_after, worker_id=row.worker_id,
         )
 
     def _refusal(self, conn: Connection, lease: Lease, wanted: RunStatus) -> Exception:
@@ -1143,6 +1153,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
         refused.update(lost)
         completed = [moves[run_id][1] for run_id in sorted(
             completed_ids, key=lambda run_id: moves[run_id][0])]
+        transition_log.log_completed([(lease, lease.stage, moves[lease.run_id][2])
+                                      for lease in completed])
         for lease in completed:
             lease.stage = S.SUCCEEDED
         return Completion(tuple(completed),
@@ -1201,7 +1213,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
             won = self._set_status(
                 conn, run_id=lease.run_id, source=lease.stage, path=path,
                 run_token=lease.fencing_token, actor=lease.worker_id, now=self.clock.now(),
-                fenced=True, attempt_no=lease.attempt_no,
+                fenced=True, attempt_no=lease.attempt_no, worker_id=lease.worker_id,
             )
             if not won:
                 raise self._refusal(conn, lease, path[-1])
@@ -1301,7 +1313,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
             won = self._set_status(
                 conn, run_id=lease.run_id, source=source, path=path,
                 run_token=lease.fencing_token, actor=lease.worker_id, now=self.clock.now(),
-                fenced=True, attempt_no=lease.attempt_no,
+                fenced=True, attempt_no=lease.attempt_no, worker_id=lease.worker_id,
             )
             if not won:
                 raise self._refusal(conn, lease, path[-1])
@@ -1398,6 +1410,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
                 conn, run_id=snap.run_id, source=status, path=path, run_token=snap.run_token,
                 actor=actor, now=now, attempt_no=snap.attempt_no, reason_code=run_reason,
                 message=run_message, outcome=outcome, visible_at=visible_at,
+                worker_id=snap.worker_id,
             )
             self._give_back_slots(conn, snap.run_id, snap.fencing_token, held,
                                   cleared=cleared)

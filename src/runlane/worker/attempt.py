@@ -25,6 +25,7 @@ from runlane.domain.agent_limits import CooperativeLimits
 from runlane.domain.reasons import WORKER_ONLY, Reason
 from runlane.domain.states import RunStatus
 from runlane.errors import CancelRequested, CostLimitExceeded, LeaseLost, PolicyDenied
+from runlane.observability import tracing
 from runlane.settings import SettingsInvalid
 from runlane.store.store import Lease, Store
 from runlane.worker.effects import perform_effect
@@ -86,6 +87,10 @@ class AttemptState:
     # ends the agent at it): see watch_deadline.
     _deadline_watchers: list[Callable[[float], None]] = field(default_factory=list)
     _watchers_lock: threading.Lock = field(default_factory=threading.Lock)
+    # The claim's start and end (wall clock, ns): the attempt's span starts there.
+    claimed_ns: tuple[int, int] | None = None
+    # The attempt's span (observability/tracing.py): the agent's lines become its events.
+    trace: tracing.AttemptTrace | tracing.NoTrace = tracing.NO_TRACE
 
     def extended(self, sent_at: float, ttl: float) -> None:
         self.local_deadline = deadline = (sent_at + ttl - min(ttl * 0.2, 5.0)
@@ -135,6 +140,8 @@ class AttemptState:
         once it is lost, or given up on the local deadline (the agent is being stopped,
         and may print more), the attempt's late cost: one write per line, counted in
         the tenant's day all the same."""
+        self.trace.event("cost", {"runlane.usd": usd, "runlane.input_tokens": input_tokens,
+                                  "runlane.output_tokens": output_tokens})
         if self.lost.is_set():
             self.store.report_late_cost(self.lease, usd)
             return
@@ -161,6 +168,9 @@ class AttemptState:
 
     def tool_call(self, call_id: str | None, name: str | None, *, shell: bool = False,
                   seconds: float | None = None) -> None:
+        self.trace.event("tool_call" if seconds is None else "tool_call_ended", {
+            "runlane.tool_call_id": call_id, "runlane.tool_name": name,
+            "runlane.shell": shell, "runlane.seconds": seconds})
         with self._counting:
             over = self._cooperative().tool_call(call_id, name, shell=shell, seconds=seconds,
                                                  now=time.monotonic())
@@ -169,6 +179,7 @@ class AttemptState:
             self.exceeded(over)
 
     def iteration(self) -> None:
+        self.trace.event("iteration", {})
         with self._counting:
             over = self._cooperative().iteration()
         if over is not None:
@@ -176,6 +187,7 @@ class AttemptState:
             self.exceeded(over)
 
     def progress(self, message: str) -> None:
+        self.trace.event("progress", {"runlane.message": message})
         log.info("agent_progress", run_id=self.lease.run_id, attempt_id=self.lease.attempt_id,
                  message=message)
 
@@ -275,6 +287,7 @@ class AttemptDriver:
         ended = "failed"
         try:
             task = self.store.get_task(lease.task_id)
+            state.trace = tracing.attempt(lease, task.get("traceparent"), state.claimed_ns)
             try:  # an unsupported code host fails the run now, not after the push
                 host = self.code_host_for(task["repo"])
                 close = getattr(host, "close", None)
@@ -289,10 +302,11 @@ class AttemptDriver:
             self.store.advance(lease, S.PREPARING_SANDBOX)
             self._remove_earlier_workspaces(lease)
             try:
-                workspace = Workspace.clone(clone_source(task["repo"]),
-                                            self.settings.workspace_root,
-                                            f"{lease.run_id}-{lease.attempt_no}",
-                                            timeout=self.settings.clone_timeout_seconds)
+                with state.trace.stage("runlane.clone"):
+                    workspace = Workspace.clone(clone_source(task["repo"]),
+                                                self.settings.workspace_root,
+                                                f"{lease.run_id}-{lease.attempt_no}",
+                                                timeout=self.settings.clone_timeout_seconds)
             except CloneFailed as exc:
                 reason = (Reason.GIT_CLONE_FAILED_TRANSIENT if exc.transient
                           else Reason.TASK_CONTRACT_INVALID)
@@ -316,10 +330,15 @@ class AttemptDriver:
             if self.finalizer.already_pushed(lease, workspace, state):
                 ended = self.finalizer.resume(lease, workspace, task, state)
                 return ended
+            # The sandbox is the workspace's: the agent's and the verify command's (each
+            # its own bwrap) see it, and it names them in the trace (docs/tracing.md).
+            state.trace.set({"runlane.sandbox_id": workspace.path.name})
             self.store.advance(lease, S.RUNNING)
-            env = self._env(lease, task, workspace.path, artifacts)
-            result = self.agent.run(workspace=workspace.path, artifacts_dir=artifacts, env=env,
-                                    control=state, limits=self._limits(lease))
+            env = self._env(lease, task, workspace.path, artifacts, state.trace.traceparent())
+            with state.trace.stage("runlane.agent", events=True) as span:
+                result = self.agent.run(workspace=workspace.path, artifacts_dir=artifacts,
+                                        env=env, control=state, limits=self._limits(lease))
+                span.set_attributes(_outcome(result))
             ended = self._after_agent(state, workspace, artifacts, env, task, result)
             return ended
         except Stop as stop:
@@ -366,6 +385,7 @@ class AttemptDriver:
             elif workspace is not None:
                 workspace.release()
             bound.info("attempt_finished", ended=ended)
+            state.trace.end(ended)
 
     def _after_agent(self, state: AttemptState, workspace: Workspace, artifacts: Path,
                      env: dict[str, str], task: dict[str, Any], result: AgentResult) -> str:
@@ -414,9 +434,11 @@ class AttemptDriver:
             # The repository's own code runs here (its tests): the policy's secrets are
             # the agent's (its model's API key), not the verify command's.
             limits = replace(limits, secrets=())
-            verdict = self.verifier.run(workspace=workspace.path, artifacts_dir=artifacts,
-                                        env=env, control=state, limits=limits,
-                                        log_name="verify.log")
+            with state.trace.stage("runlane.verify", events=True) as span:
+                verdict = self.verifier.run(workspace=workspace.path, artifacts_dir=artifacts,
+                                            env=env, control=state, limits=limits,
+                                            log_name="verify.log")
+                span.set_attributes(_outcome(verdict))
             if verdict.stopped is StopReason.TIMEOUT and by_verifier_limit:
                 return self._fail(
                     state, Reason.LIMIT_EXCEEDED,
@@ -430,7 +452,9 @@ class AttemptDriver:
         if self.judge is not None:
             state.check()
             self.store.advance(lease, S.JUDGING)
-            rejection = self.judge(task, workspace.path, result)
+            with state.trace.stage("runlane.judge") as span:
+                rejection = self.judge(task, workspace.path, result)
+                span.set_attribute("runlane.accepted", not rejection)
             if rejection:
                 return self._fail(state, Reason.JUDGE_REJECTED, rejection)
         state.check()
@@ -534,9 +558,11 @@ class AttemptDriver:
             secrets=tuple(run.get("secrets") or ()))
 
     @staticmethod
-    def _env(lease: Lease, task: dict[str, Any], workspace: Path, artifacts: Path
-             ) -> dict[str, str]:
-        return {
+    def _env(lease: Lease, task: dict[str, Any], workspace: Path, artifacts: Path,
+             traceparent: str | None = None) -> dict[str, str]:
+        # TRACEPARENT: the attempt's span, for an agent that traces (CONTRACT.md); it
+        # passes the sandbox's filter as the contract's variables do.
+        return ({"TRACEPARENT": traceparent} if traceparent else {}) | {
             "RUNLANE_TASK_ID": lease.task_id,
             "RUNLANE_RUN_ID": lease.run_id,
             "RUNLANE_ATTEMPT": str(lease.attempt_no),
@@ -547,3 +573,11 @@ class AttemptDriver:
             "RUNLANE_ARTIFACTS_DIR": str(artifacts),
         }
 
+
+
+def _outcome(result: AgentResult) -> dict[str, Any]:
+    """How an agent or verify command ended, as attributes of its stage's span."""
+    return {k: v for k, v in (("runlane.exit_code", result.exit_code),
+                              ("runlane.stopped", result.stopped and result.stopped.value),
+                              ("runlane.duration_seconds", result.duration_seconds))
+            if v is not None}

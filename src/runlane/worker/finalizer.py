@@ -39,6 +39,7 @@ from runlane.codehost.base import (
 from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
 from runlane.faults import crash_point, pause_point
+from runlane.observability import tracing
 from runlane.store.evidence import PULL_REQUEST_EFFECT
 from runlane.store.evidence import PUSH_EFFECT as PUSH_EFFECT  # tests import it from here
 from runlane.store.store import Lease, Store
@@ -193,9 +194,11 @@ class Finalizer:
             raise PushFailed(f"branch {branch} changed under each of {PUSH_TRIES} pushes",
                              transient=True)
 
-        perform_effect(self.store, lease, PUSH_EFFECT, find=remote_branch, do=push,
-                       intent={"sha": sha} if sha is not None else None,
-                       check=lambda: None)  # push() checks the lease right before it
+        with tracing.stage("runlane.push", {"runlane.branch": branch}) as span:
+            pushed = perform_effect(self.store, lease, PUSH_EFFECT, find=remote_branch,
+                                    do=push, intent={"sha": sha} if sha is not None else None,
+                                    check=lambda: None)  # push() checks the lease before it
+            span.set_attributes(_effect_attributes(pushed))
 
         host = self.code_host_for(task["repo"])
         set_deadline = getattr(host, "set_deadline", None)
@@ -238,8 +241,11 @@ class Finalizer:
                 return {**_pr(found), "adopted": True}
 
         try:
-            perform_effect(self.store, lease, PULL_REQUEST_EFFECT, find=existing_pr,
-                           do=open_pr, check=lambda: None)  # open_pr() checks it
+            with tracing.stage("runlane.pull_request") as span:
+                opened = perform_effect(self.store, lease, PULL_REQUEST_EFFECT,
+                                        find=existing_pr, do=open_pr,
+                                        check=lambda: None)  # open_pr() checks it
+                span.set_attributes(_effect_attributes(opened))
         finally:
             close = getattr(host, "close", None)
             if callable(close):
@@ -279,3 +285,11 @@ class Finalizer:
 
 def _pr(pr: PullRequest) -> dict[str, Any]:
     return asdict(pr)
+
+
+def _effect_attributes(result: dict[str, Any]) -> dict[str, Any]:
+    """What a push or a pull request left, for its span: the commit, the pull request's
+    number and URL, and whether it was found made already (adopted)."""
+    return {f"runlane.{k}": v for k, v in result.items()
+            if k in ("sha", "number", "url", "adopted", "replaced")
+            and isinstance(v, str | int | bool)}

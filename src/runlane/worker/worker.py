@@ -182,12 +182,15 @@ class Worker:
             if free <= 0 or self.draining.is_set():
                 break
             sent_at = time.monotonic()
+            asked_ns = time.time_ns()  # the claim's span (observability/tracing.py)
             leases = self.store.claim(self.worker_id, queue, limit=free,
                                       lease_ttl=self.config.lease_ttl_seconds,
                                       capabilities=self.config.capabilities)
+            claimed_ns = (asked_ns, time.time_ns())
             for lease in leases:
                 state = AttemptState(lease, self.store,
-                                     stop_grace=self.config.agent_term_grace_seconds)
+                                     stop_grace=self.config.agent_term_grace_seconds,
+                                     claimed_ns=claimed_ns)
                 state.extended(sent_at, self.config.lease_ttl_seconds)
                 self._start(state)
             if leases:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Path, Response
+from fastapi import APIRouter, Body, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from runlane.http.auth import Lane, Who
 from runlane.http.routes import returns
+from runlane.observability.tracing import Incoming
 
 router = APIRouter(tags=["tasks"])
 
@@ -46,21 +47,24 @@ class TaskRequest(BaseModel):
                               "submitted before: its task and run, nothing created."},
                         409: {"description": "The idempotency key was used with another "
                               "body; nothing was written."}})
-def submit(body: TaskRequest, lane: Lane, who: Who, response: Response) -> Any:
+def submit(body: TaskRequest, lane: Lane, who: Who, response: Response,
+           request: Request) -> Any:
     fields = body.fields(who.tenant)
-    result = lane.submit(fields.pop("tenant"), fields.pop("repo"), fields.pop("prompt"),
-                         principal=who, **fields)
+    # A caller's W3C traceparent header: the task's trace is a part of the caller's.
+    with Incoming(request.headers.get("traceparent")):
+        result = lane.submit(fields.pop("tenant"), fields.pop("repo"), fields.pop("prompt"),
+                             principal=who, **fields)
     if not getattr(result, "created", True):
         response.status_code = 200
     return result
 
 
 @router.post("/tasks/batch", status_code=201, response_model=returns("submit_batch"))
-def submit_batch(lane: Lane, who: Who,
+def submit_batch(lane: Lane, who: Who, request: Request,
                  body: Annotated[list[TaskRequest], Body(max_length=MAX_BATCH)]) -> Any:
     """All or nothing: every task is validated before anything is written."""
-    return lane.submit_batch([t.fields(who.tenant) for t in body],
-                             principal=who)
+    with Incoming(request.headers.get("traceparent")):
+        return lane.submit_batch([t.fields(who.tenant) for t in body], principal=who)
 
 
 @router.get("/tasks/{task_id}", response_model=returns("task"))

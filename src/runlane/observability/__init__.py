@@ -1,0 +1,1 @@
+"""What runlane tells an operator while it runs: metrics, traces and logs."""
