@@ -37,6 +37,7 @@ from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, Fail
 from runlane.agents.resources import ResourceWatch
 from runlane.children import chained, dying_with_parent
 from runlane.domain.reasons import Reason
+from runlane.observability import metrics
 from runlane.sandbox import GroupState, Members, Sandbox
 from runlane.sandbox.environment import agent_environment as agent_environment
 from runlane.sandbox.guard import forget, guard
@@ -359,9 +360,13 @@ class CommandRunner:
         log_path = artifacts_dir / log_name
         out = _Log(log_path)
         started = time.monotonic()
-        spawn = self.sandbox.prepare(self.command, workspace=workspace,
-                                     artifacts_dir=artifacts_dir, env=env,
-                                     network=limits.network, secrets=limits.secrets)
+        try:
+            spawn = self.sandbox.prepare(self.command, workspace=workspace,
+                                         artifacts_dir=artifacts_dir, env=env,
+                                         network=limits.network, secrets=limits.secrets)
+        except Exception:
+            metrics.sandbox_start_failed(self.sandbox.mode)
+            raise
         for note in spawn.notes:
             out.note(note)
         # SIGKILL when this thread dies, from before bwrap runs: its own
@@ -380,6 +385,7 @@ class CommandRunner:
             out.note(f"ERROR could not start the agent command: {exc}")
             out.close()
             log.error("agent_start_failed", error=str(exc), workspace=str(workspace))
+            metrics.sandbox_start_failed(self.sandbox.mode)
             return AgentResult(exit_code=None, log_path=log_path, duration_seconds=0.0)
         spawn.started()
         assert proc.stdout is not None and proc.stderr is not None

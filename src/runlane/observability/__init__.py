@@ -1,0 +1,1 @@
+"""Observability: what runlane tells an operator beyond its logs (metrics, traces)."""
