@@ -7,19 +7,24 @@ cache interval whatever the scrapers; recording switched off by the METRICS sett
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import text
 
+from runlane.agents.base import AttemptLimits
+from runlane.agents.command import CommandRunner
 from runlane.clock import ManualClock
 from runlane.domain.policy import parse_policy
 from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
 from runlane.observability import metrics
 from runlane.observability.gauges import DatabaseGauges
+from runlane.sandbox import Sandbox, SandboxConfig
 from runlane.store import gauges_sql
 from runlane.store.store import Store
+from runlane.worker.effects import perform_effect
 
 from .conftest import T0
 from .support import execute, submit
@@ -264,3 +269,36 @@ def test_the_gauge_statement_reads_no_run_beyond_each_lane_s_head(store: Store) 
             assert all("USING INDEX ix_runs_lane_dispatch" in line or
                        "USING COVERING INDEX ix_runs_lane_dispatch" in line
                        for line in runs_access), plan
+
+
+def test_side_effects_are_counted_by_kind_and_result(store: Store) -> None:
+    def count(kind: str, result: str) -> float:
+        return sample("runlane_side_effects_total", kind=kind, result=result)
+
+    before = {r: count("pull_request", r) for r in ("performed", "already_done", "adopted")}
+    agent_failed = count("agent", "failed")
+    submit(store, 2)
+    first, second = store.claim("w1", limit=2, lease_ttl=30)
+    perform_effect(store, first, "pull_request", find=lambda: None, do=lambda: {"n": 1})
+    perform_effect(store, first, "pull_request", find=lambda: None, do=lambda: {"n": 2})
+    perform_effect(store, second, "pull_request", find=lambda: {"n": 3},
+                   do=lambda: {"never": True})
+
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("the code host said no")
+
+    with pytest.raises(RuntimeError):
+        perform_effect(store, second, "agent:deploy-preview", find=lambda: None, do=broken)
+    assert {r: count("pull_request", r) - before[r] for r in before} == {
+        "performed": 1, "already_done": 1, "adopted": 1}
+    assert count("agent", "failed") == agent_failed + 1
+    assert "deploy-preview" not in metrics.render(metrics.registry())[0].decode()
+
+
+def test_a_sandbox_that_cannot_start_is_counted(tmp_path: Path) -> None:
+    failures = sample("runlane_sandbox_start_failures_total")
+    result = CommandRunner("echo never", sandbox=Sandbox(SandboxConfig(mode="off"))).run(
+        workspace=tmp_path / "gone", artifacts_dir=tmp_path / "artifacts", env={},
+        control=None, limits=AttemptLimits())  # type: ignore[arg-type]  # never reached
+    assert result.exit_code is None
+    assert sample("runlane_sandbox_start_failures_total") == failures + 1

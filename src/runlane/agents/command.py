@@ -365,7 +365,7 @@ class CommandRunner:
                                          artifacts_dir=artifacts_dir, env=env,
                                          network=limits.network, secrets=limits.secrets)
         except Exception:
-            metrics.sandbox_start_failed(self.sandbox.mode)
+            metrics.sandbox_start_failed()
             raise
         for note in spawn.notes:
             out.note(note)
@@ -385,7 +385,7 @@ class CommandRunner:
             out.note(f"ERROR could not start the agent command: {exc}")
             out.close()
             log.error("agent_start_failed", error=str(exc), workspace=str(workspace))
-            metrics.sandbox_start_failed(self.sandbox.mode)
+            metrics.sandbox_start_failed()
             return AgentResult(exit_code=None, log_path=log_path, duration_seconds=0.0)
         spawn.started()
         assert proc.stdout is not None and proc.stderr is not None

@@ -129,7 +129,7 @@ def _build() -> _Metrics:
             ["kind", "result"], registry=r),
         sandbox_start_failures=Counter(
             "runlane_sandbox_start_failures", "Agent or verify commands whose sandbox "
-            "could not start.", ["sandbox"], registry=r),
+            "could not be prepared or whose process could not start.", registry=r),
         policy_decisions=Counter(
             "runlane_policy_decisions", "Admission decisions by stage (submit, claim, "
             "scheduler, side_effect), action and reason code.",
@@ -288,9 +288,9 @@ def side_effect(key: str, result: str) -> None:
         _m().side_effects.labels(effect_kind(key), result).inc()
 
 
-def sandbox_start_failed(sandbox: str) -> None:
+def sandbox_start_failed() -> None:
     if _on:
-        _m().sandbox_start_failures.labels(sandbox).inc()
+        _m().sandbox_start_failures.inc()
 
 
 def cost(tenant: str, usd: float) -> None:
