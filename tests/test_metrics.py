@@ -259,7 +259,7 @@ def test_the_gauge_statement_reads_no_run_beyond_each_lane_s_head(store: Store) 
             assert "ix_runs_lane_dispatch" in plan, plan
             # One index probe per lane with queued runs, each stopping at its head.
             probe = next(line for line in plan.splitlines() if "ix_runs_lane_dispatch" in line)
-            assert "loops=20" in probe, plan
+            assert "rows=1 loops=20" in probe, plan
         else:
             explain = store._sql.render("EXPLAIN QUERY PLAN " + gauges_sql.GAUGES, "tenants")
             rows = conn.execute(explain, params).all()
@@ -269,6 +269,7 @@ def test_the_gauge_statement_reads_no_run_beyond_each_lane_s_head(store: Store) 
             assert all("USING INDEX ix_runs_lane_dispatch" in line or
                        "USING COVERING INDEX ix_runs_lane_dispatch" in line
                        for line in runs_access), plan
+            assert "FOR ORDER BY" not in plan, plan  # the lane's head, in index order
 
 
 def test_side_effects_are_counted_by_kind_and_result(store: Store) -> None:
