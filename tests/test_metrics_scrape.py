@@ -10,7 +10,9 @@ observed once), a killed worker's lease (lease_expired), and the database's gaug
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,6 +52,7 @@ case "$RUNLANE_PROMPT" in
       exit 1
     fi ;;
   sleep) exec sleep 600 ;;
+  change) echo "changed by the agent" > change.txt ;;
 esac
 echo '{"runlane": "cost", "usd": 0.25}'
 exit 0
@@ -113,6 +116,15 @@ def agent(tmp_path: Path) -> str:
     path.write_text(AGENT)
     path.chmod(0o755)
     return str(path)
+
+
+def dashboard_metrics() -> set[str]:
+    """Every metric named by a query of a panel of deploy/grafana/runlane.json."""
+    document = json.loads((ROOT / "deploy" / "grafana" / "runlane.json").read_text())
+    exprs = [target["expr"] for panel in document["panels"]
+             for target in panel.get("targets", [])]
+    assert exprs
+    return {name for expr in exprs for name in re.findall(r"\brunlane_[a-z_]+", expr)}
 
 
 def status_of(store: Store, run_id: str) -> str:
@@ -191,13 +203,16 @@ def test_the_seed_metrics_move_as_runs_go_through_real_processes(
                        "the cancel and the other acme run", timeout=60)
 
             # An agent's 429: its first attempt fails PROVIDER_RATE_LIMIT, is retried.
-            limited = api.post("/v1/tasks", json={"tenant": "beta", "repo": repo,
-                                                  "prompt": "ratelimit"}).json()
-            wait_until(lambda: status_of(store, limited["run_id"]) == "SUCCEEDED",
-                       "the rate-limited run to succeed on its second attempt", timeout=60)
+            # And a change: pushed and proposed (side effects), a cost in beta's day.
+            limited, changed = (api.post("/v1/tasks", json={
+                "tenant": "beta", "repo": repo, "prompt": prompt}).json()
+                for prompt in ("ratelimit", "change"))
+            wait_until(lambda: status_of(store, limited["run_id"]) == "SUCCEEDED"
+                       and status_of(store, changed["run_id"]) == "SUCCEEDED",
+                       "the rate-limited run (second attempt) and the change", timeout=60)
             worker = scraped(worker_url, "the worker's counts of those runs",
                              lambda s: s.value("runlane_scheduler_run_duration_seconds_count",
-                                               status="SUCCEEDED") >= 2)
+                                               status="SUCCEEDED") >= 3)
             assert worker.value("runlane_scheduler_retry_total",
                                 reason_code="PROVIDER_RATE_LIMIT") == 1
             assert worker.value("runlane_attempts_total", outcome="PROVIDER_RATE_LIMIT") == 1
@@ -206,9 +221,12 @@ def test_the_seed_metrics_move_as_runs_go_through_real_processes(
             assert worker.value("runlane_scheduler_run_duration_seconds_count",
                                 status="CANCELLED") == 1
             assert worker.value("runlane_scheduler_claim_success_total",
-                                queue="default") == 4  # acme 2, the 429 run twice
+                                queue="default") == 5  # acme 2, the 429 run twice, change
             assert worker.value("runlane_cost_usd_total", tenant="acme") == 0.25
-            assert worker.value("runlane_cost_usd_total", tenant="beta") == 0.25
+            assert worker.value("runlane_cost_usd_total", tenant="beta") == 0.5
+            for effect in ("push_branch", "pull_request"):
+                assert worker.value("runlane_side_effects_total", kind=effect,
+                                    result="performed") == 1
             assert worker.value("runlane_db_claim_seconds_count") >= 4
             assert worker.value("runlane_db_heartbeat_seconds_count") >= 1
 
@@ -242,10 +260,15 @@ def test_the_seed_metrics_move_as_runs_go_through_real_processes(
             assert gauges.value("runlane_tenant_budget_usd", tenant="acme") == 1.0
             assert gauges.value("runlane_tenant_spend_today_usd", tenant="acme") == 0.25
 
-            # Every one of the fourteen, across the three endpoints.
+            # Every one of the fourteen, across the three endpoints; and every metric a
+            # panel of the Grafana dashboard draws.
             seen = [worker, maintained, gauges]
             missing = [name for name in SEED_METRICS if not any(s.has(name) for s in seen)]
             assert not missing, missing
+            drawn = dashboard_metrics()
+            assert len(drawn) >= 20
+            undrawn = sorted(name for name in drawn if not any(s.has(name) for s in seen))
+            assert not undrawn, undrawn
         except BaseException:
             print(processes.logs(), served.stderr())
             raise
