@@ -195,7 +195,7 @@ def test_the_gauges_are_the_database_s_figures(store: Store, clock: ManualClock)
     clock.advance(6.0)
     reading = gauges(store)[0].reading()
     assert reading.queue_depth == {"default": 2, "gpu": 2}
-    # default: its head ready since T0 (20 s); gpu: every run in its backoff, none ready
+    # default: queued and ready since T0 (20 s); gpu: every run in its backoff, none ready
     assert reading.oldest_ready_age == {"default": pytest.approx(20.0)}
     assert reading.active_leases == 1
     assert reading.heartbeat_lag == {"w1": pytest.approx(10.0)}
@@ -244,32 +244,50 @@ def parse_task_spec(tenant: str) -> Any:
     return spec(tenant=tenant)
 
 
-def test_the_gauge_statement_reads_no_run_beyond_each_lane_s_head(store: Store) -> None:
-    """Its plan, with the tables' statistics taken: the runs are read through the
-    dispatch index, never scanned, whatever their number (docs/metrics.md: EXPLAIN)."""
-    _lanes_of_queued_runs(store, lanes=20, per_lane=50)
-    params = {"now": store.clock.now(), "tenants": ["t1"], "day": "2027-01-15"}
+def test_the_gauge_statement_reads_a_fixed_number_of_runs(store: Store) -> None:
+    """Its plan, with the tables' statistics taken: the runs are read through
+    ix_runs_status_updated, the OLDEST_QUEUED that have waited longest and no more,
+    never scanned nor sorted, whatever their number (docs/metrics.md: EXPLAIN)."""
+    _lanes_of_queued_runs(store, lanes=20, per_lane=100)
+    params = {"now": store.clock.now(), "tenants": ["t1"], "day": "2027-01-15",
+              "oldest": gauges_sql.OLDEST_QUEUED}
     with store.engine.connect() as conn:
         conn.execute(text("ANALYZE"))
         if store.is_postgres:
-            explain = store._sql.render("EXPLAIN (ANALYZE, COSTS OFF) " + gauges_sql.GAUGES,
-                                        "tenants")
+            explain = store._sql.render(
+                "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + gauges_sql.GAUGES, "tenants")
             plan = "\n".join(conn.execute(explain, params).scalars())
             assert "Seq Scan on runs" not in plan, plan
-            assert "ix_runs_lane_dispatch" in plan, plan
-            # One index probe per lane with queued runs, each stopping at its head.
-            probe = next(line for line in plan.splitlines() if "ix_runs_lane_dispatch" in line)
-            assert "rows=1 loops=20" in probe, plan
+            walk = next(line for line in plan.splitlines()
+                        if "ix_runs_status_updated on runs" in line)
+            assert f"actual rows={gauges_sql.OLDEST_QUEUED} loops=1" in walk, plan
         else:
             explain = store._sql.render("EXPLAIN QUERY PLAN " + gauges_sql.GAUGES, "tenants")
             rows = conn.execute(explain, params).all()
             plan = "\n".join(str(r[-1]) for r in rows)
             runs_access = [line for line in plan.splitlines() if line.split()[1:2] == ["r"]]
-            assert runs_access, plan
-            assert all("USING INDEX ix_runs_lane_dispatch" in line or
-                       "USING COVERING INDEX ix_runs_lane_dispatch" in line
-                       for line in runs_access), plan
-            assert "FOR ORDER BY" not in plan, plan  # the lane's head, in index order
+            assert runs_access == ["SEARCH r USING INDEX ix_runs_status_updated (status=?)"], \
+                plan
+            assert "FOR ORDER BY" not in plan, plan  # in the index's order, not sorted
+
+
+def test_a_retried_run_is_aged_from_the_end_of_its_backoff(
+        store: Store, clock: ManualClock) -> None:
+    [run] = submit(store)
+    [lease] = store.claim("w1", lease_ttl=300)
+    clock.advance(100.0)
+    store.fail(lease, Reason.PROVIDER_RATE_LIMIT, retry_after_seconds=50.0)
+    reader = gauges(store)[0]
+    assert reader.reading().oldest_ready_age == {}  # in its backoff: not ready
+    visible_at = float(execute_scalar(store, "SELECT visible_at FROM runs WHERE run_id = :r",
+                                      r=run.run_id))
+    clock.set(visible_at + 7.0)
+    assert reader.reading().oldest_ready_age == {"default": pytest.approx(7.0)}
+
+
+def execute_scalar(store: Store, sql: str, **params: Any) -> Any:
+    with store.engine.connect() as conn:
+        return conn.execute(text(sql), params).scalar_one()
 
 
 def test_side_effects_are_counted_by_kind_and_result(store: Store) -> None:

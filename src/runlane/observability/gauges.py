@@ -87,9 +87,9 @@ def _families(r: GaugeReading, budgets: dict[str, float]) -> Iterator[Metric]:
     for queue, n in sorted(r.queue_depth.items()):
         depth.add_metric([queue], n)
     yield depth
-    age = GaugeMetricFamily(S + "queue_oldest_ready_age_seconds", "Seconds the oldest "
-                            "ready run at the head of a lane of the queue has been ready "
-                            "(visible) and unclaimed.", labels=["queue"])
+    age = GaugeMetricFamily(S + "queue_oldest_ready_age_seconds", "Seconds the queue's "
+                            "oldest ready run has waited since it became ready (entered the "
+                            "queue, or its backoff ended), unclaimed.", labels=["queue"])
     for queue in sorted(r.queue_depth):
         age.add_metric([queue], r.oldest_ready_age.get(queue, 0.0))
     yield age

@@ -32,10 +32,13 @@ def read_gauges(store: Store, *, tenants: Sequence[str], day: str) -> GaugeReadi
     """Every gauge in one statement; ``tenants``: those whose spend on ``day`` (UTC,
     YYYY-MM-DD) to read (the tenants with a daily budget)."""
     started = time.perf_counter()
-    with store.reads.connect() as conn:
+    # PostgreSQL: autocommit, one round trip (no BEGIN, no ROLLBACK at the pool's return:
+    # one statement reads one snapshot anyway); SQLite: a deferred read.
+    engine = store._autocommit_engine if store.is_postgres else store.reads
+    with engine.connect() as conn:
         rows = conn.execute(store._q(gauges_sql.GAUGES, "tenants"),
                             {"now": store.clock.now(), "tenants": list(tenants),
-                             "day": day}).all()
+                             "day": day, "oldest": gauges_sql.OLDEST_QUEUED}).all()
     seconds = time.perf_counter() - started
     depth: dict[str, int] = {}
     ages: dict[str, float] = {}
