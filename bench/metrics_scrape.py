@@ -11,7 +11,7 @@ spend for every tenant, a policy giving 100 tenants a daily budget. ``ANALYZE``d
 Timed, ``--samples`` times each: the statement's execution on the server (PostgreSQL:
 ``EXPLAIN ANALYZE``), and the whole reading as a scrape makes it
 (``DatabaseGauges.reading()`` without its cache: pool checkout, round trip, rows to
-figures). Prints the plan.
+figures), in five rounds alternating the two. Prints the plan.
 
     .venv/bin/python bench/metrics_scrape.py                      # both engines
     .venv/bin/python bench/metrics_scrape.py --engine postgresql --queues 4 --priorities 5
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -127,27 +128,39 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
         seeded = time.perf_counter() - started
         reader = DatabaseGauges(store, cache_seconds=0.0)
         reading = reader.reading()
-        client = timed(reader.reading, args.samples)
-        params = {"now": NOW, "tenants": sorted(reader.budgets()), "day": "2027-01-15"}
-        result: dict[str, Any] = {"seeded_s": seeded, "client": client, "reading": reading}
+        params = {"now": NOW, "tenants": sorted(reader.budgets()), "day": "2027-01-15",
+                  "oldest": gauges_sql.OLDEST_QUEUED}
+        client: list[float] = []
+        server: list[float] = []
         with store.engine.connect() as conn:
+            explain = store._sql.render(
+                "EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) " + gauges_sql.GAUGES, "tenants")
+
+            def on_the_server() -> None:
+                [plan] = conn.execute(explain, params).scalar_one()
+                server.append(float(plan["Execution Time"]))
+
+            # Rounds alternating the two, so that the machine's other load falls on both.
+            for _ in range(5):
+                client += timed(reader.reading, args.samples // 5)
+                if store.is_postgres:
+                    for _ in range(args.samples // 5):
+                        on_the_server()
             if store.is_postgres:
-                explain = store._sql.render(
-                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + gauges_sql.GAUGES, "tenants")
-                server = []
-                for _ in range(args.samples):
-                    [plan] = conn.execute(explain, params).scalar_one()
-                    server.append(float(plan["Execution Time"]))
-                result["server"] = server
                 text_plan = store._sql.render(
                     "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) " + gauges_sql.GAUGES,
                     "tenants")
-                result["plan"] = "\n".join(conn.execute(text_plan, params).scalars())
+                plan = "\n".join(conn.execute(text_plan, params).scalars())
+                plan = re.sub(r"'\{tenant0,[^}]*\}'", "'{tenant0,tenant10,...}'", plan)
             else:
                 explain = store._sql.render("EXPLAIN QUERY PLAN " + gauges_sql.GAUGES,
                                             "tenants")
-                result["plan"] = "\n".join(f"{r[0]:>3} {r[1]:>3} {r[3]}"
-                                           for r in conn.execute(explain, params))
+                plan = "\n".join(f"{r[0]:>3} {r[1]:>3} {r[3]}"
+                                  for r in conn.execute(explain, params))
+        result: dict[str, Any] = {"seeded_s": seeded, "client": client, "reading": reading,
+                                  "plan": plan, "load": os.getloadavg()[0]}
+        if server:
+            result["server"] = server
         return result
     finally:
         store.close()
@@ -162,7 +175,8 @@ def report(engine: str, result: dict[str, Any]) -> None:
         line += (f"; statement on the server p50 {percentile(server, 50):.2f} ms, "
                  f"p95 {percentile(server, 95):.2f} ms")
     r = result["reading"]
-    print(line + f" ({len(client)} samples; seeded in {result['seeded_s']:.0f} s)")
+    print(line + f" ({len(client)} samples; seeded in {result['seeded_s']:.0f} s; load "
+                 f"average {result['load']:.1f})")
     print(f"  {len(r.queue_depth)} queues, depth {sum(r.queue_depth.values()):,}, "
           f"{r.active_leases} leases, {len(r.heartbeat_lag)} live workers, "
           f"{len(r.spend_today)} budgets' spend")
