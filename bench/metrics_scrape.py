@@ -40,6 +40,7 @@ from runlane.domain.policy import parse_policy
 from runlane.logs import configure_logging
 from runlane.observability.gauges import DatabaseGauges
 from runlane.store import gauges_sql
+from runlane.store.gauges import gauge_parameters
 from runlane.store.store import Store
 
 NOW = 1_800_000_000.0  # the pinned "now" of every statement (runs created before it)
@@ -128,13 +129,12 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
         seeded = time.perf_counter() - started
         reader = DatabaseGauges(store, cache_seconds=0.0)
         reading = reader.reading()
-        params = {"now": NOW, "tenants": sorted(reader.budgets()), "day": "2027-01-15",
-                  "oldest": gauges_sql.OLDEST_QUEUED}
+        params = gauge_parameters(store, tenants=sorted(reader.budgets()), day="2027-01-15")
+        statement = gauges_sql.GAUGES[store.dialect]
         client: list[float] = []
         server: list[float] = []
         with store.engine.connect() as conn:
-            explain = store._sql.render(
-                "EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) " + gauges_sql.GAUGES, "tenants")
+            explain = store._sql.render("EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) " + statement)
 
             def on_the_server() -> None:
                 [plan] = conn.execute(explain, params).scalar_one()
@@ -148,13 +148,11 @@ def bench(url: str, args: argparse.Namespace) -> dict[str, Any]:
                         on_the_server()
             if store.is_postgres:
                 text_plan = store._sql.render(
-                    "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) " + gauges_sql.GAUGES,
-                    "tenants")
+                    "EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) " + statement)
                 plan = "\n".join(conn.execute(text_plan, params).scalars())
                 plan = re.sub(r"'\{tenant0,[^}]*\}'", "'{tenant0,tenant10,...}'", plan)
             else:
-                explain = store._sql.render("EXPLAIN QUERY PLAN " + gauges_sql.GAUGES,
-                                            "tenants")
+                explain = store._sql.render("EXPLAIN QUERY PLAN " + statement)
                 plan = "\n".join(f"{r[0]:>3} {r[1]:>3} {r[3]}"
                                   for r in conn.execute(explain, params))
         result: dict[str, Any] = {"seeded_s": seeded, "client": client, "reading": reading,

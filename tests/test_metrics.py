@@ -23,6 +23,7 @@ from runlane.observability import metrics
 from runlane.observability.gauges import DatabaseGauges
 from runlane.sandbox import Sandbox, SandboxConfig
 from runlane.store import gauges_sql
+from runlane.store.gauges import gauge_parameters
 from runlane.store.store import Store
 from runlane.worker.effects import perform_effect
 
@@ -249,20 +250,19 @@ def test_the_gauge_statement_reads_a_fixed_number_of_runs(store: Store) -> None:
     ix_runs_status_updated, the OLDEST_QUEUED that have waited longest and no more,
     never scanned nor sorted, whatever their number (docs/metrics.md: EXPLAIN)."""
     _lanes_of_queued_runs(store, lanes=20, per_lane=100)
-    params = {"now": store.clock.now(), "tenants": ["t1"], "day": "2027-01-15",
-              "oldest": gauges_sql.OLDEST_QUEUED}
+    params = gauge_parameters(store, tenants=["t1"], day="2027-01-15")
+    statement = gauges_sql.GAUGES[store.dialect]
     with store.engine.connect() as conn:
         conn.execute(text("ANALYZE"))
         if store.is_postgres:
-            explain = store._sql.render(
-                "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + gauges_sql.GAUGES, "tenants")
+            explain = store._sql.render("EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) " + statement)
             plan = "\n".join(conn.execute(explain, params).scalars())
             assert "Seq Scan on runs" not in plan, plan
             walk = next(line for line in plan.splitlines()
                         if "ix_runs_status_updated on runs" in line)
             assert f"actual rows={gauges_sql.OLDEST_QUEUED} loops=1" in walk, plan
         else:
-            explain = store._sql.render("EXPLAIN QUERY PLAN " + gauges_sql.GAUGES, "tenants")
+            explain = store._sql.render("EXPLAIN QUERY PLAN " + statement)
             rows = conn.execute(explain, params).all()
             plan = "\n".join(str(r[-1]) for r in rows)
             runs_access = [line for line in plan.splitlines() if line.split()[1:2] == ["r"]]

@@ -3,10 +3,11 @@ rows as a plain value; observability/gauges.py caches it and makes the metrics."
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from runlane.store import gauges_sql
 
@@ -28,6 +29,12 @@ class GaugeReading:
     seconds: float = 0.0  # how long the statement took, round trip included
 
 
+def gauge_parameters(store: Store, *, tenants: Sequence[str], day: str) -> dict[str, Any]:
+    """The parameters of gauges_sql.GAUGES (also for its EXPLAIN, in tests and bench/)."""
+    return {"now": store.clock.now(), "day": day, "oldest": gauges_sql.OLDEST_QUEUED,
+            "tenants": list(tenants) if store.is_postgres else json.dumps(list(tenants))}
+
+
 def read_gauges(store: Store, *, tenants: Sequence[str], day: str) -> GaugeReading:
     """Every gauge in one statement; ``tenants``: those whose spend on ``day`` (UTC,
     YYYY-MM-DD) to read (the tenants with a daily budget)."""
@@ -36,9 +43,8 @@ def read_gauges(store: Store, *, tenants: Sequence[str], day: str) -> GaugeReadi
     # one statement reads one snapshot anyway); SQLite: a deferred read.
     engine = store._autocommit_engine if store.is_postgres else store.reads
     with engine.connect() as conn:
-        rows = conn.execute(store._q(gauges_sql.GAUGES, "tenants"),
-                            {"now": store.clock.now(), "tenants": list(tenants),
-                             "day": day, "oldest": gauges_sql.OLDEST_QUEUED}).all()
+        rows = conn.execute(store._q(gauges_sql.GAUGES[store.dialect]),
+                            gauge_parameters(store, tenants=tenants, day=day)).all()
     seconds = time.perf_counter() - started
     depth: dict[str, int] = {}
     ages: dict[str, float] = {}
