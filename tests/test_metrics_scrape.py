@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -26,9 +27,10 @@ import pytest
 from runlane.api import Runlane
 from runlane.store.store import Store
 
+from .conftest import migrated_sqlite
 from .http_support import free_port, make_token, serve, wait_until
 from .metrics_support import SEED_METRICS, Scrape, scrape, try_scrape
-from .support import bare_remote, run_row
+from .support import bare_remote, cli_env, run_row
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -332,3 +334,21 @@ def test_up_serves_the_sum_of_its_worker_processes_on_one_port(
         raise
     finally:
         store.close()
+
+
+def test_a_metrics_port_in_use_is_a_one_line_error(tmp_path: Path) -> None:
+    db = migrated_sqlite(tmp_path / "runlane.db")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for command in (["worker", "--agent-command", "true"], ["maintain"]):
+            done = subprocess.run(
+                [sys.executable, "-m", "runlane", "--database-url", db, "--sandbox", "off",
+                 *command, "--metrics-port", str(port)],
+                capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                env=cli_env(tmp_path))
+            assert done.returncode == 1, done.stderr
+            assert "Traceback" not in done.stderr
+            assert done.stderr.strip().splitlines()[-1] == (  # after SANDBOX=off's warnings
+                f"error: cannot serve metrics on 127.0.0.1:{port}: Address already in use")

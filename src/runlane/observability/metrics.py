@@ -39,6 +39,8 @@ from prometheus_client import (
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from runlane.errors import RunlaneError
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # The label of a tenant the policy does not name (docs/metrics.md: a tenant label is
 # only ever a name the policy bounds).
@@ -340,10 +342,18 @@ def render(served: CollectorRegistry) -> tuple[bytes, str]:
     return generate_latest(served), CONTENT_TYPE
 
 
+class MetricsPortUnavailable(RunlaneError):
+    """``--metrics-port`` cannot be listened on (in use, or not ours to take)."""
+
+
 def serve(served: CollectorRegistry, host: str, port: int) -> Callable[[], None]:
     """``served`` on http://host:port/metrics (any path, as prometheus_client answers)
     on a daemon thread, unauthenticated: the function returned stops it."""
-    server, thread = start_http_server(port, addr=host, registry=served)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=served)
+    except OSError as exc:
+        raise MetricsPortUnavailable(
+            f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from None
 
     def stop() -> None:
         server.shutdown()
