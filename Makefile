@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-chaos lint bench bench-peers clean bwrap chromium
+.PHONY: demo test test-chaos lint bench bench-peers clean bwrap chromium promtool
 
 # Agent commands run in bubblewrap (docs/sandbox.md): installed when missing (as root,
 # with apt-get), else the fix is printed. `make demo` with RUNLANE_SANDBOX=off needs none.
@@ -31,6 +31,18 @@ chromium:
 	    exit 1; \
 	  fi; }
 
+# The alert rules in deploy/prometheus are checked by Debian's promtool (package
+# prometheus, 19 MB; its server is not started): installed when missing, else the fix.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update && apt-get install -y --no-install-recommends prometheus; \
+	  else \
+	    echo "error: promtool is missing (the alert rules' tests need it):" \
+	      "sudo apt-get install -y --no-install-recommends prometheus" >&2; \
+	    exit 1; \
+	  fi; }
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -52,7 +64,7 @@ demo: $(STAMP) bwrap
 # (tests marked chaos: the short PostgreSQL profile, the SQLite profile, the planted
 # bugs and their control), one at a time after the main suite, so that nothing else
 # of the suite competes with their recovery-time figures (about 5 minutes).
-test: $(STAMP) bwrap chromium
+test: $(STAMP) bwrap chromium promtool
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(TEST_ENV) $(BIN)/pytest -n 2 --dist loadgroup -m "not chaos" --durations=25

@@ -12,6 +12,7 @@ from typing import Any, TypeVar, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import structlog
+from prometheus_client import CollectorRegistry
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
@@ -37,7 +38,7 @@ from runlane.models.events import EventPage, EventView
 from runlane.models.fleet import PolicyApplied
 from runlane.models.runs import RunDetail, Submission, TaskDetail, run_detail, task_detail
 from runlane.models.tokens import CreatedToken, TokenInfo
-from runlane.observability import tracing
+from runlane.observability import metrics, tracing
 from runlane.sandbox import Sandbox, SandboxConfig
 from runlane.services.maintenance import (
     Reaper,
@@ -140,6 +141,8 @@ class Runlane(ViewsMixin):
     def __init__(self, database_url: str | None = None, *, settings: Settings | None = None,
                  clock: Clock | None = None, rng: random.Random | None = None) -> None:
         self.settings = settings or load_settings(database_url=database_url)
+        metrics.set_enabled(self.settings.metrics)
+        self._metrics_registry: CollectorRegistry | None = None
         self.store = Store(
             self.settings.database_url,
             clock=clock,
@@ -538,6 +541,34 @@ class Runlane(ViewsMixin):
         return Sandbox(SandboxConfig(
             mode=s.sandbox, read_only_paths=tuple(str(p) for p in s.sandbox_read_only_paths),
             pass_env=s.sandbox_pass_env, hidden_paths=tuple(hidden)))
+
+    # --- metrics (docs/metrics.md) -----------------------------------------------------
+
+    def metrics_registry(self, *, database_gauges: bool = True) -> CollectorRegistry:
+        """What a scrape of this process shows: its counts (with ``up``'s workers', in
+        multiprocess mode) and, unless ``database_gauges`` is false (a worker), the
+        database's gauges, read at most once per METRICS_CACHE_SECONDS."""
+        if not database_gauges:
+            return metrics.registry()
+        if self._metrics_registry is None:
+            from runlane.observability.gauges import DatabaseGauges
+
+            self._metrics_registry = metrics.registry(DatabaseGauges(
+                self.store, cache_seconds=self.settings.metrics_cache_seconds))
+        return self._metrics_registry
+
+    def metrics(self, *, principal: Principal = OPERATOR) -> tuple[bytes, str]:
+        """The text exposition of ``metrics_registry()`` and its content type. The
+        operator's only (an admin token on the HTTP API): the figures are every
+        tenant's."""
+        require_operator(principal, "read the metrics")
+        return metrics.render(self.metrics_registry())
+
+    def serve_metrics(self, port: int, *, database_gauges: bool = True) -> Callable[[], None]:
+        """``metrics_registry()`` on ``--metrics-port`` (METRICS_HOST), unauthenticated;
+        returns the function that stops it."""
+        return metrics.serve(self.metrics_registry(database_gauges=database_gauges),
+                             self.settings.metrics_host, port)
 
     @_on_the_database
     def maintain_once(self) -> dict[str, int]:

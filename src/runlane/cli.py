@@ -21,7 +21,7 @@ from rich.table import Column, Table
 from sqlalchemy.exc import DBAPIError
 
 from runlane.api import MAX_CONCURRENCY, Runlane, shown_url
-from runlane.cli_serve import host_port_options
+from runlane.cli_serve import host_port_options, metrics_port_option
 from runlane.domain.policy import MAX_COUNT, PolicyInvalid, read_policy_text
 from runlane.domain.routing import (
     canonical_capabilities,
@@ -457,10 +457,11 @@ def _queue_names(_ctx: click.Context, param: click.Parameter, values: tuple[str,
 @click.option("--max-diff-lines", type=click.IntRange(min=0, max=MAX_COUNT),
               help="More diff lines fail the attempt (LIMIT_EXCEEDED).")
 @click.option("--keep-failed-workspaces", is_flag=True)
+@metrics_port_option
 def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ...],
            concurrency: int, capabilities: tuple[str, ...], exit_when_idle: bool,
            timeout_seconds: float | None, max_changed_files: int | None,
-           max_diff_lines: int | None, keep_failed_workspaces: bool) -> None:
+           max_diff_lines: int | None, keep_failed_workspaces: bool, metrics_port: int) -> None:
     """A long-running worker; SIGTERM drains it."""
     from runlane.agents.base import AttemptLimits
     from runlane.services.supervisor import follow_supervisor
@@ -473,6 +474,8 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
             limits=AttemptLimits(timeout_seconds, max_changed_files, max_diff_lines),
             keep_failed_workspaces=keep_failed_workspaces)
         _warn_if_unsandboxed(lane)
+        if metrics_port:  # this process's counts; the database's gauges: serve, maintain
+            lane.serve_metrics(metrics_port, database_gauges=False)
         # Started by `up` or the demo: drain when the supervisor dies. A SIGTERM that
         # comes before run() installs its handler just ends a worker with no attempts.
         follow_supervisor()
@@ -494,15 +497,19 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
 @click.option("--serve", is_flag=True, help="Also serve the HTTP API and dashboard "
               "(as `runlane serve`, on --host and --port).")
 @host_port_options
+@metrics_port_option
 def up(workers: int, agent_command: str, verify_command: str | None, queues: tuple[str, ...],
        concurrency: int, capabilities: tuple[str, ...], serve: bool, host: str,
-       port: int) -> None:
+       port: int, metrics_port: int) -> None:
     """Everything on one machine: maintenance and N worker processes (restarted if they
     die), and with --serve the HTTP API; SIGTERM or Ctrl-C drains the workers and stops."""
+    from runlane.observability.metrics import counting_across_processes
     from runlane.services.supervisor import WorkerPool
 
     _capabilities(capabilities)  # bad input is refused here, not by each worker's restart
-    with _lane() as lane:
+    # Served metrics are every process's: the workers count in files that this process
+    # sums (prometheus_client's multiprocess mode, in a private directory).
+    with counting_across_processes(bool(metrics_port or serve)), _lane() as lane:
         # Refused here, once, rather than by every worker, restarted forever.
         _check_sandbox(lane)
         args = ["--agent-command", agent_command, "--concurrency", str(concurrency)]
@@ -525,6 +532,8 @@ def up(workers: int, agent_command: str, verify_command: str | None, queues: tup
             web = ServerThread(lane, host, port)
             web.start()
         threads = _start_maintenance(lane, stop)
+        if metrics_port:
+            lane.serve_metrics(metrics_port)
         pool.start()
         served = f", HTTP API on http://{host}:{port}" if web else ""
         out.print(f"runlane up: {workers} worker(s) {pool.pids()}, maintenance running"
@@ -643,8 +652,9 @@ def audit(remote_checks: bool, limit: int, as_json: bool) -> None:
 
 @app.command()
 @click.option("--once", is_flag=True, help="One pass, then exit.")
+@metrics_port_option
 @json_flag
-def maintain(once: bool, as_json: bool) -> None:
+def maintain(once: bool, metrics_port: int, as_json: bool) -> None:
     """Reaper, reconciler, scheduler pass and retention; safe on several machines."""
     if as_json and not once:
         # Only one pass has counts to print: without --once nothing would ever be.
@@ -660,6 +670,8 @@ def maintain(once: bool, as_json: bool) -> None:
         # SIGTERM (a deploy, systemd, Kubernetes) stops it as Ctrl-C does: the passes in
         # flight finish, then exit 0.
         stop = _stop_on_sigterm()
+        if metrics_port:  # its counts (the reaper's) and the database's gauges
+            lane.serve_metrics(metrics_port)
         threads = _start_maintenance(lane, stop)
         try:
             while not stop.wait(1.0):

@@ -22,6 +22,12 @@ def host_port_options(fn: click.decorators.FC) -> click.decorators.FC:
                         help="Address to listen on (0.0.0.0: every interface).")(fn)
 
 
+def metrics_port_option(fn: click.decorators.FC) -> click.decorators.FC:
+    return click.option("--metrics-port", type=click.IntRange(0, 65535), default=0,
+                        show_default=True, help="Serve Prometheus metrics on this port "
+                        "(on METRICS_HOST, unauthenticated; docs/metrics.md); 0: off.")(fn)
+
+
 @click.command("serve")
 @host_port_options
 @click.option("--keepalive-seconds", type=click.FloatRange(min=0.01, max=3600), default=15.0,

@@ -89,6 +89,13 @@ class Settings(BaseSettings):
     # wake-up: SQLite's only wake-up; on PostgreSQL, besides LISTEN/NOTIFY, what
     # delivers events a long transaction held back (docs/http-api.md).
     events_poll_seconds: float = Field(0.5, gt=0, le=60)
+    # Metrics (docs/metrics.md): off, nothing is counted (a benchmark's baseline); the
+    # database's gauges are read at most once per METRICS_CACHE_SECONDS whatever the
+    # scrapers; `--metrics-port` listens on METRICS_HOST (unauthenticated: keep it local
+    # or on a network only the scraper reaches).
+    metrics: bool = True
+    metrics_cache_seconds: float = Field(5.0, ge=0, le=3600)
+    metrics_host: str = "127.0.0.1"
 
     @field_validator("sandbox_read_only_paths", mode="before")
     @classmethod

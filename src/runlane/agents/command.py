@@ -37,7 +37,7 @@ from runlane.agents.base import AgentResult, AttemptControl, AttemptLimits, Fail
 from runlane.agents.resources import ResourceWatch
 from runlane.children import chained, dying_with_parent
 from runlane.domain.reasons import Reason
-from runlane.observability import tracing
+from runlane.observability import metrics, tracing
 from runlane.sandbox import GroupState, Members, Sandbox
 from runlane.sandbox.environment import agent_environment as agent_environment
 from runlane.sandbox.guard import forget, guard
@@ -371,6 +371,8 @@ class CommandRunner:
                                          network=limits.network, secrets=limits.secrets)
         except BaseException as exc:
             starting.fail(exc)
+            if isinstance(exc, Exception):
+                metrics.sandbox_start_failed()
             raise
         for note in spawn.notes:
             out.note(note)
@@ -391,6 +393,7 @@ class CommandRunner:
             out.note(f"ERROR could not start the agent command: {exc}")
             out.close()
             log.error("agent_start_failed", error=str(exc), workspace=str(workspace))
+            metrics.sandbox_start_failed()
             return AgentResult(exit_code=None, log_path=log_path, duration_seconds=0.0)
         spawn.started()
         assert proc.stdout is not None and proc.stderr is not None

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from runlane.api import Runlane
 from runlane.http import problems
 from runlane.http.auth import principal
-from runlane.http.routes import audit, events, fleet, health, runs, tasks, tokens
+from runlane.http.routes import audit, events, fleet, health, metrics, runs, tasks, tokens
 from runlane.http.stream import EventHub
 from runlane.version import __version__
 
@@ -60,6 +60,7 @@ def create_app(lane: Runlane, *, events_poll_seconds: float | None = None,
         v1.include_router(module.router)
     app.include_router(v1)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     _include_dashboard(app)
     return app
 

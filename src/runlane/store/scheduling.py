@@ -41,6 +41,7 @@ from runlane.domain.routing import (
 )
 from runlane.domain.states import RunStatus
 from runlane.errors import PolicyDenied, TransitionRefused
+from runlane.observability import metrics
 from runlane.store import sql
 
 if TYPE_CHECKING:
@@ -181,6 +182,7 @@ class SchedulingMixin:
         def _transaction(self, work: Callable[[Connection], T], *,
                          autocommit: bool = False) -> T: ...
         def _record(self, conn: Connection, events: list[dict[str, Any]]) -> None: ...
+        def _on_commit(self, conn: Connection, record: Callable[[], None]) -> None: ...
         def _set_status(self, conn: Connection, *, run_id: str, source: RunStatus,
                         path: Sequence[RunStatus], run_token: int, actor: str,
                         now: float | None, fenced: bool = False,
@@ -209,6 +211,7 @@ class SchedulingMixin:
                     row.document)
                 policy = policy_from_document(document, source=f"policy v{version}")
             self._policy_cache[version] = policy
+            metrics.name_tenants(policy.tenants)  # the tenants a metric may name
         return policy
 
     def apply_policy(self, policy: Policy, *, source: str) -> PolicyVersion:
@@ -247,6 +250,7 @@ class SchedulingMixin:
                 "ahead": JOIN_AHEAD,
                 "weights": json.dumps({t: p.weight for t, p in policy.tenants.items()})})
             self._policy_cache[version] = policy
+            metrics.name_tenants(policy.tenants)
             self._notify(conn, SCHEDULE_CHANNEL, str(version))
             return PolicyVersion(version, digest, True)
 
@@ -811,6 +815,9 @@ class SchedulingMixin:
         rows = [{"scope": b.scope, "lane_id": b.lane_id} for b in blocks if b.lane_id in asleep]
         if rows:
             conn.execute(self._q(sql.LANE_BLOCK_INSERT), rows)
+            for row in rows:  # a lane held back by a full scope, until it has room
+                self._on_commit(conn, functools.partial(
+                    metrics.capacity_denied, metrics.dimension_of(row["scope"])))
 
     def _lane_upkeep(self, conn: Connection, empty: set[int], *, wake: bool) -> int:
         """Last in a claim, or in a transaction of its own (lanes are last in the lock
@@ -952,6 +959,10 @@ class SchedulingMixin:
                 decisions[key] = admit(self._request_of(c), policy, version,
                                        TenantUsage(0, spent_usd), now)
             decision = decisions[key]
+            if decision.decision != "ADMIT":  # an ADMIT at claim confirms, decides nothing
+                self._on_commit(conn, functools.partial(
+                    metrics.policy_decision, "claim" if where == "at claim" else "scheduler",
+                    decision.decision, decision.reason_code))
             if decision.decision == "DENY":
                 self._set_status(
                     conn, run_id=c.run_id, source=S.QUEUED, path=[S.POLICY_DENIED],
@@ -986,6 +997,11 @@ class SchedulingMixin:
                     counters[s][0] += 1
                     slots[s] += 1
                 passed.append((c, decision))
+            else:  # held back: counted under the first full scope's dimension
+                full = next(s for s in sorted(decision.concurrency)
+                            if counters[s][0] >= counters[s][1])
+                self._on_commit(conn, functools.partial(
+                    metrics.capacity_denied, metrics.dimension_of(full)))
         # Every tenant at its limit, not only those this claim filled: a tenant paused
         # with max_active = 0 takes no slot ever, and its lanes, never hidden, kept
         # the lowest pass and came first in every claim of 1, which then took nothing.
@@ -1084,7 +1100,8 @@ class SchedulingMixin:
         if version == row.policy_version and version == 0:
             return
         decision = admit(self._request_of(row), policy, version, TenantUsage(), self._now(conn))
-        if decision.decision == "DENY":
+        if decision.decision == "DENY":  # rolled back with the effect's intent: count now
+            metrics.policy_decision("side_effect", "deny", decision.reason_code)
             raise PolicyDenied(
                 f"{effect} refused: policy v{version} denies run {run_id} (admitted under "
                 f"v{row.policy_version}): {decision.reason_code}: {decision.message}",
@@ -1184,6 +1201,9 @@ class SchedulingMixin:
             for r in rows:
                 decision = admit(self._request_of(r), policy, version,
                                  usage.get(r.tenant, TenantUsage()), now)
+                self._on_commit(conn, functools.partial(
+                    metrics.policy_decision, "scheduler", decision.decision,
+                    decision.reason_code))
                 conn.execute(self._q(sql.SET_ADMISSION), {
                     "run_id": r.run_id, "policy_version": version,
                     "admission": json.dumps({**decision.to_json(),
@@ -1347,3 +1367,4 @@ class SchedulingMixin:
         if usd:
             conn.execute(self._q(sql.ADD_TENANT_SPEND),
                          {"tenant": tenant, "day": utc_day(now), "usd": usd})
+            self._on_commit(conn, functools.partial(metrics.cost, tenant, usd))

@@ -1426,7 +1426,7 @@ _FENCE = """
               WHERE a.run_id = runs.run_id AND a.fencing_token = :token
                 AND a.lease_status = 'ACTIVE' AND a.lease_expires_at > {now})
 """
-_SET_RETURNING = """RETURNING status, lane_id, task_id, queue,
+_SET_RETURNING = """RETURNING status, lane_id, task_id, queue, created_at,
     EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
       AS has_dependents,
     {now} AS now
@@ -1546,7 +1546,7 @@ WHERE runs.run_id = b.run_id
   AND EXISTS (SELECT 1 FROM attempts a
               WHERE a.run_id = runs.run_id AND a.fencing_token = b.token
                 AND a.lease_status = 'ACTIVE' AND a.lease_expires_at > {now})
-RETURNING runs.run_id, runs.lane_id, runs.task_id,
+RETURNING runs.run_id, runs.lane_id, runs.task_id, runs.created_at,
     EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
       AS has_dependents,
     (SELECT """ + COUNTED_SCOPES["sqlite"].format(col="a.limit_scopes") + """ FROM attempts a
@@ -1585,7 +1585,7 @@ won AS (
       AND EXISTS (SELECT 1 FROM attempts a
                   WHERE a.run_id = runs.run_id AND a.fencing_token = b.token
                     AND a.lease_status = 'ACTIVE' AND a.lease_expires_at > t.now)
-    RETURNING runs.run_id, runs.lane_id, runs.task_id, runs.fencing_token,
+    RETURNING runs.run_id, runs.lane_id, runs.task_id, runs.fencing_token, runs.created_at,
         EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
           AS has_dependents,
         (SELECT """ + COUNTED_SCOPES["postgresql"].format(col="a.limit_scopes") + """
@@ -1616,8 +1616,8 @@ ended AS (
       AND attempts.lease_status = 'ACTIVE'
       AND attempts.ended_at IS NULL
     RETURNING attempts.run_id)
-SELECT won.run_id, won.lane_id, won.task_id, won.has_dependents, won.limit_scopes, t.now,
-       (SELECT COUNT(*) FROM ended) AS attempts_ended
+SELECT won.run_id, won.lane_id, won.task_id, won.created_at, won.has_dependents,
+       won.limit_scopes, t.now, (SELECT COUNT(*) FROM ended) AS attempts_ended
 FROM won, t
 """
 # SQLite: the won leases' attempts end with END_ATTEMPT row by row, sent as one
@@ -1678,6 +1678,8 @@ UPDATE tasks SET cancel_requested_at = COALESCE(cancel_requested_at, {now})
 WHERE task_id = :task_id
 RETURNING task_id
 """
+# When the task of a run just CANCELLED was asked to cancel (its latency, a metric).
+CANCEL_REQUESTED_AT = "SELECT cancel_requested_at FROM tasks WHERE task_id = :task_id"
 RUNS_OF_TASK = """
 SELECT r.run_id, r.status, r.fencing_token, {now} AS now
 FROM runs r WHERE r.task_id = :task_id

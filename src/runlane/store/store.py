@@ -73,6 +73,7 @@ from runlane.errors import (
     TransitionRefused,
     redact_credentials,
 )
+from runlane.observability import metrics
 from runlane.store import maintenance_sql as msql
 from runlane.store import sql, transition_log
 from runlane.store.engine import build_engine, dialect_of
@@ -118,6 +119,7 @@ WHERE r.run_id = :run_id
 
 
 _SENT = "runlane_statement_sent"  # conn.info key: [True] once a statement went through
+ON_COMMIT = "runlane_on_commit"  # conn.info key: what to record once it commits
 # PostgreSQL statements rendered with $n placeholders, for psycopg's RawCursor
 # (Store._driver_rows).
 _NUMBERED_PG = postgresql_dialect.psycopg.dialect(  # type: ignore[no-untyped-call]
@@ -266,6 +268,12 @@ _RUN_COLUMNS = ("run_id", "task_id", "tenant", "repo", "queue", "priority", "sta
                 "max_attempts", "visible_at", "ended_at", "reason_code", "message",
                 "user_id", "risk_class", "route_key", "policy_version", "admission",
                 "limits", "estimated_cost_usd")
+
+
+def _count_completions(durations: list[float]) -> None:
+    for seconds in durations:
+        metrics.attempt_ended("SUCCEEDED")
+        metrics.run_ended("SUCCEEDED", seconds)
 
 
 def _admission_request_key(spec: TaskSpec, repo: str) -> tuple[Any, ...] | None:
@@ -522,6 +530,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
             sent = [False]
             skipped: set[int] = set()
             moves = None
+            committed: list[Callable[[], None]] | None = None
             try:
                 with engine.begin() as conn:
                     info = conn.info
@@ -537,10 +546,13 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
                         info.pop(_SENT, None)
                         info.pop(FREED_SCOPES, None)
                         moves = info.pop(transition_log.MOVES, None)
+                        committed = info.pop(ON_COMMIT, None)
                 if skipped:  # committed: the lanes its wake could not take
                     self._wake_skipped_lanes(skipped)
                 if moves:  # committed: announced (never a move rolled back)
                     transition_log.log_moves(moves)
+                for record in committed or ():  # metrics of what the commit made true
+                    record()
                 return result
             except DBAPIError as exc:
                 attempt += 1
@@ -552,6 +564,13 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
                     raise
                 log.warning("sqlite_busy_retry", attempt=attempt)
                 time.sleep(min(0.05 * attempt, 1.0) * (1 + self.rng.random()))
+
+    @staticmethod
+    def _on_commit(conn: Connection, record: Callable[[], None]) -> None:
+        """Run ``record`` (a metric) once the transaction of ``conn`` has committed;
+        never when it rolls back (a retried transaction counts once)."""
+        if metrics.enabled():
+            conn.info.setdefault(ON_COMMIT, []).append(record)
 
     def _now(self, conn: Connection) -> float:
         return float(conn.execute(self._q("SELECT {now} AS now"), {"now": self.clock.now()})
@@ -630,11 +649,29 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
         transition_log.note(conn, run_id, row.task_id, row.queue, source, path,
                             token=run_token, attempt_no=attempt_no, worker_id=worker_id,
                             actor=actor, reason_code=reason_code)
+        if target in TERMINAL:
+            self._count_run_end(conn, row, target, reason_code)
         if target in TERMINAL and row.has_dependents:
             self._resolve_dependents(conn, row.task_id, now)
         if target in ENDED_WITHOUT_SUCCESS:  # a pull request it may have left open
             self._schedule_close(conn, run_id, now)
         return True
+
+    def _count_run_end(self, conn: Connection, row: Any, target: RunStatus,
+                       reason_code: str | None) -> None:
+        """A run's end, as metrics: its duration, and a user's cancel its latency (from
+        the task's cancel request; read only then, and only with metrics on)."""
+        if not metrics.enabled():
+            return
+        ended = float(row.now)
+        self._on_commit(conn, functools.partial(
+            metrics.run_ended, target.value, ended - float(row.created_at)))
+        if target is S.CANCELLED and reason_code == Reason.CANCELLED_BY_USER:
+            asked = conn.execute(self._q(sql.CANCEL_REQUESTED_AT),
+                                 {"task_id": row.task_id}).scalar()
+            if asked is not None:
+                self._on_commit(conn, functools.partial(metrics.cancelled,
+                                                        ended - float(asked)))
 
     @staticmethod
     def _hop_events(run_id: str, source: RunStatus, path: Sequence[RunStatus], *, at: float,
@@ -763,6 +800,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
             return [r for r in results if r is not None]
 
         submissions = self._transaction(work, autocommit=one_write)
+        metrics.submitted((s.status, s.reason_code) for s in submissions if s.created)
         created = sum(1 for s in submissions if s.created)
         log.info("submitted", tasks=len(submissions), created=created)
         return submissions
@@ -930,11 +968,12 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
         whose requirements they satisfy.
         """
         check_path([S.QUEUED], [S.CLAIMED])
+        started = time.perf_counter()
         if run_id is None and self.is_postgres:
             one_trip = self._claim_in_one_trip(queue, limit, capabilities,
                                                worker_id=worker_id, lease_ttl=lease_ttl)
             if one_trip is not None:
-                return self._claimed(worker_id, [
+                return self._claimed(worker_id, queue, started, [
                     _lease(r, r, worker_id, lease_ttl)
                     for r in sorted(one_trip, key=lambda r: (r.priority, r.created_at,
                                                              r.run_id))])
@@ -1015,10 +1054,12 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
             taken += one_claim(limit - len(taken))
             if not short[0] or len(taken) >= limit or run_id is not None:
                 break
-        return self._claimed(worker_id, taken)
+        return self._claimed(worker_id, queue, started, taken)
 
     @staticmethod
-    def _claimed(worker_id: str, leases: list[Lease]) -> list[Lease]:
+    def _claimed(worker_id: str, queue: str, started: float, leases: list[Lease]
+                 ) -> list[Lease]:
+        metrics.claimed(queue, len(leases), time.perf_counter() - started)
         transition_log.log_claimed(leases)  # committed
         return leases
 
@@ -1130,6 +1171,9 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
             ordered = [moves[run_id][1:] for run_id in sorted(moves)]
             won = {r.run_id: r for r in self._write_completion(conn, ordered, S.SUCCEEDED,
                                                                    outcome)}
+            if won and metrics.enabled():
+                self._on_commit(conn, functools.partial(_count_completions, [
+                    float(r.now) - float(r.created_at) for r in won.values()]))
             # Why the others lost: read, not locked (a run row locked here, after the
             # counters below, deadlocked with a reaper or a cancel ending its attempt).
             lost = {i: self._refusal(conn, lease, path[-1])
@@ -1167,7 +1211,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
         already, ending at ``target``), one event per hop of the won runs, their
         attempts ended and leases released: one statement on PostgreSQL
         (COMPLETE_WRITE_PG), three on SQLite. Returns ``(run_id, lane_id, task_id,
-        has_dependents, limit_scopes, now)`` per won run; a lost lease changed nothing."""
+        created_at, has_dependents, limit_scopes, now)`` per won run; a lost lease
+        changed nothing."""
         leases = [lease for lease, _ in moves]
         params = {**self._lease_batch(leases), "to_status": target.value,
                   "outcome": outcome, "now": self.clock.now()}
@@ -1393,6 +1438,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
              "retry_after_seconds": retry_after, "lease_status": lease_status, "now": now,
              "run_id": snap.run_id, "token": snap.fencing_token},
         ).first()
+        if ended is not None:  # this write ended the attempt
+            self._on_commit(conn, functools.partial(metrics.attempt_ended, reason))
         cleared = self.is_postgres
         if ended is None and snap.lease_status == "ACTIVE":
             # The attempt row was ended without its lease: end the lease, or the run
@@ -1401,6 +1448,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
                 "lease_status": lease_status, "now": now, "run_id": snap.run_id,
                 "token": snap.fencing_token}).first(), False
         held = ended[0] if ended is not None else None
+        if path and path[-1] is S.QUEUED:  # another attempt of the run: a retry
+            self._on_commit(conn, functools.partial(metrics.retried, reason))
         # The lock order: the run (locked by the caller's snapshot) and, when it ends,
         # the runs waiting for its task; then its counters; then the lanes (its own, the
         # dependents', its tenant's shown again) at the block's end in lane_id order.
@@ -1647,6 +1696,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
             status = self._end_attempt(conn, snap, Reason.WORKER_LOST, actor="reaper",
                                        lease_status="EXPIRED",
                                        message=f"lease of worker {worker_id} expired")
+            self._on_commit(conn, functools.partial(metrics.leases_expired, 1))
             if status is S.QUEUED:
                 self._notify(conn, WAKEUP_CHANNEL, queue)
             return True

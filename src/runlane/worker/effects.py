@@ -26,6 +26,7 @@ from sqlalchemy.exc import DBAPIError
 
 from runlane.errors import LeaseLost
 from runlane.faults import crash_point
+from runlane.observability import metrics
 from runlane.store.store import Lease, Store
 
 log = structlog.get_logger("runlane.worker")
@@ -59,19 +60,26 @@ def perform_effect(store: Store, lease: Lease, key: str, *,
     ``do`` makes its own, right before its call)."""
     recorded = store.effect_intent(lease, key, intent=intent)
     if recorded.status == "DONE" and recorded.result is not None:
+        metrics.side_effect(key, "already_done")
         return recorded.result
     found = find()
     if found is None:  # about to act: a cancel or a lost lease since the intent stops it
         (check or (lambda: store.check_lease(lease)))()
-    result = found if found is not None else do()
+    try:
+        result = found if found is not None else do()
+    except Exception:
+        metrics.side_effect(key, "failed")
+        raise
     if found is not None:
         result = {**found, "adopted": True}
     crash_point(f"after_effect:{key}")  # done outside, not yet recorded (drill 4)
     try:
         store.effect_done(lease, key, result)
     except LeaseLost:
+        metrics.side_effect(key, "late")
         _record_late(store, lease, key, result)
         raise
+    metrics.side_effect(key, "adopted" if found is not None else "performed")
     return result
 
 

@@ -22,6 +22,7 @@ import structlog
 from sqlalchemy.exc import DBAPIError
 
 from runlane.domain.states import LEASED, RunStatus
+from runlane.observability import metrics
 from runlane.store.store import CANCEL_CHANNEL, WAKEUP_CHANNEL, Lease, Store
 from runlane.store.wakeup import Listener
 from runlane.version import __version__
@@ -267,6 +268,7 @@ class Worker:
                     self.log.info("drain_requested", by="operator")
                     self.request_drain()
                 last_ok = time.monotonic()
+                metrics.heartbeat(last_ok - sent_at)
             except Exception as exc:  # a dead heartbeat thread would keep leases "alive"
                 self.log.error("heartbeat_failed", error=f"{type(exc).__name__}: {exc}")
                 if time.monotonic() - last_ok > self.config.lease_ttl_seconds:
