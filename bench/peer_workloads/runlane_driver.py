@@ -29,6 +29,7 @@ import runlane
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskSpec, parse_task
 from runlane.logs import configure_logging
+from runlane.observability import tracing
 from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
 from runlane.store.store import Store
@@ -88,9 +89,17 @@ class Counter:
                 "commits": self.commits}
 
 
+def observe() -> None:
+    """Logs and traces as the environment says (bench/observability.py): the level in
+    RUNLANE_LOG_LEVEL (WARNING by default), tracing from OTEL_* as the CLI reads it;
+    metrics from RUNLANE_METRICS, which runlane.observability.metrics reads itself."""
+    configure_logging(os.environ.get("RUNLANE_LOG_LEVEL", "WARNING"))
+    tracing.configure_tracing()
+
+
 def drain_worker(url: str, batch: int, stages: str, trace_dir: str | None,
                  gate: common.Gate) -> None:
-    configure_logging("WARNING")
+    observe()
     store = Store(url)
     try:
         counter = Counter(store, trace_dir, f"worker{gate.index}")
@@ -113,11 +122,17 @@ def drain_worker(url: str, batch: int, stages: str, trace_dir: str | None,
                 break
             walked = []
             for lease in leases:
+                # The worker's spans (an attempt and a stage per move; nothing at all
+                # unless tracing is configured).
+                attempt = tracing.attempt(lease, None)
                 try:
                     for stage in path:
-                        store.advance(lease, stage)
+                        with attempt.stage(f"runlane.{stage.value.lower()}"):
+                            store.advance(lease, stage)
                     walked.append(lease)
+                    attempt.end("no_changes")
                 except Exception as exc:
+                    attempt.end("failed")
                     errors += 1
                     locked += is_locked(exc)
                     first_error = first_error or f"{type(exc).__name__}: {exc}"
