@@ -59,8 +59,9 @@ esac
 echo '{"runlane": "cost", "usd": 0.25}'
 exit 0
 """
-FAST = {  # as tests/test_worker.py's workers: short leases, short backoff
-    "RUNLANE_LEASE_TTL_SECONDS": "1.5", "RUNLANE_HEARTBEAT_SECONDS": "0.3",
+FAST = {  # short leases (a killed worker's expires soon; a loaded machine's beats in
+    # time: the counts are exact), short backoff
+    "RUNLANE_LEASE_TTL_SECONDS": "4", "RUNLANE_HEARTBEAT_SECONDS": "0.5",
     "RUNLANE_RETRY_BASE_SECONDS": "0.1", "RUNLANE_RETRY_MAX_SECONDS": "0.2",
     "RUNLANE_AGENT_TERM_GRACE_SECONDS": "0.5", "RUNLANE_REAPER_INTERVAL_SECONDS": "0.2",
     "RUNLANE_SANDBOX": "off", "RUNLANE_METRICS_CACHE_SECONDS": "0",
