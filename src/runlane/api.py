@@ -17,6 +17,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from runlane.agents.base import AttemptLimits
+from runlane.api_activity import ActivityMixin
 from runlane.api_views import ViewsMixin
 from runlane.clock import Clock
 from runlane.codehost.base import CodeHost
@@ -131,7 +132,7 @@ def shown_url(url: URL) -> str:
     return unquote(url.render_as_string(hide_password=True))
 
 
-class Runlane(ViewsMixin):
+class Runlane(ActivityMixin, ViewsMixin):
     """Submit, cancel, inspect and audit runs.
 
     >>> lane = Runlane("sqlite:///runlane.db")          # doctest: +SKIP

@@ -325,8 +325,15 @@ class ViewsMixin:
             names = {principal.tenant}
         else:
             names = set(queued) | set(active) | set(occ.spend_today) | set(policy.tenants)
+        # Fair share: a tenant's weight over the weights of the tenants with a run ready
+        # now (the free slots' sharing, docs/policy.md); null for a tenant's principal,
+        # to whom it would tell the others' weights.
+        total = sum(policy.tenant_weight(t) for t in oldest)
         return [self._tenant_view(t, policy, occ, queued[t], oldest.get(t), active[t],
-                                  principal) for t in sorted(names)]
+                                  principal).model_copy(update={"fair_share": (
+                                      policy.tenant_weight(t) / total
+                                      if principal.tenant is None and t in oldest else None)})
+                for t in sorted(names)]
 
     @staticmethod
     def _tenant_view(tenant: str, policy: Policy, occ: views.Occupancy, queued: int,

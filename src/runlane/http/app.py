@@ -18,7 +18,17 @@ from fastapi import APIRouter, Depends, FastAPI
 from runlane.api import Runlane
 from runlane.http import problems
 from runlane.http.auth import principal
-from runlane.http.routes import audit, events, fleet, health, metrics, runs, tasks, tokens
+from runlane.http.routes import (
+    activity,
+    audit,
+    events,
+    fleet,
+    health,
+    metrics,
+    runs,
+    tasks,
+    tokens,
+)
 from runlane.http.stream import EventHub
 from runlane.version import __version__
 
@@ -56,7 +66,7 @@ def create_app(lane: Runlane, *, events_poll_seconds: float | None = None,
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(principal)],
                    responses=problems.COMMON)  # type: ignore[arg-type]
-    for module in (tasks, runs, fleet, audit, events, tokens):
+    for module in (tasks, runs, fleet, activity, audit, events, tokens):
         v1.include_router(module.router)
     app.include_router(v1)
     app.include_router(health.router)

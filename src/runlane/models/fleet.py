@@ -82,6 +82,10 @@ class TenantView(_View):
     max_active: int | None = Field(description="The policy's limit of its active runs.")
     max_queued: int | None
     weight: float = Field(description="Fair-share weight among the tenants of a priority.")
+    fair_share: float | None = Field(
+        default=None, description="Its weight over the weights of every tenant with a run "
+        "ready now: its share of free slots while they all wait at one priority; null "
+        "without a ready run, and for a tenant's principal.")
     spent_today_usd: float = Field(description="Model spend this UTC day.")
     daily_budget_usd: float | None
     limits: list[LimitView]
