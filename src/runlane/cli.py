@@ -714,9 +714,11 @@ _register_more()
 
 
 def _register_views() -> None:
+    from runlane.cli_top import register as register_top
     from runlane.cli_views import register
 
     register(app)
+    register_top(app)
 
 
 _register_views()
