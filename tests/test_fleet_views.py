@@ -220,7 +220,9 @@ def test_queues_tenants_and_limits_from_the_counters(lane: Runlane, clock: Manua
     # A tenant: its own tenant, and the queues it has runs in with its own counts; the
     # queue's limit counts every tenant's runs, so its `active` is not shown.
     assert [t.tenant for t in lane.tenants(principal=ACME)] == ["acme"]
-    assert lane.tenants(principal=ACME)[0] == acme
+    # Its fair share is not shown to it: the sum of the others' weights is theirs.
+    assert acme.fair_share == pytest.approx(3 / 3.5)
+    assert lane.tenants(principal=ACME)[0] == acme.model_copy(update={"fair_share": None})
     mine = {q.queue: q for q in lane.queues(principal=ACME)}
     assert (mine["a"].queued, mine["a"].active) == (2, 1)
     assert mine["a"].limits == [LimitView(scope="queue:a", max_active=4, active=None)]
