@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-chaos lint bench bench-peers clean bwrap chromium promtool
+.PHONY: demo test test-chaos lint bench bench-peers clean bwrap chromium promtool tmux
 
 # Agent commands run in bubblewrap (docs/sandbox.md): installed when missing (as root,
 # with apt-get), else the fix is printed. `make demo` with RUNLANE_SANDBOX=off needs none.
@@ -43,6 +43,18 @@ promtool:
 	    exit 1; \
 	  fi; }
 
+# `runlane top`'s tests run it in a real terminal: tmux, installed when missing (as root,
+# with apt-get), else the fix.
+tmux:
+	@command -v tmux >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update && apt-get install -y tmux; \
+	  else \
+	    echo "error: tmux is missing (the tests of runlane top need it):" \
+	      "sudo apt-get install -y tmux" >&2; \
+	    exit 1; \
+	  fi; }
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -64,7 +76,7 @@ demo: $(STAMP) bwrap
 # (tests marked chaos: the short PostgreSQL profile, the SQLite profile, the planted
 # bugs and their control), one at a time after the main suite, so that nothing else
 # of the suite competes with their recovery-time figures (about 5 minutes).
-test: $(STAMP) bwrap chromium promtool
+test: $(STAMP) bwrap chromium promtool tmux
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(TEST_ENV) $(BIN)/pytest -n 2 --dist loadgroup -m "not chaos" --durations=25
