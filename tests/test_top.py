@@ -7,6 +7,7 @@ reads are index walks bounded whatever the size of the tables (EXPLAIN)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from runlane.store import activity_sql
 from runlane.store.store import Store
 from runlane.tui.snapshot import FacadeSource, HttpSource, SourceUnavailable, assemble
 
-from .conftest import T0
+from .conftest import CLAIM_PATHS, T0, claim_path_database
 from .http_support import free_port, make_token, serve
 from .support import cli_env, one_line_error
 
@@ -83,6 +84,24 @@ def test_claims_are_counted_per_queue_in_the_window_and_a_tenant_counts_its_own(
     for bad in (0, -1, 3601, float("nan"), True, "60"):
         with pytest.raises(InvalidArgument, match="window_seconds"):
             lane.claim_rates(window_seconds=bad)
+
+
+@pytest.fixture(params=CLAIM_PATHS)
+def claim_path_url(request: pytest.FixtureRequest, tmp_path: Path,
+                   monkeypatch: pytest.MonkeyPatch) -> str:
+    return claim_path_database(request, tmp_path, monkeypatch)
+
+
+def test_every_claim_path_is_counted(claim_path_url: str, clock: ManualClock) -> None:
+    """The rate counts claim events: each of the three claim paths writes one per run,
+    batches and limited scopes included."""
+    with Runlane(claim_path_url, clock=clock) as lane:
+        lane.apply_policy("[tenants.acme]\nmax_active = 10\n")
+        submit(lane, 6, queue="a")
+        register(lane.store, "host/1/w", ["a"])
+        assert len(lane.store.claim("host/1/w", "a", limit=4, lease_ttl=600)) == 4
+        assert len(lane.store.claim("host/1/w", "a", limit=1, lease_ttl=600)) == 1
+        assert rates(lane.claim_rates()) == {"a": (5, 5.0)}
 
 
 def test_past_the_sample_the_rate_is_measured_over_the_newest_claims(
@@ -362,8 +381,8 @@ def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def test_claims_and_failures_read_a_bounded_walk_of_their_indexes(lane: Runlane) -> None:
-    """100,000 attempts and their events, a fifth of them failures: the claim rate of
-    the last minute reads the index entries of that minute (1,000), the latest failures
+    """100,000 runs, each claimed and ended, a fifth of them failed: the claim rate of
+    the last minute reads the index entries of that minute (500), the latest failures
     read as many entries as they show."""
     if not lane.store.is_postgres:
         pytest.skip("the plan is PostgreSQL's (SQLite: below)")
@@ -375,18 +394,15 @@ def test_claims_and_failures_read_a_bounded_walk_of_their_indexes(lane: Runlane)
                    'SUCCEEDED', 3, 1e9 + g, 1e9 + g, 1e9 + g
             FROM generate_series(1, 100000) AS g"""))
         conn.execute(text("""
-            INSERT INTO attempts (run_id, attempt_no, fencing_token, worker_id, status,
-                                  lease_status, lease_expires_at, heartbeat_at, started_at)
-            SELECT 'r' || g, 1, 1, 'w', 'SUCCEEDED', 'RELEASED', 0, 0, 1e9 + g * 0.06
-            FROM generate_series(1, 100000) AS g"""))
-        conn.execute(text("""
             INSERT INTO run_events (run_id, attempt_no, at, actor, from_status, to_status,
                                     reason_code)
-            SELECT 'r' || g, 1, 1e9 + g * 0.06, 'w', 'RUNNING',
-                   CASE WHEN g % 5 = 0 THEN 'FAILED' ELSE 'SUCCEEDED' END,
-                   CASE WHEN g % 5 = 0 THEN 'TIMEOUT' END
-            FROM generate_series(1, 100000) AS g"""))
-        conn.execute(text("ANALYZE runs; ANALYZE attempts; ANALYZE run_events"))
+            SELECT 'r' || g, 1, 1e9 + g * 0.06 - 30 * x, 'w',
+                   CASE x WHEN 1 THEN 'QUEUED' ELSE 'RUNNING' END,
+                   CASE WHEN x = 1 THEN 'CLAIMED' WHEN g % 5 = 0 THEN 'FAILED'
+                        ELSE 'SUCCEEDED' END,
+                   CASE WHEN x = 0 AND g % 5 = 0 THEN 'TIMEOUT' END
+            FROM generate_series(1, 100000) AS g, generate_series(0, 1) AS x"""))
+        conn.execute(text("ANALYZE runs; ANALYZE run_events"))
     now = 1e9 + 100000 * 0.06
     with lane.store.engine.connect() as conn:
         def explain(statement: str, **params: Any) -> list[dict[str, Any]]:
@@ -395,8 +411,8 @@ def test_claims_and_failures_read_a_bounded_walk_of_their_indexes(lane: Runlane)
             return list(_plan_nodes(plan["Plan"]))
 
         nodes = explain(activity_sql.CLAIMS_SINCE, since=now - 60, cap=5000)
-        [scan] = [n for n in nodes if n.get("Index Name") == "ix_attempts_started"]
-        assert scan["Actual Rows"] <= 1001, scan
+        [scan] = [n for n in nodes if n.get("Index Name") == "ix_run_events_claims"]
+        assert 499 <= scan["Actual Rows"] <= 502, scan  # the claims of that minute
         assert not any(n["Node Type"] == "Seq Scan" for n in nodes), nodes
 
         nodes = explain(activity_sql.FAILURES, scan=10)
@@ -420,7 +436,57 @@ def test_sqlite_walks_the_same_indexes(tmp_path: Path) -> None:
                 text("EXPLAIN QUERY PLAN " + statement), params))
 
         claims = plan(activity_sql.CLAIMS_SINCE, since=T0, cap=5000)
-        assert "USING INDEX ix_attempts_started (started_at>?)" in claims, claims
+        assert "USING INDEX ix_run_events_claims (at>?)" in claims, claims
         failures = plan(activity_sql.FAILURES, scan=10)
         assert "USING INDEX ix_run_events_failures" in failures, failures
         assert "TEMP B-TREE FOR ORDER BY" not in failures.split("runs")[0], failures
+
+
+# --- the frame ----------------------------------------------------------------------------
+
+
+def _snapshot(workers: int, failures: int) -> Any:
+    from runlane.models.top import TopQueue, TopSnapshot, TopTenant, TopWorker
+
+    now = datetime.now(UTC)
+    return TopSnapshot(
+        source="sqlite:///x.db", taken_at=now, claim_span_seconds=60,
+        queues=[TopQueue(queue="default", queued=7, oldest_ready_age_seconds=3.0, active=2,
+                         max_active=4, claims_per_minute=12.0)],
+        tenants=[TopTenant(tenant="acme", queued=7, active=2, max_active=None, weight=1,
+                           fair_share=1.0, spent_today_usd=9.5, daily_budget_usd=10.0)],
+        workers=[TopWorker(worker_id=f"host-{i:03d}/w", status="READY",
+                           heartbeat_age_seconds=1.0, leases_held=1, draining=False)
+                 for i in range(workers)],
+        failures=[FailureView(run_id=f"01a23ab2-ad63-779f-be45-{i:012d}", task_id="t",
+                              tenant="acme", repo="/srv/git/app.git", queue="default",
+                              attempt_no=1, status="FAILED_RETRYABLE",
+                              reason_code="PROVIDER_RATE_LIMIT", message="429\nslow down",
+                              at=now) for i in range(failures)])
+
+
+@pytest.mark.parametrize("width", [160, 80])
+def test_the_frame_fits_the_screen_and_says_what_it_cut(width: int) -> None:
+    """50 lines whatever the rows: a table that has more rows than its region ends in
+    "+N more", every other table still shows; run ids stay whole on 80 columns."""
+    import io
+
+    from rich.console import Console
+
+    from runlane.tui.render import Stale, frame
+
+    snap = _snapshot(workers=40, failures=3)
+    console = Console(width=width, height=50, file=io.StringIO(), color_system=None)
+    console.print(frame(snap, interval=1.0, now=snap.taken_at, width=width,
+                        stale=Stale(snap.taken_at, "database down")))
+    lines = console.file.getvalue().splitlines()  # type: ignore[attr-defined]
+    screen = "\n".join(lines)
+    assert len(lines) == 50, screen
+    assert "STALE since" in screen and "database down" in screen
+    more = re.search(r"\+(\d+) more", screen)
+    assert more is not None, screen
+    shown = len(re.findall(r"^host-\d{3}/w ", screen, re.MULTILINE))
+    assert shown + int(more[1]) == 40 and shown > 5, screen
+    assert all(f.run_id in screen for f in snap.failures), screen
+    assert "PROVIDER_RATE_LIMIT" in screen and "$9.50 of $10.00" in screen
+    assert re.search(r"^default\s+7\s+3\.0s\s+12\.0\s+2/4", screen, re.MULTILINE), screen

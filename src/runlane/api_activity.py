@@ -52,8 +52,8 @@ class ActivityMixin:
     @_on_the_database
     def claim_rates(self, *, principal: Principal = OPERATOR,
                     window_seconds: float = CLAIM_WINDOW_SECONDS) -> ClaimRates:
-        """Claims (attempts started) per queue over the last ``window_seconds``, or over
-        the newest ``CLAIM_SAMPLE`` claims when more were made in the window."""
+        """Claims (QUEUED -> CLAIMED events) per queue over the last ``window_seconds``,
+        or over the newest ``CLAIM_SAMPLE`` claims when more were made in the window."""
         window = _window(window_seconds)
         found = activity.claims(self.store, window_seconds=window, cap=CLAIM_SAMPLE)
         span = window

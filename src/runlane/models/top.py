@@ -18,7 +18,7 @@ class QueueClaims(_View):
     """Claims of one queue in the span of a ``ClaimRates``."""
 
     queue: str
-    claims: int = Field(description="Attempts started (one per claim) in the span.")
+    claims: int = Field(description="Claims (attempts started) in the span.")
     per_minute: float
 
 

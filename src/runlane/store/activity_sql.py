@@ -1,23 +1,24 @@
 """The statements of ``runlane top``'s activity (store/activity.py): the claim rate per
-queue and the latest failures. Each reads a bounded number of index entries whatever
-the size of ``attempts`` and ``run_events`` (migration 0023); the plans are in
+queue and the latest failures. Each reads a bounded number of entries of a partial index
+of ``run_events`` (migration 0023), whatever the size of the table; the plans are in
 docs/benchmarks.md ("runlane top's reads"). Lock nothing. ``{now}`` as in sql.py."""
 
 from __future__ import annotations
 
 NOW = "SELECT {now} AS now"
 
-# Claims in the window: the newest ``:cap`` attempts started at or after ``:since`` (one
-# attempt per claim), walked backwards on ix_attempts_started, each joined to its run by
-# the primary key for its queue and tenant. At most ``:cap`` entries read: above
-# ``:cap`` claims in the window the caller measures the rate over the span they cover.
+# Claims in the window: the newest ``:cap`` claim events (QUEUED -> CLAIMED, one per
+# claim, written in the claim's transaction) at or after ``:since``, walked backwards on
+# the partial index ix_run_events_claims, each joined to its run by the primary key for
+# its queue and tenant. At most ``:cap`` entries read: above ``:cap`` claims in the
+# window the caller measures the rate over the span they cover.
 CLAIMS_SINCE = """
-SELECT r.queue, r.tenant, COUNT(*) AS claims, MIN(a.started_at) AS oldest
-FROM (SELECT run_id, started_at FROM attempts
-      WHERE started_at >= :since
-      ORDER BY started_at DESC
-      LIMIT :cap) a
-JOIN runs r ON r.run_id = a.run_id
+SELECT r.queue, r.tenant, COUNT(*) AS claims, MIN(e.at) AS oldest
+FROM (SELECT run_id, at FROM run_events
+      WHERE to_status = 'CLAIMED' AND at >= :since
+      ORDER BY at DESC
+      LIMIT :cap) e
+JOIN runs r ON r.run_id = e.run_id
 GROUP BY r.queue, r.tenant
 """
 

@@ -46,6 +46,7 @@ EventId = BigInteger().with_variant(Integer(), "sqlite")
 IDEMPOTENCY_INDEX_NAME = "uq_tasks_tenant_idempotency_key_partial"
 IDEMPOTENCY_INDEX_WHERE = "idempotency_key IS NOT NULL"
 FAILURE_EVENTS_WHERE = "to_status IN ('FAILED_RETRYABLE', 'FAILED', 'POLICY_DENIED')"
+CLAIM_EVENTS_WHERE = "to_status = 'CLAIMED'"
 
 tasks = Table(
     "tasks",
@@ -322,9 +323,6 @@ attempts = Table(
         postgresql_where=text("lease_status = 'ACTIVE'"),
         sqlite_where=text("lease_status = 'ACTIVE'"),
     ),
-    # Attempts by start (migration 0023): `runlane top`'s claim rate walks the newest
-    # entries (store/activity_sql.py). Written once, by the claim's insert.
-    Index("ix_attempts_started", "started_at"),
     # No index on the worker (migration 0015 dropped ix_attempts_active_lease_worker):
     # a heartbeat names its runs, and finds their ACTIVE leases by the one above; every
     # beat is an update of an indexed column (lease_expires_at), an entry in each index.
@@ -352,8 +350,11 @@ run_events = Table(
     Column("tx_id", BigInteger, nullable=False, server_default="0"),
     Index("ix_run_events_run", "run_id", "event_id"),
     Index("ix_run_events_tx", "tx_id", "event_id"),
-    # Failures, newest first (migration 0023): `runlane top`'s latest failures. Only
-    # the events that moved a run to a failure status have an entry.
+    # Claims and failures, newest first (migration 0023): `runlane top`'s claim rate and
+    # latest failures (store/activity_sql.py). Only claim events, and only the events
+    # that moved a run to a failure status, have an entry; events are never updated.
+    Index("ix_run_events_claims", "at",
+          postgresql_where=text(CLAIM_EVENTS_WHERE), sqlite_where=text(CLAIM_EVENTS_WHERE)),
     Index("ix_run_events_failures", "at", "event_id",
           postgresql_where=text(FAILURE_EVENTS_WHERE),
           sqlite_where=text(FAILURE_EVENTS_WHERE)),

@@ -148,7 +148,8 @@ def failures_table(snap: TopSnapshot, limit: int | None = None, width: int = 160
         row: list[RenderableType] = [
             _clock(f.at), f.run_id, f.tenant, Text(f.reason_code or "-", style="bold red")]
         row += [_FAILURE_STATUS.get(f.status, f.status.lower())] * wide["status"]
-        row += [age((snap.taken_at - f.at).total_seconds())] * wide["ago"]
+        # The database's clock against this machine's: never a negative age.
+        row += [age(max(0.0, (snap.taken_at - f.at).total_seconds()))] * wide["ago"]
         row += [f.queue] * wide["queue"]
         row += ["-" if f.attempt_no is None else str(f.attempt_no)] * wide["att"]
         row += [f.repo] * wide["repo"]
@@ -172,7 +173,8 @@ def header(snap: TopSnapshot, *, interval: float | None, stale: Stale | None,
     if stale is not None:
         text.append("\n")
         text.append(f"STALE since {_clock(stale.since)} UTC "
-                    f"({age((now - stale.since).total_seconds())} ago): {stale.error}; "
+                    f"({age(max(0.0, (now - stale.since).total_seconds()))} ago): "
+                    f"{stale.error}; "
                     "showing the last figures, retrying", style="bold white on red")
     return text
 

@@ -11,6 +11,7 @@ that trying again cannot mend ends the view with that error."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -114,14 +115,15 @@ class Keys:
 
     def __exit__(self, *exc: object) -> None:
         if self.fd is not None and self.saved is not None:
-            termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
+            # The terminal may be gone (SIGHUP): then there is nothing to restore.
+            with contextlib.suppress(termios.error):
+                termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
 
     def wait(self, timeout: float, wake: threading.Event) -> str:
-        """The keys typed within ``timeout`` seconds ('' if none); returns early when
-        ``wake`` is set (and clears it)."""
+        """The keys typed within ``timeout`` seconds ('' if none); without a terminal,
+        returns early when ``wake`` is set."""
         if self.fd is None:
             wake.wait(timeout)
-            wake.clear()
             return ""
         ready, _, _ = select.select([self.fd], [], [], timeout)
         if not ready:
@@ -168,8 +170,10 @@ def run_live(source: Source, first: TopSnapshot, *, interval: float,
                 latest = shared.read()
                 if latest.fatal is not None:
                     raise latest.fatal
-                if latest.version != shown or time.monotonic() >= redraw_at:
+                resized = shared.changed.is_set()
+                if latest.version != shown or resized or time.monotonic() >= redraw_at:
                     # Every second at least: the "stale since" age moves on.
+                    shared.changed.clear()
                     live.update(frame(latest.snapshot, interval=interval,
                                       stale=latest.stale, now=datetime.now(UTC),
                                       width=console.size.width), refresh=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import httpx
 from pydantic import TypeAdapter, ValidationError
@@ -24,6 +24,9 @@ from runlane.models.top import (
     TopTenant,
     TopWorker,
 )
+
+if TYPE_CHECKING:
+    from runlane.api import Runlane
 
 T = TypeVar("T")
 
@@ -80,7 +83,7 @@ class FacadeSource:
     """The facade on the database: what ``runlane queues list``, ``tenants list`` and
     ``workers list`` read, and the recent activity (api_activity.py)."""
 
-    def __init__(self, lane: Any, *, failures: int, claim_window: float) -> None:
+    def __init__(self, lane: Runlane, *, failures: int, claim_window: float) -> None:
         from runlane.api import shown_url
 
         self.lane = lane
@@ -171,7 +174,7 @@ def _refusal(answer: httpx.Response, where: str) -> RunlaneError:
         pass
     message = f"API {where}: {answer.status_code} {answer.reason_phrase}" + (
         f": {detail}" if detail else "")
-    if answer.status_code == 404 and not detail.strip():
+    if answer.status_code == 404:  # none of top's paths names a row: a wrong URL
         message += " (is this the URL of `runlane serve`, of this runlane's version?)"
     make = _REFUSALS.get(answer.status_code)
     if make is not None:
