@@ -1,16 +1,18 @@
 """`runlane top` in a real terminal: tmux runs it at 160x50 over a real database
 (SQLite and PostgreSQL) or a real `runlane serve` with a tenant's token; the test reads
 the screen with `capture-pane` until the frame shows, checks its figures against the
-database, watches it refresh, then quits with `q` (or Ctrl-C) and checks that the
+database, watches it refresh, then quits with `q` (or Ctrl-C, or SIGTERM) and checks that the
 process ended and the terminal is as it was: the same stty settings, the alternate
 screen left, the cursor shown. A server that goes away leaves the last figures on the
 screen under a "STALE since" line."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -193,15 +195,22 @@ def test_top_shows_the_databases_figures_refreshes_and_quits_on_q(
         assert term.log() == ""
 
 
-def test_ctrl_c_ends_top_with_the_terminal_restored(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how, code", [("C-c", 130), ("SIGTERM", 143)])
+def test_ctrl_c_or_sigterm_end_top_with_the_terminal_restored(
+        tmp_path: Path, how: str, code: int) -> None:
     from .conftest import migrated_sqlite
 
     db_url = migrated_sqlite(tmp_path / "runlane.db")
     failed = fleet(db_url)
     with terminal(tmp_path, "--database-url", db_url, "top") as term:
         term.wait_for(lambda s: failed in s, "the first frame")
-        term.keys("C-c")
-        assert term.exit_code() == 130, term.log()
+        if how == "C-c":
+            term.keys("C-c")
+        else:  # top is the one child of the pane's shell
+            shell = int(term.show("#{pane_pid}"))
+            [top] = Path(f"/proc/{shell}/task/{shell}/children").read_text().split()
+            os.kill(int(top), signal.SIGTERM)
+        assert term.exit_code() == code, term.log()
         term.assert_restored()
         assert "Traceback" not in term.log()
 
