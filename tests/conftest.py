@@ -26,7 +26,7 @@ from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
 from runlane.store.store import Store
 
-hypothesis_settings.register_profile("ci", max_examples=300, deadline=None)
+hypothesis_settings.register_profile("ci", max_examples=100, deadline=None)
 hypothesis_settings.register_profile("dev", max_examples=60, deadline=None)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 

@@ -110,7 +110,10 @@ def terminal(tmp_path: Path, *args: str, env: dict[str, str] | None = None
                       "tmux display-message -p '#{alternate_on} #{cursor_flag}' "
                       f"> {files / 'screen'}\n"
                       f"echo $code > {files / 'rc'}\n")
-    term = Terminal(files / "tmux.sock", cli_env(tmp_path, **(env or {})), files)
+    # The pane's size as the environment says it too: a top started while tmux still
+    # sizes a detached window would otherwise draw at its 80x24 default.
+    term = Terminal(files / "tmux.sock",
+                    cli_env(tmp_path, COLUMNS="160", LINES="50", **(env or {})), files)
     term.tmux("new-session", "-d", "-x", "160", "-y", "50", "-s", "top", f"sh {script}")
     term.tmux("set-option", "-t", "top", "remain-on-exit", "on")
     try:
