@@ -485,7 +485,7 @@ class Runlane(ActivityMixin, ViewsMixin):
                limits: AttemptLimits | None = None, keep_failed_workspaces: bool = False,
                code_host_for: Callable[[str], CodeHost] | None = None) -> Worker:
         """A worker over this database; ``agent`` (an in-process runner) or
-        ``agent_command`` (the CONTRACT.md protocol) does the work."""
+        ``agent_command`` (the agent-command protocol) does the work."""
         from runlane.agents.command import CommandRunner
         from runlane.codehost.factory import code_host_for as default_code_host_for
         from runlane.sandbox.guard import start as start_guard
@@ -610,7 +610,7 @@ def _token_info(row: dict[str, Any], now: float) -> TokenInfo:
         "state": state})
 
 
-# A batch line may also use the names of `runlane submit`'s flags (CONTRACT.md: "the
+# A batch line may also use the names of `runlane submit`'s flags (the documented rule: "the
 # same fields as the flags, snake_case"): `require` is a list of the flag's KEY=VALUE
 # strings, the others take the field's value.
 FLAG_NAMES = {"require": "requires", "estimated_cost": "estimated_cost_usd",

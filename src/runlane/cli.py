@@ -54,7 +54,7 @@ state = State()
 LOUD_COMMANDS = frozenset({"worker", "maintain", "up"})
 # Commands whose spans are exported when tracing is configured (the others make none).
 TRACED_COMMANDS = frozenset({"submit", "worker", "up", "serve"})
-# Every setting is a flag of the top-level command (CONTRACT.md: a flag, else
+# Every setting is a flag of the top-level command (the documented rule: a flag, else
 # RUNLANE_<NAME>, else runlane.toml, else the default), `--lease-ttl-seconds 30`.
 SETTING_FLAGS = tuple(name for name in Settings.model_fields if name != "database_url")
 
@@ -307,7 +307,7 @@ def runs_show(run_id: str, as_json: bool) -> None:
     """One run with its attempts and its event history."""
     with _lane() as lane:
         run = lane.run(run_id)
-    # The model's JSON: every field `runs show --json` has printed, and more (CONTRACT.md).
+    # The model's JSON: every field `runs show --json` has printed, and more (README).
     document = run.model_dump(mode="json")
     if as_json:
         _print_json(document)
@@ -635,7 +635,7 @@ def prs_list(as_json: bool) -> None:
               help="With --remote-checks: at most this many such runs, newest first.")
 @json_flag
 def audit(remote_checks: bool, limit: int, as_json: bool) -> None:
-    """Check the invariants of DESIGN.md on the live database; exit 1 on any violation."""
+    """Check runlane's invariants on the live database; exit 1 on any violation."""
     with _lane() as lane:
         violations = lane.audit(remote_checks=remote_checks, limit=limit)
     if as_json:

@@ -1,5 +1,5 @@
-"""The demo's bundled scripted agent, speaking the agent-command protocol of
-CONTRACT.md: it edits a file in its workspace, reports cost and progress on
+"""The demo's bundled scripted agent, speaking the agent-command
+protocol: it edits a file in its workspace, reports cost and progress on
 control lines, and its prompt decides how it misbehaves:
 
 * ``rate-limit: …`` reports PROVIDER_RATE_LIMIT on its first attempt;

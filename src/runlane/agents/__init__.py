@@ -1,1 +1,1 @@
-"""Agent runners: the agent-command protocol (CONTRACT.md) and in-process agents."""
+"""Agent runners: the agent-command protocol (README) and in-process agents."""

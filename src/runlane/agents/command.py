@@ -1,4 +1,4 @@
-"""The agent command (CONTRACT.md, "The agent command").
+"""The agent command (README, "Workers and the agent command").
 
 ``/bin/sh -c CMD`` runs in the workspace, inside the worker's sandbox
 (:mod:`runlane.sandbox`: bubblewrap, or with ``SANDBOX=off`` its own process group
@@ -332,7 +332,7 @@ class _Pump:
 
 
 class CommandRunner:
-    """Runs the agent command of CONTRACT.md for one attempt.
+    """Runs the agent command (README, "Workers and the agent command") for one attempt.
 
     ``term_grace_seconds``: how long the process group has between SIGTERM and SIGKILL.
     ``poll_seconds``: how often the stop reason and the wall clock are checked.

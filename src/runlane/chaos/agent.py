@@ -1,5 +1,5 @@
 """The chaos agent: a scripted agent for the fault harness, speaking the agent-command
-protocol of CONTRACT.md. What it does is written in its task's prompt by the harness
+protocol (README). What it does is written in its task's prompt by the harness
 (``chaos#00017 kind=flaky reason=PROVIDER_RATE_LIMIT fails=1 sleep=0.30 dwell=-``)
 and decided per attempt by :func:`plan`, so the checks know what each attempt did.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 # Behaviours, and how each attempt of them ends.
 KINDS = ("change", "nochange", "slow", "flaky", "exhaust", "fatal", "verify_fail", "hang",
          "hang_once", "stubborn")
-# Retryable reasons an agent may report (CONTRACT.md defaults, plus the code host one).
+# Retryable reasons an agent may report (the documented defaults, plus the code host one).
 RETRYABLE = ("PROVIDER_RATE_LIMIT", "SANDBOX_START_TIMEOUT", "GIT_CLONE_FAILED_TRANSIENT",
              "TIMEOUT", "CODE_HOST_FAILED_TRANSIENT")
 # Non-retryable ends: AGENT_FAILED is a bare non-zero exit; LEASE_RELEASED is a code only

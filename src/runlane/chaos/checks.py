@@ -428,7 +428,7 @@ def _logs(outcome: Outcome) -> tuple[dict[str, int], list[dict[str, Any]]]:
 
 
 def _agent_overlaps(outcome: Outcome, notes: list[str]) -> list[dict[str, Any]]:
-    """No two agents of one run were ever alive at once (DESIGN.md's first promise, as
+    """No two agents of one run were ever alive at once (runlane's first promise, as
     the agents themselves tell it): each agent's life is its ``start`` stamp to its
     ``stop``, or to its last ``alive`` stamp when it was killed (it lived a little
     longer, by less than the stamp interval: an overlap shorter than that is missed,

@@ -1,6 +1,6 @@
 """The database schema: tasks, runs, attempts (each carrying its lease), events, workers.
 
-Design choices, each keeping every invariant of DESIGN.md while making a claim
+Design choices, each keeping every invariant of runlane while making a claim
 cheaper (issue 2 allows both merges):
 
 * The queue item lives in the run row. A run is deliverable exactly when its

@@ -1688,7 +1688,7 @@ FROM runs r WHERE r.task_id = :task_id
 
 # --- reaper and reconciler: store/maintenance_sql.py ---------------------------
 
-# --- audit (DESIGN.md invariants, checked on a live database) ----------------------
+# --- audit (runlane's invariants, checked on a live database) ----------------------
 
 AUDIT_CHECKS: dict[str, str] = {
     "two_active_leases": """

@@ -1955,7 +1955,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
     # --- audit --------------------------------------------------------------------
 
     def audit(self) -> list[Violation]:
-        """Check the invariants of DESIGN.md on the live database."""
+        """Check runlane's invariants on the live database."""
         found: list[Violation] = []
         params = {"now": self.clock.now(), "recheck": BLOCKED_LANE_RECHECK_SECONDS,
                   "max_uncharged_releases": self.max_uncharged_releases}

@@ -395,7 +395,7 @@ class AttemptDriver:
         if state.over_budget.is_set():  # its cost went over the run's maximum before it
             # exited: LIMIT_EXCEEDED, never retried, whatever the agent said after
             return self._stopped(state, StopReason.LIMIT_EXCEEDED)
-        # CONTRACT.md: exit 0 means done; a fail line classifies a non-zero exit (an
+        # The agent protocol: exit 0 means done; a fail line classifies a non-zero exit (an
         # agent that reported a rate limit, waited and finished keeps its work).
         if result.failure is not None and result.exit_code != 0:
             reason, message = result.failure.reason_code, result.failure.message
@@ -560,7 +560,7 @@ class AttemptDriver:
     @staticmethod
     def _env(lease: Lease, task: dict[str, Any], workspace: Path, artifacts: Path,
              traceparent: str | None = None) -> dict[str, str]:
-        # TRACEPARENT: the attempt's span, for an agent that traces (CONTRACT.md); it
+        # TRACEPARENT: the attempt's span, for an agent that traces (docs/tracing.md); it
         # passes the sandbox's filter as the contract's variables do.
         return ({"TRACEPARENT": traceparent} if traceparent else {}) | {
             "RUNLANE_TASK_ID": lease.task_id,
