@@ -1,8 +1,8 @@
 """Seed 000 §31's metrics scraped from real processes while runs go through them, on
 SQLite and PostgreSQL: a worker (`--metrics-port`), `runlane maintain`
 (`--metrics-port`) and `runlane serve` (`/metrics`, an admin token). Each of the
-fourteen is exposed, and each moves where its thing happens: a claim with nothing
-queued (claim_empty), a submit the policy denies (admission_denied), two runs of a
+fourteen is exposed, and each moves where its thing happens: a claim that finds
+nothing it may take (claim_empty), a submit the policy denies (admission_denied), two runs of a
 tenant at its limit in one claim (capacity_denied{dimension="tenant"}), an agent's
 429 (retry{reason_code="PROVIDER_RATE_LIMIT"}), a cancel (cancellation latency,
 observed once), a killed worker's lease (lease_expired), and the database's gauges.
@@ -171,11 +171,6 @@ def test_the_seed_metrics_move_as_runs_go_through_real_processes(
             served.client(admin) as api:
         serve_url = f"{served.url}/metrics"
         try:
-            # Nothing queued: the idle worker's claims come back empty.
-            scraped(worker_url, "an empty claim",
-                    lambda s: s.value("runlane_scheduler_claim_empty_total",
-                                      queue="default") >= 1)
-
             # A tenant the policy does not list: denied at submit, in `serve`.
             denied = api.post("/v1/tasks", json={"tenant": "stranger", "repo": repo,
                                                  "prompt": "ok"})
@@ -197,6 +192,10 @@ def test_the_seed_metrics_move_as_runs_go_through_real_processes(
             scraped(worker_url, "a claim held back by the tenant's limit",
                     lambda s: s.value("runlane_scheduler_capacity_denied_total",
                                       dimension="tenant") >= 1)
+            # The waiting run's lane is in view: the worker's next claim comes back empty.
+            scraped(worker_url, "an empty claim",
+                    lambda s: s.value("runlane_scheduler_claim_empty_total",
+                                      queue="default") >= 1)
             wait_until(lambda: status_of(store, sleeper["run_id"]) == "RUNNING",
                        "the sleeping agent", timeout=60)
             cancelled = api.post(f"/v1/tasks/{sleeper['task_id']}/cancel")

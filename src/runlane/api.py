@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar, cast
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import unquote
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -54,9 +54,11 @@ from runlane.settings import Settings, load_settings
 from runlane.store import details, migrate, tokens
 from runlane.store import events as events_store
 from runlane.store.engine import build_engine
+from runlane.store.engine import sqlite_file as _sqlite_file
 from runlane.store.retry import retry_task
 from runlane.store.store import CancelResult, Store, Violation
 from runlane.store.store import Submission as StoreSubmission
+from runlane.store.wakeup import CLAIM_GATE_SUFFIX
 from runlane.worker.attempt import AgentRunner, AttemptDriver, AttemptSettings, Judge
 from runlane.worker.worker import Worker, WorkerConfig
 
@@ -77,22 +79,6 @@ class InvalidArgument(RunlaneError, ValueError):
 
 def _first_line(exc: DBAPIError) -> str:
     return (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0]
-
-
-def _sqlite_file(url: URL) -> Path | None:
-    """The file of a SQLite URL, or None for an in-memory database. A URI filename
-    (``sqlite:///file:/srv/runlane.db?mode=ro&uri=true``, SQLAlchemy's documented way to
-    open the file read-only) names its file in the URI's path."""
-    database = url.database
-    if url.query.get("uri") in ("true", "1") and database and database.startswith("file:"):
-        parts = urlsplit(database)
-        if parse_qs(parts.query).get("mode") == ["memory"] \
-                or url.query.get("mode") == "memory":
-            return None
-        database = unquote(parts.path)
-    if database in (None, "", ":memory:"):
-        return None
-    return Path(database)
 
 
 def _on_the_database(method: F) -> F:
@@ -519,7 +505,7 @@ class Runlane(ActivityMixin, ViewsMixin):
             capabilities=capabilities or {}, lease_ttl_seconds=s.lease_ttl_seconds,
             heartbeat_seconds=s.heartbeat_seconds, drain_grace_seconds=s.drain_grace_seconds,
             agent_term_grace_seconds=s.agent_term_grace_seconds,
-            exit_when_idle=exit_when_idle))
+            exit_when_idle=exit_when_idle, change_poll_seconds=s.change_poll_seconds))
 
     def sandbox(self, workspace_root: Path | None = None,
                 artifacts_root: Path | None = None) -> Sandbox:
@@ -538,7 +524,7 @@ class Runlane(ActivityMixin, ViewsMixin):
         database = _sqlite_file(url) if url.get_backend_name() == "sqlite" else None
         if database is not None:
             hidden += [str(database.expanduser().absolute()) + suffix
-                       for suffix in ("", "-wal", "-shm", "-journal")]
+                       for suffix in ("", "-wal", "-shm", "-journal", CLAIM_GATE_SUFFIX)]
         return Sandbox(SandboxConfig(
             mode=s.sandbox, read_only_paths=tuple(str(p) for p in s.sandbox_read_only_paths),
             pass_env=s.sandbox_pass_env, hidden_paths=tuple(hidden)))

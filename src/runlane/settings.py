@@ -89,6 +89,11 @@ class Settings(BaseSettings):
     # wake-up: SQLite's only wake-up; on PostgreSQL, besides LISTEN/NOTIFY, what
     # delivers events a long transaction held back (docs/http-api.md).
     events_poll_seconds: float = Field(0.5, gt=0, le=60)
+    # SQLite's change signal (store/wakeup.py): how often a worker and the event stream
+    # read PRAGMA data_version to notice another process's commit (a submit, a cancel).
+    # A read of shared memory, no write: an idle worker's whole cost is about 0.1% of a
+    # core at the default (docs/benchmarks.md). No effect on PostgreSQL (LISTEN/NOTIFY).
+    change_poll_seconds: float = Field(0.05, ge=0.005, le=10)
     # Metrics (docs/metrics.md): off, nothing is counted (a benchmark's baseline); the
     # database's gauges are read at most once per METRICS_CACHE_SECONDS whatever the
     # scrapers; `--metrics-port` listens on METRICS_HOST (unauthenticated: keep it local

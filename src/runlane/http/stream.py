@@ -2,8 +2,9 @@
 connection, and the stream of one connection.
 
 Wake-ups: on PostgreSQL a ``LISTEN runlane_events`` thread (a trigger NOTIFYs at each
-commit that adds events, migration 0021), on SQLite a poll of the table's last id,
-every ``poll_seconds``. On PostgreSQL every stream also looks again each
+commit that adds events, migration 0021), on SQLite a look at the table's last id when
+the change signal (store/wakeup.py: another connection committed) fires, and every
+``poll_seconds``. On PostgreSQL every stream also looks again each
 ``poll_seconds`` without a notification: events that a still-running older transaction
 held back (store/events.py) become deliverable when it ends, which may notify nothing,
 and a notification sent while the listener reconnected is lost. Either way the
@@ -52,7 +53,8 @@ class EventHub:
         self._reads: dict[tuple[str | None, str | None], asyncio.Future[EventPage]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._listener = Listener(lane.settings.database_url, channels=(EVENTS_CHANNEL,))
+        self._listener = Listener(lane.settings.database_url, channels=(EVENTS_CHANNEL,),
+                                  change_poll_seconds=lane.settings.change_poll_seconds)
 
     @property
     def postgres(self) -> bool:
@@ -120,10 +122,10 @@ class EventHub:
 
         last = -1
         while not self._stop.is_set():
-            woken = self._listener.wait(self.poll_seconds)
+            self._listener.wait(self.poll_seconds)
             if self._stop.is_set():
                 return
-            if not woken and not self.postgres:
+            if not self.postgres:  # SQLite: a commit, or the poll; were events added?
                 try:
                     now = last_event_id(self.lane.store.reads)
                 except Exception as exc:  # a database away: look again at the next poll

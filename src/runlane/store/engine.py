@@ -16,12 +16,14 @@ and its loops retry (an attempt whose write it was is abandoned to the reaper).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from psycopg.abc import Buffer
 from psycopg.types.array import ListDumper
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 
 from runlane.errors import RunlaneError
 
@@ -166,3 +168,21 @@ def _sqlite_engine(url: str) -> Engine:
         connection.exec_driver_sql("BEGIN DEFERRED" if mode == "DEFERRED" else "BEGIN IMMEDIATE")
 
     return engine
+
+
+def sqlite_file(url: URL | str) -> Path | None:
+    """The file of a SQLite URL, or None for an in-memory database. A URI filename
+    (``sqlite:///file:/srv/runlane.db?mode=ro&uri=true``, SQLAlchemy's documented way to
+    open the file read-only) names its file in the URI's path."""
+    if isinstance(url, str):
+        url = make_url(url)
+    database = url.database
+    if url.query.get("uri") in ("true", "1") and database and database.startswith("file:"):
+        parts = urlsplit(database)
+        if parse_qs(parts.query).get("mode") == ["memory"] \
+                or url.query.get("mode") == "memory":
+            return None
+        database = unquote(parts.path)
+    if database in (None, "", ":memory:"):
+        return None
+    return Path(database)

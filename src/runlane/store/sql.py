@@ -1157,6 +1157,21 @@ SELECT SUM(queued_count) FROM lanes WHERE queue IN :queues AND route_key IN :rou
 WAITING_ROUTES = """
 SELECT DISTINCT queue, route_key FROM lanes WHERE queued_count > 0
 """
+# A worker's look before it claims (Worker._claim_if_ready): is any lane of its queues
+# and routes holding a run that is not waiting out a backoff? One read of lanes, no
+# lock; a lane it shows may still be all-blocked (limits): then the claim says so.
+READY_IN_ROUTES = """
+SELECT 1 FROM lanes
+WHERE queue IN :queues AND route_key IN :routes AND queued_count > 0
+  AND (wake_at IS NULL OR wake_at <= {now})
+LIMIT 1
+"""
+# Which of a worker's leased runs have a cancel requested (SQLite's change signal: the
+# worker beats at once for them, and the beat delivers the cancel).
+CANCELS_AMONG = """
+SELECT run_id FROM runs
+WHERE run_id IN :run_ids AND status IN ('CANCEL_REQUESTED', 'CANCELLING')
+"""
 QUEUED_IN_ROUTE = """
 SELECT r.* FROM runs r JOIN lanes l ON l.lane_id = r.lane_id
 WHERE l.queue = :queue AND l.route_key = :route_key AND r.status = 'QUEUED'

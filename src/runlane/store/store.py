@@ -1945,6 +1945,24 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
             return int(conn.execute(self._q(sql.WAITING_IN_ROUTES, "queues", "routes"),
                                     {"queues": list(queues), "routes": routes}).scalar() or 0)
 
+    def has_ready_work(self, queues: Sequence[str],
+                       capabilities: dict[str, Any] | None = None) -> bool:
+        """Whether a claim in these queues with these capabilities may find a run now
+        (a read: a worker looks before it claims, sql.READY_IN_ROUTES)."""
+        with self.reads.connect() as conn:
+            routes = sorted(self._servable_routes(conn, capabilities))
+            return conn.execute(self._q(sql.READY_IN_ROUTES, "queues", "routes"),
+                                {"queues": list(queues), "routes": routes,
+                                 "now": self.clock.now()}).first() is not None
+
+    def cancels_among(self, run_ids: Sequence[str]) -> set[str]:
+        """Those of these runs whose cancel was requested (sql.CANCELS_AMONG)."""
+        if not run_ids:
+            return set()
+        with self.reads.connect() as conn:
+            return {r.run_id for r in conn.execute(self._q(sql.CANCELS_AMONG, "run_ids"),
+                                                   {"run_ids": list(run_ids)})}
+
     def get_task(self, task_id: str) -> dict[str, Any]:
         with self.reads.connect() as conn:
             row = conn.execute(select(tasks).where(tasks.c.task_id == task_id)).first()

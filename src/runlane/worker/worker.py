@@ -24,7 +24,7 @@ from sqlalchemy.exc import DBAPIError
 from runlane.domain.states import LEASED, RunStatus
 from runlane.observability import metrics
 from runlane.store.store import CANCEL_CHANNEL, WAKEUP_CHANNEL, Lease, Store
-from runlane.store.wakeup import Listener
+from runlane.store.wakeup import CHANGE_POLL_SECONDS, CHANGED, ClaimGate, Listener
 from runlane.version import __version__
 from runlane.worker.attempt import AttemptDriver, AttemptState
 from runlane.worker.withdraw import Withdrawer
@@ -65,6 +65,8 @@ class WorkerConfig:
     drain_grace_seconds: float = 30.0
     agent_term_grace_seconds: float = 10.0
     exit_when_idle: bool = False
+    # SQLite: how often the change signal is read (store/wakeup.py).
+    change_poll_seconds: float = CHANGE_POLL_SECONDS
 
 
 class Worker:
@@ -74,7 +76,8 @@ class Worker:
         self.driver = driver
         self.config = config
         self.worker_id = worker_id or new_worker_id()
-        self.listener = Listener(store.url)
+        self.listener = Listener(store.url, change_poll_seconds=config.change_poll_seconds)
+        self.gate = ClaimGate(store.url)
         self.draining = threading.Event()
         self._stopped = threading.Event()
         self._beat_now = threading.Event()
@@ -128,6 +131,7 @@ class Worker:
             self._beat_now.set()
             heartbeat.join(timeout=5)
             self.listener.close()
+            self.gate.close()
             self._set_status("STOPPED")
             self.log.info("worker_stopped", outcomes=len(self.outcomes))
         return 0
@@ -148,10 +152,14 @@ class Worker:
     # --- claiming ----------------------------------------------------------------------
 
     def _claim_loop(self) -> None:
+        """Claim, then wait for a wake-up or the poll. A NOTIFY for new work is answered
+        with a claim; anything else (the poll, SQLite's change signal, a slot freed)
+        with a look first (``_claim_if_ready``), so an idle worker's poll and every
+        commit on SQLite cost a read, not a claim."""
         announced = False  # the last wait was ended by a wake-up for new work
         while not self.draining.is_set():
             try:
-                claimed = self._claim_once()
+                claimed = self._claim_once() if announced else self._claim_if_ready()
                 self._withdraw_soon()
                 if (self.config.exit_when_idle and claimed == 0 and self._active_count() == 0
                         and self.store.waiting_count(self.config.queues,
@@ -175,6 +183,40 @@ class Worker:
                     with self._lock:
                         if any(run_id == wake.payload for run_id, _ in self._active):
                             self._beat_now.set()  # deliver the cancel without waiting
+            if any(w.channel == CHANGED for w in woken):
+                self._look_for_cancels()
+
+    def _claim_if_ready(self) -> int:
+        """Claim if a look (one read of the lanes) finds work for this worker. On SQLite
+        the look is made again holding the claim gate, and the claim under it: workers
+        woken by one commit claim one after another, and the later ones' second look
+        finds the run taken (one submit, one claim)."""
+        if self.config.concurrency - self._active_count() <= 0:
+            return 0
+        ready = self.store.has_ready_work
+        if not ready(self.config.queues, self.config.capabilities):
+            return 0
+        if self.gate.path is None:
+            return self._claim_once()
+        with self.gate.held():
+            if not ready(self.config.queues, self.config.capabilities):
+                return 0
+            return self._claim_once()
+
+    def _look_for_cancels(self) -> None:
+        """SQLite: something was committed; if it was a cancel of a run this worker
+        holds, beat now (the beat delivers it). Runs whose cancel is already delivered
+        are not looked for again: the beat itself commits, and would wake this again."""
+        with self._lock:
+            held = [state.lease.run_id for _, (_, state) in self._active.items()
+                    if holds_lease(state.lease) and not state.cancel.is_set()]
+        if not held:
+            return
+        try:
+            if self.store.cancels_among(held):
+                self._beat_now.set()
+        except Exception as exc:  # the heartbeat delivers it anyway
+            self.log.warning("cancel_look_failed", error=f"{type(exc).__name__}: {exc}")
 
     def _claim_once(self) -> int:
         claimed = 0
