@@ -4,56 +4,44 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test test-chaos lint bench bench-peers clean bwrap chromium promtool tmux
+.PHONY: demo test test-chaos lint bench bench-peers clean bwrap test-tools
 
-# Agent commands run in bubblewrap (docs/sandbox.md): installed when missing (as root,
-# with apt-get), else the fix is printed. `make demo` with RUNLANE_SANDBOX=off needs none.
+# Debian packages the tests drive, as command=package: bubblewrap (agents run in it,
+# docs/sandbox.md), chromium (the dashboard's browser tests; Playwright's own browser
+# cannot be downloaded here), promtool from prometheus (the alert rules in
+# deploy/prometheus; its server is not started) and tmux (`runlane top` in a real
+# terminal). What is missing is installed after one apt-get update when root (the
+# prometheus package without its recommends: only promtool is used), else the command
+# to run is printed.
+TEST_TOOLS := bwrap=bubblewrap chromium=chromium promtool=prometheus tmux=tmux
+
+define install_missing
+	@missing=""; for pair in $(1); do \
+	  command -v "$${pair%%=*}" >/dev/null 2>&1 || missing="$$missing $${pair#*=}"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update || exit 1; \
+	    for pkg in $$missing; do case "$$pkg" in \
+	      prometheus) lean="$$lean $$pkg";; *) full="$$full $$pkg";; esac; done; \
+	    if [ -n "$$full" ]; then apt-get install -y $$full || exit 1; fi; \
+	    if [ -n "$$lean" ]; then apt-get install -y --no-install-recommends $$lean || exit 1; fi; \
+	  else \
+	    echo "error: missing Debian packages:$$missing: sudo apt-get install -y$$missing" \
+	      "$(2)" >&2; \
+	    exit 1; \
+	  fi; \
+	fi
+endef
+
+# `make demo` needs only bubblewrap, and not even that with RUNLANE_SANDBOX=off.
 bwrap:
-	@command -v bwrap >/dev/null 2>&1 || [ "$$RUNLANE_SANDBOX" = off ] || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    apt-get update && apt-get install -y bubblewrap; \
-	  else \
-	    echo "error: bubblewrap (bwrap) is missing: sudo apt-get install -y bubblewrap" \
-	      "(or dnf install bubblewrap); or run agents without a sandbox:" \
-	      "RUNLANE_SANDBOX=off make demo" >&2; \
-	    exit 1; \
-	  fi; }
+	@[ "$$RUNLANE_SANDBOX" = off ] || $(MAKE) --no-print-directory _bwrap
+_bwrap:
+	$(call install_missing,bwrap=bubblewrap,(or dnf install bubblewrap); or run agents without a sandbox: RUNLANE_SANDBOX=off make demo)
 
-# The dashboard's browser tests drive Debian's chromium (Playwright's own browser cannot
-# be downloaded here): installed when missing (as root, with apt-get), else the fix.
-chromium:
-	@command -v chromium >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    apt-get update && apt-get install -y chromium; \
-	  else \
-	    echo "error: chromium is missing (the dashboard's browser tests need it):" \
-	      "sudo apt-get install -y chromium" >&2; \
-	    exit 1; \
-	  fi; }
-
-# The alert rules in deploy/prometheus are checked by Debian's promtool (package
-# prometheus, 19 MB; its server is not started): installed when missing, else the fix.
-promtool:
-	@command -v promtool >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    apt-get update && apt-get install -y --no-install-recommends prometheus; \
-	  else \
-	    echo "error: promtool is missing (the alert rules' tests need it):" \
-	      "sudo apt-get install -y --no-install-recommends prometheus" >&2; \
-	    exit 1; \
-	  fi; }
-
-# `runlane top`'s tests run it in a real terminal: tmux, installed when missing (as root,
-# with apt-get), else the fix.
-tmux:
-	@command -v tmux >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    apt-get update && apt-get install -y tmux; \
-	  else \
-	    echo "error: tmux is missing (the tests of runlane top need it):" \
-	      "sudo apt-get install -y tmux" >&2; \
-	    exit 1; \
-	  fi; }
+test-tools:
+	$(call install_missing,$(TEST_TOOLS),)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -76,14 +64,14 @@ demo: $(STAMP) bwrap
 # (tests marked chaos: the short PostgreSQL profile, the SQLite profile, the planted
 # bugs and their control), one at a time after the main suite, so that nothing else
 # of the suite competes with their recovery-time figures (about 5 minutes).
-test: $(STAMP) bwrap chromium promtool tmux
+test: $(STAMP) test-tools
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(TEST_ENV) $(BIN)/pytest -n 2 --dist loadgroup -m "not chaos" --durations=25
 	$(TEST_ENV) $(BIN)/pytest -m chaos
 
 # The fault harness's real runs alone (the second half of `make test`).
-test-chaos: $(STAMP) bwrap
+test-chaos: $(STAMP) test-tools
 	$(TEST_ENV) $(BIN)/pytest -m chaos
 
 lint: $(STAMP)
