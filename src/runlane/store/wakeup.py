@@ -13,10 +13,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-import psycopg
 import structlog
 from sqlalchemy.engine import make_url
 
+from runlane.extras import require
 from runlane.store.engine import dialect_of, normalize_url
 from runlane.store.store import CANCEL_CHANNEL, WAKEUP_CHANNEL
 
@@ -58,6 +58,7 @@ class Listener:
 
     def start(self) -> Listener:
         if self.enabled and self._thread is None:
+            require("psycopg", "A PostgreSQL DATABASE_URL")  # refused here, not in the thread
             self._thread = threading.Thread(target=self._run, name="runlane-listener",
                                             daemon=True)
             self._thread.start()
@@ -95,6 +96,8 @@ class Listener:
         self.close()
 
     def _run(self) -> None:
+        import psycopg  # the `postgres` extra (runlane.extras): start() checked it is here
+
         delay = self.reconnect_seconds
         first = True
         while not self._stop.is_set():
