@@ -98,6 +98,15 @@ def test_top_on_a_remote_api_without_httpx_is_refused_with_the_hint(tmp_path: Pa
     assert "Traceback" not in proc.stderr
 
 
+def test_serve_without_the_web_stack_is_refused_with_the_hint(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'runlane.db'}"
+    proc = run_cli("--database-url", db, "serve", "--port", "9", blocked=("fastapi", "uvicorn"),
+                   cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'runlane[server]'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_exporting_traces_without_the_sdk_is_refused_with_the_hint(tmp_path: Path) -> None:
     code = """
 from runlane.observability.tracing import build_provider

@@ -1,8 +1,9 @@
 """Optional dependencies: imported where they are used, refused with an install hint.
 
 runlane on SQLite with local repositories needs neither psycopg (PostgreSQL) nor httpx
-(the GitHub code host; ``runlane top --url``). They are extras of the package
-(``pip install 'runlane[postgres]'``, ``'runlane[github]'``, ``'runlane[remote]'``); a
+(the GitHub code host; ``runlane top --url``), nor the web stack of ``runlane serve``.
+They are extras of the package (``pip install 'runlane[postgres]'``, ``'runlane[github]'``,
+``'runlane[remote]'``, ``'runlane[server]'``); a
 feature that needs a missing one raises ``MissingDependency`` (exit 2, one line naming
 the extra), never an ImportError's traceback.
 """
