@@ -8,6 +8,7 @@ tests/test_docs.py builds the site and checks both.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +43,14 @@ def transitions_table() -> str:
 
 def _default(field: Any) -> str:
     if field.default_factory is not None:
-        value = field.default_factory()
+        # Evaluated as for a user without XDG_STATE_HOME: the site shows the
+        # default, not the building machine's setting.
+        saved = os.environ.pop("XDG_STATE_HOME", None)
+        try:
+            value = field.default_factory()
+        finally:
+            if saved is not None:
+                os.environ["XDG_STATE_HOME"] = saved
         if isinstance(value, Path):
             home = str(Path.home())
             text = str(value)

@@ -8,12 +8,15 @@ a package that is not installed)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -130,3 +133,47 @@ def test_optional_packages_are_extras_and_dev_installs_every_extra(package: str)
     assert any(dep.startswith(package) for deps in extras.values() for dep in deps)
     dev = next(dep for dep in extras["dev"] if dep.startswith("runlane["))
     assert set(dev[len("runlane["):-1].split(",")) == set(extras) - {"dev"}
+
+
+def _pins() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep and version, f"constraints.txt: {line!r} is not an exact pin"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_constraints_pin_everything_the_dev_install_needs() -> None:
+    """`make test` installs with `-c constraints.txt`: every package runlane[dev] needs,
+    however deep, has an exact pin there (a new dependency without `make constraints`
+    fails here), and the Makefile's install uses the file."""
+    pins = _pins()
+    assert "runlane" not in pins
+    seen: set[tuple[str, frozenset[str]]] = set()
+    missing: list[str] = []
+    todo = [("runlane", frozenset({"dev"}))]
+    while todo:
+        name, extras = todo.pop()
+        dist = importlib.metadata.distribution(name)
+        for text in dist.requires or []:
+            req = Requirement(text)
+            wanted = req.marker is None or any(
+                req.marker.evaluate({"extra": e}) for e in (extras or {""}))
+            if not wanted:
+                continue
+            key = canonicalize_name(req.name)
+            if key == "runlane":  # dev names the other extras of runlane itself
+                if ("runlane", frozenset(req.extras)) not in seen:
+                    seen.add(("runlane", frozenset(req.extras)))
+                    todo.append(("runlane", frozenset(req.extras)))
+                continue
+            if key not in pins:
+                missing.append(f"{key} (needed by {name})")
+            if (key, frozenset(req.extras)) not in seen:
+                seen.add((key, frozenset(req.extras)))
+                todo.append((key, frozenset(req.extras)))
+    assert not missing, f"constraints.txt lacks {sorted(set(missing))}: run make constraints"
+    makefile = (ROOT / "Makefile").read_text()
+    assert "pip install --quiet -c constraints.txt -e '.[dev]'" in makefile
