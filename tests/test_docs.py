@@ -21,6 +21,9 @@ from runlane.cli import app
 from runlane.domain.states import TRANSITIONS
 from runlane.settings import Settings
 
+# One worker builds the site once for the whole module (`make test` uses --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("docs")
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 DOCUMENTS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]
