@@ -2,9 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cksum < pyproject.toml | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-chaos lint bench bench-peers clean bwrap test-tools
+.PHONY: demo test test-chaos lint docs constraints bench bench-peers clean bwrap test-tools
 
 # Debian packages the tests drive, as command=package: bubblewrap (agents run in it,
 # docs/sandbox.md), chromium (the dashboard's browser tests; Playwright's own browser
@@ -43,11 +43,27 @@ _bwrap:
 test-tools:
 	$(call install_missing,$(TEST_TOOLS),)
 
-$(STAMP): pyproject.toml
+# The development install takes every package at the version constraints.txt pins, so
+# `make test` installs the same versions on every machine. `make constraints` pins them
+# again (the newest versions pyproject.toml allows, resolved in a fresh venv).
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+CONSTRAINTS_VENV := .venv-constraints
+
+constraints:
+	rm -rf $(CONSTRAINTS_VENV)
+	$(PYTHON) -m venv $(CONSTRAINTS_VENV)
+	$(CONSTRAINTS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CONSTRAINTS_VENV)/bin/python -m pip install --quiet -e '.[dev]'
+	{ echo "# Exact versions of everything \`make test\` installs (pip install -c constraints.txt)."; \
+	  echo "# Regenerate with: make constraints"; \
+	  $(CONSTRAINTS_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^runlane[= ]'; \
+	} > constraints.txt
+	rm -rf $(CONSTRAINTS_VENV)
 
 # The tests' scratch files (clones and workspaces by the thousand, SQLite files, the
 # fault harness's private PostgreSQL) go to tmpfs where there is one: on an ext4 without
@@ -76,8 +92,12 @@ test-chaos: $(STAMP) test-tools
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-
 	$(BIN)/mypy
+
+# The documentation site (MkDocs, Material theme) into site/; strict: a broken link or
+# a page missing from the nav fails the build (tests/test_docs.py builds it too).
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
 
 PEERS_VENV := bench/.venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed-$(shell cksum < bench/requirements-peers.txt | cut -d' ' -f1)
@@ -97,4 +117,4 @@ bench-peers: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python bench/peers.py --write docs/benchmarks.md
 
 clean:
-	rm -rf $(VENV) runlane-demo .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) runlane-demo site .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -66,6 +66,7 @@ from sqlalchemy import event
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import lifecycle
 from lifecycle import (
     BENCH_POSTGRES_URL,
     display_command,
@@ -901,7 +902,7 @@ def render(command: str, started: datetime, wall: float, env: list[tuple[str, st
                 for p in ("first", "deep") for v in ("http-admin", "http-read"))
     plans_ok = all(p.bounded for p in listing.plans)
     pg = next((s for s in submits if s.engine == "PostgreSQL"), None)
-    lines = [START, "## The HTTP API: runs list, batch submit, live events (issue 23)", "",
+    lines = [START, "## The HTTP API: `bench/api.py`", "",
              f"Produced by `{command}` on {started:%Y-%m-%d %H:%M} UTC ({wall / 60:.1f} min). "
              "Every request goes to a real `runlane serve` process (uvicorn, one process, "
              "as a user starts it) on loopback; `bench/api.py` says how.", "",
@@ -976,7 +977,7 @@ def render(command: str, started: datetime, wall: float, env: list[tuple[str, st
         lines += profile.render()
     shown = {listing.plans[0].label, listing.plans[-1].label}
     for p in listing.plans:
-        if p.label in shown or not p.bounded:
+        if (p.label in shown and lifecycle.DETAILS) or not p.bounded:
             lines += [f"{p.label}:", "", "```", p.text, "```", ""]
     # Submit
     if submits:
@@ -1084,7 +1085,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="no py-spy profiles of the server (after the timed parts)")
     parser.add_argument("--write", type=Path, metavar="PATH",
                         help="also put the Markdown section into PATH")
+    lifecycle.add_details_flag(parser)
     args = parser.parse_args(argv)
+    lifecycle.DETAILS = args.details
     configure_logging("WARNING")
     started = datetime.now(UTC)
     wall = time.monotonic()

@@ -394,7 +394,7 @@ def render(command: str, started: datetime, wall: float, configs: list[tuple[str
            attempts: dict[str, list[dict[str, Any]]], starts: dict[str, list[dict[str, Any]]],
            environment: list[tuple[str, str]], n: int, agent: str) -> str:
     labels = [label for label, _, _ in configs]
-    lines = [START, "## CPU per attempt and per worker start (issue 22)", "",
+    lines = [START, "## CPU per attempt and per worker start: `bench/attempt_cost.py`", "",
              f"Produced by `{command}` on {started:%Y-%m-%d %H:%M} UTC ({wall / 60:.1f} min). "
              f"Per configuration and round: {n} attempts through one `Runlane.worker` (one "
              "slot, SQLite, a local bare repository and the local forge; "

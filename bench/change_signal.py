@@ -227,8 +227,7 @@ def main() -> int:
               flush=True)
     if idle is not None:
         print(f"sqlite idle worker: {idle * 100:.2f}% of a core")
-    lines = [START, "## Cancel and wake-up at default settings: SQLite's change signal "
-             "(issue 28)", "",
+    lines = [START, "## Cancel and wake-up at default settings: `bench/change_signal.py`", "",
              f"Date: {time.strftime('%Y-%m-%d')}. Machine: {os.cpu_count()} cores, "
              f"{platform.platform()}, Python "
              f"{platform.python_version()}. Command: `.venv/bin/python bench/change_signal.py"

@@ -162,7 +162,7 @@ def measure(url: str, samples: int) -> dict[int, dict[str, list[float]]]:
 def render(command: str, started: datetime, runs: int, samples: int,
            environment: list[tuple[str, str]], found: dict[int, dict[str, list[float]]],
            wall: float) -> str:
-    lines = [START, "## What each part of a claim costs the server (issue 4)", "",
+    lines = [START, "## What each part of a claim costs the server: `bench/claim_parts.py`", "",
              f"Produced by `{command}` on {started:%Y-%m-%d %H:%M} UTC ({wall / 60:.1f} min)"
              f", on {runs:,} queued runs populated as `bench/scheduler.py` does (the GPU "
              f"worker's claim; fairness, limits and routing on). {samples} samples per "

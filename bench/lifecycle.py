@@ -128,6 +128,20 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str = "")
     return "\n".join(lines)
 
 
+# Profiles, per-statement timings and query plans go into a report only with --details:
+# docs/benchmarks.md keeps each benchmark's figures readable, and the evidence behind
+# them is one flag away (set by each script from its --details flag).
+DETAILS = False
+
+
+def add_details_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--details", action="store_true",
+                        help="also print profiles, per-statement timings and query plans")
+
+
+START, END = "<!-- lifecycle:start -->", "<!-- lifecycle:end -->"
+
+
 def merge_section(path: Path, section: str, start: str, end: str) -> None:
     """Replace a benchmark's section of ``path`` (between its ``start`` and ``end``
     markers, which the section carries), or append it at the end; nothing else in the
@@ -140,15 +154,6 @@ def merge_section(path: Path, section: str, start: str, end: str) -> None:
     else:
         updated = existing.rstrip("\n") + "\n\n" + section
     path.write_text(updated)
-
-
-def write_head(path: Path, report: str) -> None:
-    """This report is the head of ``path``: the other benchmarks' sections after it
-    (from the first ``<!-- name:start -->`` marker on) are kept as they are."""
-    existing = path.read_text() if path.exists() else ""
-    first = re.search(r"^<!-- [\w-]+:start -->$", existing, re.MULTILINE)
-    tail = existing[first.start():] if first else ""
-    path.write_text(report.rstrip("\n") + "\n\n" + tail if tail else report)
 
 
 def libpq(url: str) -> str:
@@ -945,16 +950,14 @@ class Report:
     def render(self) -> str:
         out: list[str] = []
         add = out.append
-        add("# Benchmarks: the run lifecycle")
+        add(START)
+        add("## The run lifecycle: `bench/lifecycle.py`")
         add("")
         add(f"Produced by `{self.command}` on {self.started:%Y-%m-%d %H:%M} UTC; the whole run "
             f"took {self.wall_seconds / 60:.1f} min of wall time. Regenerate with "
-            "`make bench` (or the command above); every figure and ratio of this part (up "
-            "to and including Method and caveats) comes from that one run. Each later "
-            "section names the command that wrote it: `make bench` also runs "
-            "`bench/peers.py` (Peer comparison) and `bench/sizes.py` (Table and index "
-            "sizes); `bench/scheduler.py --write docs/benchmarks.md` and "
-            "`bench/claim_parts.py --write docs/benchmarks.md` write their own sections."
+            "`make bench` (or the command above); every figure and ratio of this section "
+            "comes from that one run. `--details` adds the profile of a submit batch and "
+            "the claim's plans."
             + (" **Quick mode: smoke-test sizes, not a measurement.**" if self.quick else ""))
         add("")
         add(table(["", ""], [[k, v] for k, v in self.environment], "ll"))
@@ -964,6 +967,7 @@ class Report:
         add(self.render_cells())
         add(self.render_depths())
         add(self.render_method())
+        add(END)
         return "\n".join(out).rstrip() + "\n"
 
     def rounds_sentence(self) -> str:
@@ -1006,7 +1010,7 @@ class Report:
         rows.append(["Runs submitted but not completed in the claim cells (every round)", "0",
                      str(lost),
                      "met" if lost == 0 else "**missed**"])
-        return "## Targets (issue 2)\n\n" + table(["What", "Target", "Measured", ""], rows,
+        return "### Targets\n\n" + table(["What", "Target", "Measured", ""], rows,
                                                  "llrl") + "\n"
 
     def render_submit(self) -> str:
@@ -1018,7 +1022,7 @@ class Report:
             for s in self.submits
         ]
         text_ = (
-            "## 1. Submit throughput\n\n"
+            "### 1. Submit throughput\n\n"
             "`Store.submit` with lists of `TaskSpec` built by `parse_task` (no-op prompt, "
             "8 tenants, a priority mix, an idempotency key each), one process, one batch per "
             "transaction. Building the specs (`parse_task`) is client-side and not timed; its "
@@ -1028,7 +1032,7 @@ class Report:
                     "lrrrrrrrrrl")
             + "\n"
         )
-        if self.submit_profile:
+        if self.submit_profile and DETAILS:
             text_ += (
                 "\nWhere a PostgreSQL submit batch spends its time (cProfile of one batch of "
                 f"{self.sizes.submit_batch:,}, top functions by own time; profiling inflates "
@@ -1052,7 +1056,7 @@ class Report:
                 str(c.errors), f"{c.other_cores:.2f}", c.audit.label,
             ])
         text_ = (
-            "## 2. Claimed + completed per second\n\n"
+            "### 2. Claimed + completed per second\n\n"
             "Each cell: a fresh queue of no-op runs (submitted untimed), then N claimer "
             "processes (multiprocessing, spawn) that each loop `store.claim(worker, limit=B, "
             "lease_ttl=60)` and `store.complete(lease)` for every lease (CLAIMED -> "
@@ -1082,7 +1086,7 @@ class Report:
 
     def render_depths(self) -> str:
         if not self.depths:
-            return "## 3. Claim latency at queue depth (PostgreSQL)\n\nNot run.\n"
+            return "### 3. Claim latency at queue depth (PostgreSQL)\n\nNot run.\n"
         rows = [
             [f"{d.depth:,}", f"{d.queued_before:,} -> {d.queued_after:,}",
              str(len(d.claim_times)), ms(percentile(d.claim_times, 50)),
@@ -1093,7 +1097,7 @@ class Report:
             for d in self.depths
         ]
         text_ = (
-            "## 3. Claim latency at queue depth (PostgreSQL)\n\n"
+            "### 3. Claim latency at queue depth (PostgreSQL)\n\n"
             "One database per depth (`runlane_bench_depth_N`, migrated like the main one), "
             "populated with set-based SQL (`INSERT ... SELECT generate_series` into tasks, "
             "runs and run_events: status QUEUED, visible in the past, the same priority mix), "
@@ -1123,17 +1127,18 @@ class Report:
             text_ += ("\n`store.audit()` on every depth's database after its samples: "
                       f"{self.depth_audit.label} ({self.depth_audit.seconds:.1f} s).\n")
         deepest = self.depths[-1]
-        text_ += (
-            f"\nThe claim's walk of one lane (`LANE_CANDIDATES`, rendered by "
-            f"`Statements('postgresql')`) at {deepest.depth:,} queued runs, in the busiest "
-            "lane, parameters bound (`limit=1`, `now=NULL`, i.e. the database clock):\n\n"
-            "```sql\n" + claim_candidate_sql().strip() + "\n```\n\n"
-            "```text\n" + deepest.plan.custom + "\n```\n\n"
-            "The same statement as a generic plan (`PREPARE` + `plan_cache_mode = "
-            "force_generic_plan`), the plan a server-side prepared statement (psycopg "
-            "prepares after 2 executions) may settle on:\n\n"
-            "```text\n" + deepest.plan.generic + "\n```\n"
-        )
+        if DETAILS:
+            text_ += (
+                f"\nThe claim's walk of one lane (`LANE_CANDIDATES`, rendered by "
+                f"`Statements('postgresql')`) at {deepest.depth:,} queued runs, in the busiest "
+                "lane, parameters bound (`limit=1`, `now=NULL`, i.e. the database clock):\n\n"
+                "```sql\n" + claim_candidate_sql().strip() + "\n```\n\n"
+                "```text\n" + deepest.plan.custom + "\n```\n\n"
+                "The same statement as a generic plan (`PREPARE` + `plan_cache_mode = "
+                "force_generic_plan`), the plan a server-side prepared statement (psycopg "
+                "prepares after 2 executions) may settle on:\n\n"
+                "```text\n" + deepest.plan.generic + "\n```\n"
+            )
         if self.cost_probes:
             rows = [
                 [str(p.limit), f"{p.estimated_cost:,.0f}",
@@ -1153,7 +1158,7 @@ class Report:
 
     def render_method(self) -> str:
         lines = [
-            "## Method and caveats",
+            "### Method and caveats",
             "",
             f"- Sizes: submit {self.sizes.submit_runs:,} runs per backend in batches of "
             f"{self.sizes.submit_batch:,} (after an untimed warm-up batch of 50); "
@@ -1199,7 +1204,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "reported (default 3, 1 with --quick)")
     parser.add_argument("--note", action="append", default=[],
                         help="a line added to the report's method notes (repeatable)")
+    add_details_flag(parser)
     args = parser.parse_args(argv)
+    global DETAILS
+    DETAILS = args.details
     configure_logging("WARNING")
 
     sizes = QUICK if args.quick else FULL
@@ -1280,7 +1288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdout.write(rendered)
     if args.write is not None:
         args.write.parent.mkdir(parents=True, exist_ok=True)
-        write_head(args.write, rendered)
+        merge_section(args.write, rendered, START, END)
         progress(f"wrote {args.write}")
     progress(f"done in {report.wall_seconds / 60:.1f} min")
     return 0

@@ -104,7 +104,7 @@ def section(results: dict[str, list[float]], errors: dict[str, int], jobs: int,
     none = statistics.median(results["metrics+traces"])
     return "\n".join([
         START,
-        "## What observability costs the drain (issue 24)",
+        "## What observability costs the drain: `bench/observability.py`",
         "",
         f"`python bench/observability.py --write docs/benchmarks.md` on {stamp}, commit "
         f"{commit}; {platform.machine()}, {os.cpu_count()} CPUs, PostgreSQL on the same "

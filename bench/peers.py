@@ -427,7 +427,7 @@ class Report:
     def render(self) -> str:
         s = self.sizes
         parts = [
-            START, "", "## Peer comparison (issue 5)", "",
+            START, "", "## Peer comparison: `bench/peers.py`", "",
             f"Produced by `{self.command}` on {self.started:%Y-%m-%d %H:%M} UTC; the whole "
             f"run took {self.wall_seconds / 60:.1f} min of wall time. Regenerate with `make "
             "bench` (after the lifecycle benchmark) or `make bench-peers`; every figure and "
@@ -652,7 +652,7 @@ class Report:
                 table(["Path", "Runs", "Round trips", "Statements", "Extended-protocol "
                        "executes", "BEGIN", "COMMIT", "Other simple queries (pings, ...)",
                        "Transactions"], rows, "lrrrrrrrr"), ""]
-        if self.explained:
+        if self.explained and lifecycle.DETAILS:
             e = self.explained
             batch = e["batch"]
             rows = []
@@ -696,7 +696,7 @@ class Report:
                 for name, plan in sorted(plans.items()):
                     out += [f"-- {name.partition('|')[2]}", plan]
                 out += ["```", ""]
-        if self.pyspy:
+        if self.pyspy and lifecycle.DETAILS:
             p = self.pyspy
             rows = [[k, f"{v * 100:.1f}%"] for k, v in p["shares"].items()]
             top = [[k, f"{v * 100:.1f}%"] for k, v in p["top"]]
@@ -871,7 +871,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--note", action="append", default=[])
     parser.add_argument("--from-json", type=Path, metavar="PATH",
                         help="render the report of an earlier --json dump, measure nothing")
+    lifecycle.add_details_flag(parser)
     args = parser.parse_args(argv)
+    lifecycle.DETAILS = args.details
     configure_logging("WARNING")
     if args.from_json is not None:
         return rerender(args.from_json, args.write, list(args.note))
@@ -924,7 +926,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 peer_versions[system.label] = f"{figures['version']} ({figures['driver']})"
             elif system.venv == "peer":
                 peer_versions[system.label] = figures["driver"]
-    environment.append(("Peers (bench/.venv-peers)", "; ".join(
+    environment.append(("Peers (bench/requirements-peers.txt, a venv of their own)", "; ".join(
         f"{k} {v}" for k, v in peer_versions.items())))
     sqlite: list[dict[str, Any]] = []
     if not args.no_sqlite:

@@ -148,7 +148,7 @@ def render(command: str, started: datetime, samples: int, environment: list[tupl
                   for mode, values in added.items()]
     p50 = percentile(added["bwrap"], 50)
     verdict = "within" if p50 * 1000 <= TARGET_MS else "over"
-    lines = [START, "## Sandbox start cost per attempt (issue 22)", "",
+    lines = [START, "## Sandbox start cost per attempt: `bench/sandbox.py`", "",
              f"Produced by `{command}` on {started:%Y-%m-%d %H:%M} UTC ({wall / 60:.1f} min): "
              f"{samples} attempts of a no-op agent (`true`) per mode, the modes interleaved in "
              "a rotating order in one process. One sample is one `CommandRunner.run`, from "

@@ -52,6 +52,7 @@ from sqlalchemy import Connection, Engine, TextClause, event, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import lifecycle
 from lifecycle import (
     BENCH_POSTGRES_URL,
     cpu_model,
@@ -864,7 +865,7 @@ class Report:
 
     def render(self) -> str:
         n = self.shape.runs
-        out = [START, f"## Scheduler claim at {n:,} queued runs", ""]
+        out = [START, f"## Scheduler claim at {n:,} queued runs: `bench/scheduler.py`", ""]
         out.append(
             f"Produced by `{self.command}` on {self.started:%Y-%m-%d %H:%M} UTC; the whole "
             f"run took {self.wall / 60:.1f} min. Every figure below comes from that run.")
@@ -886,7 +887,10 @@ class Report:
              "met" if not unbounded else "**missed**"),
         ], "llrl"), ""]
         out += self.render_reading()
-        out += self.render_latency() + self.render_profile() + self.render_plans()
+        out += self.render_latency()
+        if lifecycle.DETAILS:
+            out += self.render_profile()
+        out += self.render_plans()
         out += self.render_method()
         out += [END, ""]
         return "\n".join(out)
@@ -1027,7 +1031,10 @@ class Report:
                "case with a strict xfail.", "",
                table(["Statement", "Case", "Index it should use", "Rows read", "Bound",
                       "Exec ms", "Verdict"], rows, "lllrrrl"), ""]
-        for p in self.plans:
+        if not lifecycle.DETAILS:
+            out += ["`--details` prints each plan, and where each claim spends its time "
+                    "(per statement, and a profile of the client).", ""]
+        for p in self.plans if lifecycle.DETAILS else []:
             out += [f"`{p.name}` ({p.note}):", "", "```text", p.plan_text, "```", ""]
         return out
 
@@ -1074,7 +1081,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, help="pairs per round and claim limit")
     parser.add_argument("--write", type=Path, metavar="PATH",
                         help="also put the Markdown section into PATH (e.g. docs/benchmarks.md)")
+    lifecycle.add_details_flag(parser)
     args = parser.parse_args(argv)
+    lifecycle.DETAILS = args.details
     configure_logging("WARNING")
     shape = QUICK if args.quick else FULL
     if args.rounds or args.samples:

@@ -40,6 +40,7 @@ from sqlalchemy import bindparam, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import lifecycle
 from lifecycle import (
     BENCH_POSTGRES_URL,
     cpu_model,
@@ -68,12 +69,12 @@ from runlane.store.store import Store
 
 DEFAULT_POSTGRES_URL = BENCH_POSTGRES_URL
 START, END = "<!-- table-sizes:start -->", "<!-- table-sizes:end -->"
-TITLE = "Table and index sizes at 1,000,000 queued + 1,000,000 finished runs (issue 5)"
+TITLE = "Table and index sizes at 1,000,000 queued + 1,000,000 finished runs: `bench/sizes.py`"
 DAY = 86_400.0
 TENANTS, REPOS, WORKERS = 1_000, 10_000, 16
 FINISHED_AGE_DAYS, KEEP_DAYS, PRUNE_BATCH = 40, 30, 500
 CHUNK = 100_000  # generated rows (g values) per transaction
-PROMPT = "fix the flaky test in tests/test_api.py"
+PROMPT = "fix the flaky test in the login handler"
 TEMPLATE_REPO = "https://git.example.com/acme/repo-00000.git"
 TEMPLATE_WORKER = "worker-00"
 
@@ -563,10 +564,8 @@ class Report:
             f"({ret.rest_seconds:.0f} s). Where a batch's time goes, the job's pick at "
             f"{n:,} finished runs (`EXPLAIN (ANALYZE, BUFFERS)`, before the first batch):",
             "",
-            "```text",
-            *ret.plan,
-            "```",
-            "",
+            *(["```text", *ret.plan, "```", ""] if lifecycle.DETAILS
+              else ["(`--details` prints the plan.)", ""]),
             *([("The pick reads every row of `runs` and sorts the finished ones to return "
                 "the oldest " + f"{PRUNE_BATCH}" + ": a batch costs in proportion to the "
                 "table, not to the batch, and the job is quadratic in the backlog."), ""]
@@ -626,7 +625,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="skip Store.audit() over the populated database")
     parser.add_argument("--write", type=Path, metavar="PATH",
                         help="also put the Markdown section into PATH (e.g. docs/benchmarks.md)")
+    lifecycle.add_details_flag(parser)
     args = parser.parse_args(argv)
+    lifecycle.DETAILS = args.details
     configure_logging("WARNING")
     started = datetime.now(UTC)
     wall = time.monotonic()

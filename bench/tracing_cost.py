@@ -214,7 +214,7 @@ def _section(args: argparse.Namespace, results: dict[str, list[tuple[float, floa
     ]
     lines = [
         START,
-        "## What tracing and the transition logs add to an attempt (issue 24)",
+        "## What tracing and the transition logs add to an attempt: `bench/tracing_cost.py`",
         "",
         f"Produced by `{display_command(sys.argv)}` on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))} "

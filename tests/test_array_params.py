@@ -1,4 +1,4 @@
-"""Array parameters on PostgreSQL (``engine.ArrayLiteralDumper``): the fast path sends
+"""Array parameters on PostgreSQL (``engine.array_literal_dumper()``): the fast path sends
 every element quoted and escaped; whatever it is given, the server must read back
 exactly the values sent."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import text
 
-from runlane.store.engine import ArrayLiteralDumper, build_engine
+from runlane.store.engine import array_literal_dumper, build_engine
 
 AWKWARD = ["run-1", 'a "quoted" one', "back\\slash", "", "NULL", "null", " padded ",
            "{braces,comma}", "tab\there", "line\nbreak", "é ü 漢", None]
@@ -21,7 +21,7 @@ def test_arrays_round_trip_exactly(db_url: str) -> None:
         with engine.connect() as conn:
             dbapi = conn.connection.dbapi_connection
             assert dbapi is not None
-            assert dbapi.adapters.get_dumper(list, "s") is ArrayLiteralDumper  # type: ignore[arg-type]
+            assert dbapi.adapters.get_dumper(list, "s") is array_literal_dumper()  # type: ignore[arg-type]
             row = conn.execute(text(
                 "SELECT CAST(:texts AS text[]) AS texts, CAST(:ints AS bigint[]) AS ints, "
                 "CAST(:floats AS double precision[]) AS floats, "

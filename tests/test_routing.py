@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runlane.domain.routing import (
+    VERSION_OPS,
     AtLeast,
     CapabilityValue,
     Equals,
@@ -17,6 +18,7 @@ from runlane.domain.routing import (
     Requirement,
     VersionConstraint,
     Versions,
+    _version_ok,
     canonical_capabilities,
     canonical_requirements,
     merge_requirements,
@@ -446,3 +448,23 @@ def test_a_list_is_open_to_additions_a_plain_value_is_not() -> None:
     worker = caps("tools=git,rg")
     assert satisfies(parse_requirements({"tools": ["git"]}), worker)
     assert satisfies(parse_requirements({"tools": "git"}), worker)
+
+
+def _tuple_order(version: tuple[int, ...], op: str, bound: tuple[int, ...]) -> bool:
+    """The comparison runlane made before packaging.specifiers: integer tuples."""
+    return {">=": version >= bound, ">": version > bound, "<=": version <= bound,
+            "<": version < bound, "==": version == bound, "!=": version != bound}[op]
+
+
+_DOTTED = st.lists(st.integers(min_value=0, max_value=30), min_size=1, max_size=4).map(
+    lambda parts: ".".join(map(str, parts)))
+
+
+@given(version=_DOTTED, op=st.sampled_from(VERSION_OPS), bound=_DOTTED)
+def test_specifiers_compare_dotted_integers_as_integer_tuples(
+        version: str, op: str, bound: str) -> None:
+    """Version constraints go through packaging.specifiers (PEP 440); on runlane's
+    versions (dotted integers, trailing zeros ignored) every operator answers what
+    the comparison of integer tuples answered."""
+    v, b = parse_version(version), parse_version(bound)
+    assert _version_ok(v, VersionConstraint(op, b)) is _tuple_order(v, op, b)

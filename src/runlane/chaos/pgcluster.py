@@ -16,9 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import psycopg
-
 from runlane.errors import RunlaneError
+from runlane.extras import require
 
 DATABASE = "runlane_chaos"
 
@@ -87,6 +86,7 @@ class PrivateCluster:
 
     def start(self) -> str:
         """initdb, start, and create the harness's database; returns its URL."""
+        psycopg = require("psycopg", "The fault harness's PostgreSQL profiles")
         self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-U", "postgres",
                   "-A", "trust", "-E", "UTF8", "--no-sync", "--no-instructions")
         for _ in range(3):

@@ -1,4 +1,9 @@
-"""Code hosts: where branches are pushed and pull requests opened."""
+"""Code hosts: where branches are pushed and pull requests opened.
+
+``GitHubClient`` is imported on first use: it needs httpx, the `github` extra.
+"""
+
+from typing import Any
 
 from runlane.codehost.base import (
     CodeHost,
@@ -10,7 +15,7 @@ from runlane.codehost.base import (
     withdrawal_marker,
 )
 from runlane.codehost.factory import code_host_for
-from runlane.codehost.github import GitHubClient, parse_github_repo
+from runlane.codehost.github_names import parse_github_repo
 from runlane.codehost.local_forge import LocalForge, normalize_repo
 
 __all__ = [
@@ -27,3 +32,11 @@ __all__ = [
     "pr_marker",
     "withdrawal_marker",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GitHubClient":
+        from runlane.codehost.github import GitHubClient
+
+        return GitHubClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,14 +8,10 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from runlane.codehost.base import CodeHost, CodeHostError
-from runlane.codehost.github import (
-    DEFAULT_API_URL,
-    GitHubClient,
-    github_host,
-    parse_github_repo,
-)
+from runlane.codehost.github_names import DEFAULT_API_URL, github_host, parse_github_repo
 from runlane.codehost.local_forge import FORGE_DIR_ENV, LocalForge, default_forge_dir, is_local_repo
 from runlane.domain.repos import host_path_url, shorthand_host_from_env
+from runlane.extras import MissingDependency, require
 
 GITHUB_HOSTS = frozenset({"github.com", "www.github.com"})
 
@@ -45,6 +41,12 @@ def code_host_for(repo: str, *, env: Mapping[str, str] | None = None) -> CodeHos
     if host is None or host in hosts:
         parse_github_repo(repo)  # refuse a malformed repository now, not at the first call
         token = env.get("RUNLANE_GITHUB_TOKEN") or env.get("GITHUB_TOKEN") or None
+        try:  # the GitHub client needs httpx, the `github` extra (runlane.extras)
+            require("httpx", "The GitHub code host")
+        except MissingDependency as exc:
+            raise CodeHostError(str(exc), transient=False) from None
+        from runlane.codehost.github import GitHubClient
+
         return GitHubClient(api_url, token=token)
     raise CodeHostError(f"no code host knows repository {repo!r} (want a local path, a "
                         "file:// URL or a GitHub repository)", transient=False)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import email.utils
 import importlib.metadata
-import re
 import time
 from collections.abc import Iterator
 from types import TracebackType
@@ -23,17 +22,15 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from runlane.codehost.base import CodeHostError, PullRequest, PullRequestExists
-from runlane.domain.repos import host_path_url
 
-DEFAULT_API_URL = "https://api.github.com"
+# Re-exported: the names were defined here before github_names held them.
+from runlane.codehost.github_names import DEFAULT_API_URL as DEFAULT_API_URL
+from runlane.codehost.github_names import github_host as github_host
+from runlane.codehost.github_names import parse_github_repo as parse_github_repo
+
 API_VERSION = "2022-11-28"
 PAGE_SIZE = 100
 MAX_PAGES = 100  # 10,000 pull requests for one head is far beyond any real case
-
-_OWNER = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})"
-_NAME = r"[A-Za-z0-9._-]+"
-_SHORT = re.compile(rf"^({_OWNER})/({_NAME})$")
-_SCP = re.compile(rf"^[\w.-]+@([\w.-]+):/?({_OWNER})/({_NAME})/?$")
 
 
 def _user_agent() -> str:
@@ -41,49 +38,6 @@ def _user_agent() -> str:
         return f"runlane/{importlib.metadata.version('runlane')}"
     except importlib.metadata.PackageNotFoundError:
         return "runlane"
-
-
-def _strip_git(name: str) -> str:
-    return name[:-4] if name.endswith(".git") else name
-
-
-def parse_github_repo(repo: str) -> tuple[str, str]:
-    """``(owner, name)`` from ``OWNER/NAME``, ``https://HOST/OWNER/NAME(.git)``,
-    ``HOST/OWNER/NAME`` (that URL without its scheme), ``ssh://git@HOST/OWNER/NAME.git``
-    or ``git@HOST:OWNER/NAME.git``."""
-    text = repo.strip()
-    text = host_path_url(text) or text
-    short = _SHORT.match(text)
-    scp = _SCP.match(text)
-    if short:
-        owner, name = short.group(1), short.group(2)
-    elif scp:
-        owner, name = scp.group(2), scp.group(3)
-    else:
-        parts = urlsplit(text)
-        if parts.scheme not in ("https", "http", "ssh", "git") or not parts.netloc:
-            raise CodeHostError(f"not a GitHub repository: {repo}", transient=False)
-        segments = [s for s in parts.path.split("/") if s]
-        if len(segments) != 2:
-            raise CodeHostError(f"not a GitHub repository URL (want OWNER/NAME): {repo}",
-                                transient=False)
-        owner, name = segments
-    name = _strip_git(name)
-    if not re.fullmatch(_OWNER, owner) or not re.fullmatch(_NAME, name) or name in (".", ".."):
-        raise CodeHostError(f"not a GitHub repository: {repo}", transient=False)
-    return owner, name
-
-
-def github_host(repo: str) -> str | None:
-    """The host named in a repository URL (``github.com`` ...), None for ``OWNER/NAME``."""
-    text = repo.strip()
-    text = host_path_url(text) or text
-    if _SHORT.match(text):
-        return None
-    if scp := _SCP.match(text):
-        return scp.group(1).lower()
-    host = urlsplit(text).hostname
-    return host.lower() if host else None
 
 
 def _retry_after(headers: httpx.Headers, now: float) -> float | None:

@@ -7,11 +7,14 @@ same kind of worker group together and a worker matches a key, not a prompt.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from packaging.specifiers import Specifier
 
 KEY_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
 _VERSION = re.compile(r"^\d+(?:\.\d+)*$")
@@ -101,20 +104,17 @@ def _parse_number(text: str) -> float | None:
     return float(text) if _NUMBER.match(text.strip()) else None
 
 
+@functools.lru_cache(maxsize=4096)
+def _specifier(op: str, version: Version) -> Specifier:
+    return Specifier(f"{op}{format_version(version)}")
+
+
 def _version_ok(version: Version, c: VersionConstraint) -> bool:
-    match c.op:
-        case ">=":
-            return version >= c.version
-        case ">":
-            return version > c.version
-        case "<=":
-            return version <= c.version
-        case "<":
-            return version < c.version
-        case "==":
-            return version == c.version
-        case _:
-            return version != c.version
+    """``version`` meets ``c``, as ``packaging.specifiers`` (PEP 440) compares them. On
+    runlane's versions (dotted integers, no pre-, post- or local part) that is the
+    order of their integer tuples, trailing zeros ignored (tests/test_routing.py
+    checks the two agree)."""
+    return _specifier(c.op, c.version).contains(format_version(version), prereleases=True)
 
 
 def format_constraints(versions: Versions) -> str:

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import threading
 
-import uvicorn
+from runlane.extras import require
 
-from runlane.api import Runlane
-from runlane.http.app import create_app
+# The web stack is the `server` extra: without it, `runlane serve` and `up --serve` are
+# refused with the install hint (runlane.extras), not an ImportError.
+for _module in ("fastapi", "uvicorn", "jinja2"):
+    require(_module, "runlane serve (the HTTP API and the dashboard)", "server")
+
+import uvicorn  # noqa: E402
+
+from runlane.api import Runlane  # noqa: E402
+from runlane.http.app import create_app  # noqa: E402
 
 # Seconds an open connection (an event stream never ends by itself) may keep a
 # stopping server waiting.

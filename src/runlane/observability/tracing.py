@@ -110,9 +110,14 @@ def build_provider(environ: Mapping[str, str] | None = None) -> TracerProvider |
                               f"{', '.join(EXPORTERS)}")
     if not names:
         return None
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    try:  # the SDK is the `otel` extra: only a process that exports spans needs it
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ModuleNotFoundError:
+        raise SettingsInvalid(
+            f"OTEL_TRACES_EXPORTER={raw} needs the OpenTelemetry SDK: "
+            "pip install 'runlane[otel]'") from None
 
     exporters = [_exporter(name, env) for name in names if name != "none"]
     attributes: dict[str, str] = {}

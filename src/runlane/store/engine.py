@@ -15,17 +15,20 @@ and its loops retry (an attempt whose write it was is abandoned to the reaper).
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from psycopg.abc import Buffer
-from psycopg.types.array import ListDumper
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
 
 from runlane.errors import RunlaneError
+from runlane.extras import require
+
+if TYPE_CHECKING:
+    from psycopg.abc import Buffer
 
 SQLITE_BUSY_TIMEOUT_SECONDS = 60.0
 # PostgreSQL's idle_in_transaction_session_timeout for runlane's sessions (0: none).
@@ -74,6 +77,9 @@ def build_engine(url: str, pool_size: int | None = None, *,
     url = normalize_url(url)
     if dialect_of(url) == "sqlite":
         return _sqlite_engine(url)
+    # psycopg is the `postgres` extra: without it, a one-line refusal with the install
+    # hint (runlane.extras), not SQLAlchemy's ImportError from inside create_engine.
+    require("psycopg", "A PostgreSQL DATABASE_URL")
     size = pool_size or max(4, (os.cpu_count() or 2) * 2)
     engine = create_engine(
         url,
@@ -100,33 +106,41 @@ def build_engine(url: str, pool_size: int | None = None, *,
     return engine
 
 
-class ArrayLiteralDumper(ListDumper):
-    """psycopg's text dumper of a list (an array parameter), with a fast path for the
-    arrays runlane sends (run ids, statuses, scopes, counts): every element quoted and
-    escaped in one join, where psycopg runs a regular expression per element (30 us for
-    ten run ids; a batched completion sends eight arrays). The same values reach the
-    server; any other list (floats, nested, a NUL byte) goes psycopg's way."""
+@functools.cache
+def array_literal_dumper() -> type[Any]:
+    """The ``ArrayLiteralDumper`` class, defined on first use: it subclasses psycopg's
+    dumper, and psycopg is imported only for a PostgreSQL database."""
+    from psycopg.types.array import ListDumper
 
-    def dump(self, obj: list[Any]) -> Buffer | None:
-        parts = []
-        for item in obj:
-            kind = type(item)
-            if kind is str:
-                parts.append('"' + item.replace("\\", "\\\\").replace('"', '\\"') + '"')
-            elif kind is int:
-                parts.append(str(item))
-            elif item is None:
-                parts.append("NULL")
-            else:
+    class ArrayLiteralDumper(ListDumper):
+        """psycopg's text dumper of a list (an array parameter), with a fast path for the
+        arrays runlane sends (run ids, statuses, scopes, counts): every element quoted and
+        escaped in one join, where psycopg runs a regular expression per element (30 us for
+        ten run ids; a batched completion sends eight arrays). The same values reach the
+        server; any other list (floats, nested, a NUL byte) goes psycopg's way."""
+
+        def dump(self, obj: list[Any]) -> Buffer | None:
+            parts = []
+            for item in obj:
+                kind = type(item)
+                if kind is str:
+                    parts.append('"' + item.replace("\\", "\\\\").replace('"', '\\"') + '"')
+                elif kind is int:
+                    parts.append(str(item))
+                elif item is None:
+                    parts.append("NULL")
+                else:
+                    return super().dump(obj)
+            literal = "{" + ",".join(parts) + "}"
+            if "\x00" in literal or self._tx.encoding != "utf-8":
                 return super().dump(obj)
-        literal = "{" + ",".join(parts) + "}"
-        if "\x00" in literal or self._tx.encoding != "utf-8":
-            return super().dump(obj)
-        return literal.encode()
+            return literal.encode()
+
+    return ArrayLiteralDumper
 
 
 def _fast_arrays(dbapi_connection: Any, _record: Any) -> None:
-    dbapi_connection.adapters.register_dumper(list, ArrayLiteralDumper)
+    dbapi_connection.adapters.register_dumper(list, array_literal_dumper())
 
 
 def _milliseconds(seconds: float) -> int:

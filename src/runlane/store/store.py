@@ -17,9 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
-import psycopg
 import structlog
-from psycopg.rows import namedtuple_row
 from sqlalchemy import Connection, Engine, Table, event, insert, select, text
 from sqlalchemy.dialects import postgresql as postgresql_dialect
 from sqlalchemy.dialects import sqlite as sqlite_dialect
@@ -492,6 +490,9 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
         query, names = rendered
         values = [params[name] for name in names]
         dispatch = conn.dispatch
+        import psycopg  # here, not at the top: the `postgres` extra (runlane.extras)
+        from psycopg.rows import namedtuple_row
+
         driver: psycopg.Connection[Any] = cast(Any, conn.connection.driver_connection)
         cursor = psycopg.RawCursor(driver, row_factory=namedtuple_row)
         try:

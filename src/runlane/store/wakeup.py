@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-import psycopg
 import structlog
 from sqlalchemy.engine import make_url
 
+from runlane.extras import require
 from runlane.store.engine import dialect_of, normalize_url, sqlite_file
 from runlane.store.store import CANCEL_CHANNEL, WAKEUP_CHANNEL
 
@@ -98,6 +98,8 @@ class Listener:
 
     def start(self) -> Listener:
         if self._thread is None and self.watches_changes:
+            if self.enabled:  # refused here, not in the thread
+                require("psycopg", "A PostgreSQL DATABASE_URL")
             target = self._run if self.enabled else self._watch
             self._thread = threading.Thread(target=target, name="runlane-listener",
                                             daemon=True)
@@ -136,6 +138,8 @@ class Listener:
         self.close()
 
     def _run(self) -> None:
+        import psycopg  # the `postgres` extra (runlane.extras): start() checked it is here
+
         delay = self.reconnect_seconds
         first = True
         while not self._stop.is_set():

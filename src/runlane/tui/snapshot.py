@@ -11,10 +11,10 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from runlane.errors import Forbidden, NotFound, RunlaneError, Unauthenticated
+from runlane.extras import require
 from runlane.models.fleet import QueueView, TenantView, WorkerView
 from runlane.models.top import (
     ClaimRates,
@@ -26,6 +26,8 @@ from runlane.models.top import (
 )
 
 if TYPE_CHECKING:
+    import httpx
+
     from runlane.api import Runlane
 
 T = TypeVar("T")
@@ -119,7 +121,9 @@ class HttpSource:
         self.name = url.rstrip("/")
         self.failures = failures
         self.claim_window = claim_window
-        self.client = httpx.Client(
+        # httpx: the `remote` extra (runlane.extras), needed only to read an HTTP API.
+        self._httpx: Any = require("httpx", "runlane top --url", "remote")
+        self.client = self._httpx.Client(
             base_url=self.name, timeout=timeout, transport=transport,
             headers={"Authorization": f"Bearer {token}", "Accept": "application/json"})
 
@@ -136,10 +140,10 @@ class HttpSource:
         where = f"{self.name}{path}"
         try:
             answer = self.client.get(path, params=params)
-        except httpx.TimeoutException:
+        except self._httpx.TimeoutException:
             raise SourceUnavailable(f"API {where}: no answer in "
                                     f"{self.client.timeout.read}s") from None
-        except httpx.HTTPError as exc:
+        except self._httpx.HTTPError as exc:
             raise SourceUnavailable(f"API {where}: {_reason(exc)}") from None
         if answer.status_code != 200:
             raise _refusal(answer, where)
