@@ -179,6 +179,8 @@ class ViewsMixin:
         store: Store
         settings: Settings
 
+        def task_id_of(self, some_id: str, *, principal: Principal = OPERATOR) -> str: ...
+
     # --- runs -----------------------------------------------------------------------
 
     @_on_the_database
@@ -187,16 +189,19 @@ class ViewsMixin:
                   repo: str | None = None, created_after: datetime | float | None = None,
                   created_before: datetime | float | None = None,
                   cursor: str | None = None, limit: int = 50,
-                  newest_first: bool = True) -> RunPage:
+                  newest_first: bool = True, task_id: str | None = None) -> RunPage:
         """One page of runs, newest first (or oldest first), filtered; ``next`` is the
         cursor of the following page, None on the last. ``repo`` in any spelling (it is
         compared in its canonical form); ``created_after`` inclusive, ``created_before``
-        exclusive. A page is a walk of an index from the cursor (store/views_sql.py)."""
+        exclusive; ``task_id`` (a task's or one of its runs' id): that task's runs. A
+        page is a walk of an index from the cursor (store/views_sql.py)."""
         filters = RunFilters(
             tenant=_name("tenant", tenant), status=_status(status),
             queue=_name("queue", queue), repo=_repo(repo),
             created_after=_epoch("created_after", created_after),
-            created_before=_epoch("created_before", created_before))
+            created_before=_epoch("created_before", created_before),
+            task_id=None if task_id is None else self.task_id_of(task_id,
+                                                                 principal=principal))
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
             raise _invalid(f"limit {limit!r} is not an integer in 1..{MAX_PAGE}")
         if not isinstance(newest_first, bool):

@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
-from rich.table import Column, Table
 from sqlalchemy.exc import DBAPIError
 
 from runlane.api import MAX_CONCURRENCY, Runlane, shown_url
+from runlane.cli_output import Col, chosen_output, output_options, render
 from runlane.cli_serve import host_port_options, metrics_port_option
 from runlane.domain.policy import MAX_COUNT, PolicyInvalid, read_policy_text
 from runlane.domain.routing import (
@@ -280,67 +280,6 @@ def _read_jsonl(path: Path) -> list[Any]:
     if not rows:
         raise TaskInvalid("--batch", f"{path} holds no tasks")
     return rows
-
-
-@app.command()
-@click.argument("task_id")
-@json_flag
-def cancel(task_id: str, as_json: bool) -> None:
-    """Cancel a task: queued runs stop now, running ones before their next side effect."""
-    with _lane() as lane:
-        result = lane.cancel(task_id)
-    if as_json:
-        _print_json({"task_id": result.task_id,
-                     "runs": [{"run_id": r, "status": s} for r, s in result.runs.items()]})
-    else:
-        for run_id, status in result.runs.items():
-            out.print(f"run {run_id}: {status}")
-
-
-# --- runs ---------------------------------------------------------------------------
-
-
-@runs_app.command("show")
-@click.argument("run_id")
-@json_flag
-def runs_show(run_id: str, as_json: bool) -> None:
-    """One run with its attempts and its event history."""
-    with _lane() as lane:
-        run = lane.run(run_id)
-    # The model's JSON: every field `runs show --json` has printed, and more (README).
-    document = run.model_dump(mode="json")
-    if as_json:
-        _print_json(document)
-        return
-    for key in ("run_id", "task_id", "tenant", "repo", "queue", "status", "priority",
-                "attempt_count", "reason_code", "message", "outcome", "cost_usd",
-                "late_cost_usd", "estimated_cost_usd", "policy_version", "route_key",
-                "parent_task_id", "depends_on", "retry_of_run_id", "retried_by_run_id",
-                "created_at"):
-        out.print(f"[bold]{key}[/bold]: {document[key]}")
-    admission = document["admission"] or {}
-    if admission:
-        first = admission.get("first_policy_version")
-        out.print(f"[bold]admission[/bold]: {admission.get('decision')} under policy "
-                  f"v{admission.get('policy_version')}"
-                  + (f", first admitted under v{first}" if first is not None else "")
-                  + (f" ({admission.get('reason_code')}: {admission.get('message')})"
-                     if admission.get("reason_code") else "")
-                  + (f", retry after {admission['retry_after']}"
-                     if admission.get("retry_after") else ""))
-    attempts = Table("#", "status", "reason", "worker", "token", "lease", "started", "ended",
-                     "late $")
-    for a in document["attempts"]:
-        attempts.add_row(str(a["attempt_no"]), a["status"], a["reason_code"] or "",
-                         a["worker_id"], str(a["fencing_token"]), a["lease_status"],
-                         str(a["started_at"]), str(a["ended_at"] or ""),
-                         f"{a['late_cost_usd']:g}" if a["late_cost_usd"] else "")
-    out.print(attempts)
-    events = Table("at", "actor", "from", "to", "reason", "token")
-    for e in document["events"]:
-        events.add_row(str(e["at"]), e["actor"], e["from_status"] or "-", e["to_status"],
-                       e["reason_code"] or "", str(e["fencing_token"] or ""))
-    out.print(events)
 
 
 # --- policy -------------------------------------------------------------------------
@@ -604,24 +543,19 @@ def prs_app() -> None:
 
 
 @prs_app.command("list")
-@json_flag
-def prs_list(as_json: bool) -> None:
+@output_options
+def prs_list(output: str | None, as_json: bool) -> None:
     """Pull requests opened (or adopted after a crash) by runs."""
+    fmt = chosen_output(output, as_json)
     with _lane() as lane:
         rows = lane.pull_requests()
-    if as_json:
-        _print_json(rows)
-        return
-    # Whole run ids, as `runs list` prints them (`runs show RUN_ID` takes them from
-    # here); the other columns fold instead.
-    table = Table(Column("run", no_wrap=True,
-                         min_width=max((len(r["run_id"]) for r in rows), default=3)),
-                  *(Column(name, overflow="fold") for name in ("repo", "branch", "number",
-                                                               "url")))
-    for r in rows:
-        table.add_row(r["run_id"], str(r["repo"]), str(r["branch"]), str(r["number"]),
-                      str(r["url"]))
-    out.print(table)
+    columns = (Col("run", lambda r: r["run_id"], ident=True, key="run_id"),
+               Col("number", lambda r: r["number"], right=True),
+               Col("url", lambda r: r["url"]),
+               Col("branch", lambda r: r["branch"], drop=2),
+               Col("repo", lambda r: r["repo"], drop=1))
+    render(rows, columns, fmt, json_document=lambda: rows, empty="no pull requests",
+           console=out)
 
 
 # --- audit / maintain / demo ---------------------------------------------------------
@@ -714,10 +648,12 @@ _register_more()
 
 
 def _register_views() -> None:
+    from runlane.cli_runs import register as register_runs
     from runlane.cli_top import register as register_top
     from runlane.cli_views import register
 
     register(app)
+    register_runs(app)
     register_top(app)
 
 

@@ -26,6 +26,7 @@ class RunFilters:
     repo: str | None = None  # canonical
     created_after: float | None = None  # inclusive
     created_before: float | None = None  # exclusive
+    task_id: str | None = None  # a task's runs (ix_runs_task_id)
 
     def given(self) -> dict[str, Any]:
         return {name: value for name, value in vars(self).items() if value is not None}

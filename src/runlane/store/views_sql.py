@@ -31,6 +31,7 @@ RUN_FILTERS = {
     "repo": "repo = :repo",
     "created_after": "created_at >= :created_after",
     "created_before": "created_at < :created_before",
+    "task_id": "task_id = :task_id",
 }
 AFTER_CURSOR = {
     True: "(created_at, run_id) < (:cursor_created_at, :cursor_run_id)",
