@@ -26,8 +26,6 @@ from runlane.domain.policy import MAX_COUNT, PolicyInvalid, read_policy_text
 from runlane.domain.routing import (
     canonical_capabilities,
     parse_capabilities,
-    parse_requirements,
-    requirements_to_mapping,
 )
 from runlane.domain.tasks import TaskInvalid, valid_name
 from runlane.errors import DatabaseUnavailable, RunlaneError
@@ -164,122 +162,6 @@ def db_upgrade(as_json: bool) -> None:
         _print_json({"from": before, "to": after, "changed": before != after})
     else:
         out.print(f"schema at {after}" + ("" if before == after else f" (was {before or 'empty'})"))
-
-
-# --- submit / cancel ----------------------------------------------------------------
-
-
-@app.command()
-@click.option("--tenant", help="Who the run is for.")
-@click.option("--repo", help="Repository URL or local path.")
-@click.option("--prompt", help="What the agent should do.")
-@click.option("--queue", help="Queue of the run (default: the policy's, else 'default').")
-@click.option("--priority", help="Integer (lower first) or critical|high|normal|low|batch.")
-@click.option("--idempotency-key",
-              help="Per tenant: the same key again returns the same task and run.")
-@click.option("--max-attempts",
-              help="Attempts of this run, 1-100 (default: the policy's, else the setting "
-              "MAX_ATTEMPTS).")
-@click.option("--require", "requires", multiple=True,
-              help="Required worker capability: KEY=VALUE, KEY=A,B (set), KEY=N (at least), "
-              "KEY>=VERSION (repeatable).")
-@click.option("--depends-on", "depends_on", multiple=True,
-              help="Task that must succeed before this one runs (repeatable).")
-@click.option("--parent", "parent_task_id", help="Task this one follows up on.")
-@click.option("--user", help="Who asked (for per-user limits).")
-@click.option("--estimated-cost", "estimated_cost_usd", help="Expected model cost in USD.")
-@click.option("--context", type=click.Path(path_type=Path),
-              help="JSON object of optional context sections (summary, history, comments, "
-              "diff, ci_failures).")
-@click.option("--batch", type=click.Path(path_type=Path),
-              help="JSON Lines file, one task per line; all or nothing.")
-@json_flag
-def submit(tenant: str | None, repo: str | None, prompt: str | None, queue: str | None,
-           priority: str | None, idempotency_key: str | None, max_attempts: str | None,
-           requires: tuple[str, ...], depends_on: tuple[str, ...], parent_task_id: str | None,
-           user: str | None, estimated_cost_usd: str | None,
-           context: Path | None, batch: Path | None, as_json: bool) -> None:
-    """Submit a task (or a batch); the same tenant and idempotency key returns the same run.
-
-    Each run is admitted under the policy in force: it is queued, denied
-    (POLICY_DENIED) or deferred (WAITING_CAPACITY) with a reason code."""
-    if batch is not None:
-        if any(v is not None for v in (tenant, repo, prompt, queue, priority, idempotency_key,
-                                       max_attempts, context, parent_task_id, user,
-                                       estimated_cost_usd)) or requires or depends_on:
-            raise TaskInvalid("--batch", "cannot be combined with per-task flags")
-        rows = _read_jsonl(batch)
-        with _lane() as lane:
-            results = lane.submit_batch(rows)
-        docs = [_submission(s) for s in results]
-        if as_json:
-            _print_json(docs)
-        else:
-            created = sum(1 for s in results if s.created)
-            out.print(f"{len(results)} task(s): {created} created, "
-                      f"{len(results) - created} already present")
-        return
-    raw: dict[str, Any] = {"tenant": tenant, "repo": repo, "prompt": prompt, "queue": queue,
-                           "priority": priority, "idempotency_key": idempotency_key,
-                           "max_attempts": max_attempts, "parent_task_id": parent_task_id,
-                           "user": user, "estimated_cost_usd": estimated_cost_usd}
-    if requires:
-        try:
-            raw["requires"] = requirements_to_mapping(parse_requirements(list(requires)))
-        except ValueError as exc:
-            raise TaskInvalid("--require", str(exc)) from None
-    if depends_on:
-        raw["depends_on"] = list(depends_on)
-    if context is not None:
-        raw["context"] = _read_json(context, "--context")
-    missing = [f"--{k}" for k in ("tenant", "repo", "prompt") if raw[k] is None]
-    if missing:
-        raise TaskInvalid(missing[0], "is required (or use --batch FILE)")
-    with _lane() as lane:
-        result = lane.submit(**{k: v for k, v in raw.items() if v is not None})
-    if as_json:
-        _print_json(_submission(result))
-    else:
-        verb = "submitted" if result.created else "already submitted"
-        why = f": {result.reason_code}" if result.reason_code else ""
-        out.print(f"{verb}: task {result.task_id} run {result.run_id} ({result.status}{why})")
-
-
-def _submission(s: Any) -> dict[str, Any]:
-    return {"task_id": s.task_id, "run_id": s.run_id, "status": s.status, "created": s.created,
-            "reason_code": s.reason_code, "truncated_sections": list(s.truncated_sections),
-            "payload_bytes": s.payload_bytes}
-
-
-def _read_json(path: Path, flag: str) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise TaskInvalid(flag, f"{path} is not UTF-8 text") from None
-    except OSError as exc:
-        raise TaskInvalid(flag, f"cannot read {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise TaskInvalid(flag, f"{path} is not JSON: {exc.msg} at line {exc.lineno}") from None
-
-
-def _read_jsonl(path: Path) -> list[Any]:
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise TaskInvalid("--batch", f"{path} is not UTF-8 text") from None
-    except OSError as exc:
-        raise TaskInvalid("--batch", f"cannot read {path}: {exc.strerror}") from None
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise TaskInvalid(f"line {number}", f"is not JSON: {exc.msg}") from None
-    if not rows:
-        raise TaskInvalid("--batch", f"{path} holds no tasks")
-    return rows
 
 
 # --- policy -------------------------------------------------------------------------
@@ -634,11 +516,13 @@ def _register_more() -> None:
     """Commands kept in modules of their own (this one would pass 800 lines)."""
     from runlane.chaos.cli import chaos_command
     from runlane.cli_serve import serve_command
+    from runlane.cli_submit import submit
     from runlane.cli_tasks import retry_command, tasks_group
     from runlane.cli_tokens import tokens_group
 
     app.add_command(chaos_command)
     app.add_command(serve_command)
+    app.add_command(submit)
     app.add_command(tokens_group)
     app.add_command(retry_command)
     app.add_command(tasks_group)
