@@ -172,6 +172,10 @@ class Runlane(ActivityMixin, ViewsMixin):
     # --- schema ---------------------------------------------------------------------
 
     def upgrade_schema(self) -> tuple[str | None, str | None]:
+        url = self.store.engine.url
+        path = _sqlite_file(url) if url.get_backend_name() == "sqlite" else None
+        if path is not None:  # the default's directory (the user's state directory)
+            path.expanduser().parent.mkdir(parents=True, exist_ok=True)
         before_after = migrate.upgrade(self.store.engine)
         self._schema_checked = before_after[1] == migrate.head_revision()
         return before_after

@@ -65,10 +65,68 @@ def setting_options(fn: F) -> F:
     return fn
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class Runlane_(click.Group):
+    """The top-level command: its options (the database, logging, every setting) are
+    taken after the subcommand too (`runs list --database-url URL`), unless that
+    subcommand has an option of the same name; alone, it prints its help."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, hoist_global_options(self, ctx, args))
+
+
+def _takes_value(command: click.Command) -> dict[str, bool]:
+    """Each option string of ``command``, and whether it takes a value."""
+    found: dict[str, bool] = {}
+    for param in command.params:
+        if isinstance(param, click.Option):
+            for name in (*param.opts, *param.secondary_opts):
+                found[name] = not (param.is_flag or param.count)
+    return found
+
+
+def hoist_global_options(group: click.Group, ctx: click.Context, args: list[str]
+                         ) -> list[str]:
+    """``args`` with the group's options given after its subcommand moved before it."""
+    mine = _takes_value(group)
+    i = 0
+    while i < len(args) and args[i].startswith("-") and args[i] != "--":
+        i += 2 if mine.get(args[i], False) else 1
+    if i >= len(args) or args[i] == "--":
+        return args
+    command: click.Command | None = group
+    j = i
+    while isinstance(command, click.Group) and j < len(args):
+        command = command.get_command(ctx, args[j])
+        j += 1
+    if command is None:
+        return args
+    theirs = _takes_value(command)
+    moved: list[str] = []
+    rest = args[:j]
+    while j < len(args):
+        arg = args[j]
+        if arg == "--":
+            rest += args[j:]
+            break
+        name = arg.split("=", 1)[0]
+        if name in mine and name not in theirs and arg.startswith("--"):
+            width = 2 if mine[name] and "=" not in arg else 1
+            moved += args[j:j + width]
+            j += width
+            continue
+        rest.append(arg)
+        if theirs.get(arg, False) and j + 1 < len(args):
+            rest.append(args[j + 1])
+            j += 1
+        j += 1
+    return moved + rest
+
+
+@click.group(cls=Runlane_, invoke_without_command=True, no_args_is_help=False,
+             context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--database-url", default=None,
               help="SQLAlchemy URL (else RUNLANE_DATABASE_URL, runlane.toml, "
-              "sqlite:///runlane.db).")
+              "SQLite in ~/.local/state/runlane/runlane.db; `runlane info` shows it).")
 @click.option("--log-level", envvar="RUNLANE_LOG_LEVEL", default=None,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               help="Default: INFO for worker, maintain and up (their runs' claims and "
@@ -81,7 +139,13 @@ def setting_options(fn: F) -> F:
 @click.version_option(package_name="runlane")
 def app(database_url: str | None, log_level: str | None, log_format: str | None,
         **settings: str | None) -> None:
-    """runlane: a durable run scheduler for background AI coding agents."""
+    """runlane: a durable run scheduler for background AI coding agents.
+
+    Options of this command are taken after the subcommand too."""
+    ctx = click.get_current_context()
+    if ctx.invoked_subcommand is None:
+        click.echo(ctx.get_help())
+        ctx.exit(0)
     state.database_url = database_url
     state.settings = {name: value for name, value in settings.items() if value is not None}
     state.logging = {k: v for k, v in (("LOG_LEVEL", log_level), ("LOG_FORMAT", log_format))
@@ -515,6 +579,7 @@ def demo(directory: Path, as_json: bool) -> None:
 def _register_more() -> None:
     """Commands kept in modules of their own (this one would pass 800 lines)."""
     from runlane.chaos.cli import chaos_command
+    from runlane.cli_info import info_command
     from runlane.cli_serve import serve_command
     from runlane.cli_submit import submit
     from runlane.cli_tasks import retry_command, tasks_group
@@ -522,6 +587,7 @@ def _register_more() -> None:
 
     app.add_command(chaos_command)
     app.add_command(serve_command)
+    app.add_command(info_command)
     app.add_command(submit)
     app.add_command(tokens_group)
     app.add_command(retry_command)

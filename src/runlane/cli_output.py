@@ -123,7 +123,7 @@ def fitted_table(rows: Sequence[Any], columns: Sequence[Col], width: int) -> Tab
         if needed(keep) <= width:
             break
         keep.remove(i)
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, expand=False)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, expand=False)
     for i in keep:
         c = columns[i]
         if c.ident:
