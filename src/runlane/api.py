@@ -548,6 +548,30 @@ class Runlane(ActivityMixin, ViewsMixin):
             agent_term_grace_seconds=s.agent_term_grace_seconds,
             exit_when_idle=exit_when_idle))
 
+    @_on_the_database
+    def unserved(self, *, queues: list[str], capabilities: dict[str, Any] | None = None
+                 ) -> list[tuple[int, str]]:
+        """Queued runs a worker on ``queues`` with ``capabilities`` cannot serve, as
+        (count, why) per queue or requirement set: what `worker --exit-when-idle`
+        leaves behind."""
+        from runlane.domain.routing import parse_capabilities, requirements_from_canonical
+        from runlane.domain.routing import unmet as unmet_requirements
+
+        caps = parse_capabilities(capabilities or {})
+        left: list[tuple[int, str]] = []
+        other_queues: dict[str, int] = {}
+        for queue, route_key, queued in self.store.queued_by_route():
+            if queue not in queues:
+                other_queues[queue] = other_queues.get(queue, 0) + queued
+                continue
+            why = unmet_requirements(requirements_from_canonical(route_key), caps)
+            if why:
+                left.append((queued, f"in queue {queue} needing {route_key} "
+                                     f"(unmet: {'; '.join(why)})"))
+        left += [(n, f"in queue {q}, which it does not serve (--queue {q})")
+                 for q, n in sorted(other_queues.items())]
+        return left
+
     def sandbox(self, workspace_root: Path | None = None,
                 artifacts_root: Path | None = None) -> Sandbox:
         """The sandbox of this lane's agent and verify commands, from the settings

@@ -6,7 +6,6 @@ logs and errors go to stderr; an error is one line and a non-zero exit code:
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import threading
@@ -19,15 +18,11 @@ import click
 from rich.console import Console
 from sqlalchemy.exc import DBAPIError
 
-from runlane.api import MAX_CONCURRENCY, Runlane, shown_url
+from runlane.api import Runlane, shown_url
 from runlane.cli_output import Col, chosen_output, output_options, render
-from runlane.cli_serve import host_port_options, metrics_port_option
+from runlane.cli_serve import metrics_port_option
 from runlane.domain.policy import MAX_COUNT, PolicyInvalid, read_policy_text
-from runlane.domain.routing import (
-    canonical_capabilities,
-    parse_capabilities,
-)
-from runlane.domain.tasks import TaskInvalid, valid_name
+from runlane.domain.tasks import TaskInvalid
 from runlane.errors import DatabaseUnavailable, RunlaneError
 from runlane.logs import FORMATS, configure_logging
 from runlane.settings import Settings, load_settings
@@ -274,184 +269,7 @@ def policy_show(as_json: bool) -> None:
     out.print_json(data=record["policy"])
 
 
-# --- worker / up / prs ----------------------------------------------------------------
-
-
-def _capabilities(values: tuple[str, ...]) -> dict[str, Any]:
-    """``--capability`` values as a JSON-able mapping (repeated keys gather a set)."""
-    try:
-        return dict(json.loads(canonical_capabilities(parse_capabilities(list(values))) or "{}"))
-    except ValueError as exc:
-        raise TaskInvalid("--capability", str(exc)) from None
-
-
-def _pairs(values: tuple[str, ...], flag: str) -> dict[str, str]:
-    parsed: dict[str, str] = {}
-    for value in values:
-        key, sep, val = value.partition("=")
-        if not sep or not key.strip():
-            raise TaskInvalid(flag, f"{value!r} is not KEY=VALUE")
-        parsed[key.strip()] = val.strip()
-    return parsed
-
-
-def _finite(_ctx: click.Context, param: click.Parameter, value: float | None
-            ) -> float | None:
-    """click's FloatRange lets NaN through (every comparison with it is false)."""
-    if value is not None and not math.isfinite(value):
-        raise click.BadParameter("must be a finite number", param=param)
-    return value
-
-
-def _command(_ctx: click.Context, param: click.Parameter, value: str | None
-             ) -> str | None:
-    """An agent or verify command that is empty (`--agent-command "$AGENT"` with AGENT
-    unset) is a mistake: no agent to run, or every run unverified."""
-    if value is not None and not value.strip():
-        raise click.BadParameter("must not be empty", param=param)
-    return value
-
-
-def _queue_names(_ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
-                 ) -> tuple[str, ...]:
-    """As a submit checks them: a worker on an empty or malformed queue name would
-    serve nothing, silently."""
-    for value in values:
-        if not valid_name(value):
-            raise click.BadParameter(f"{value!r} is not a queue name (1-128 characters of "
-                                     "letters, digits and ._:@/-)", param=param)
-    return values
-
-
-@app.command()
-@click.option("--agent-command", required=True, callback=_command,
-              help="Run by /bin/sh -c in the workspace.")
-@click.option("--verify-command", callback=_command,
-              help="Run in the workspace after the agent succeeds.")
-@click.option("--queue", "queues", multiple=True, callback=_queue_names,
-              help="Queue to claim from (repeatable).")
-@click.option("--concurrency", type=click.IntRange(min=1, max=MAX_CONCURRENCY), default=1,
-              show_default=True)
-@click.option("--capability", "capabilities", multiple=True, help="KEY=VALUE (repeatable).")
-@click.option("--exit-when-idle", is_flag=True,
-              help="Exit once nothing is active and nothing is queued in its queues.")
-@click.option("--timeout-seconds", type=click.FloatRange(min=0, min_open=True),
-              callback=_finite, help="Wall-clock limit of one attempt's agent (TIMEOUT).")
-@click.option("--max-changed-files", type=click.IntRange(min=0, max=MAX_COUNT),
-              help="More changed files fail the attempt (LIMIT_EXCEEDED).")
-@click.option("--max-diff-lines", type=click.IntRange(min=0, max=MAX_COUNT),
-              help="More diff lines fail the attempt (LIMIT_EXCEEDED).")
-@click.option("--keep-failed-workspaces", is_flag=True)
-@metrics_port_option
-def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ...],
-           concurrency: int, capabilities: tuple[str, ...], exit_when_idle: bool,
-           timeout_seconds: float | None, max_changed_files: int | None,
-           max_diff_lines: int | None, keep_failed_workspaces: bool, metrics_port: int) -> None:
-    """A long-running worker; SIGTERM drains it."""
-    from runlane.agents.base import AttemptLimits
-    from runlane.services.supervisor import follow_supervisor
-
-    with _lane() as lane:
-        runner = lane.worker(
-            agent_command=agent_command, verify_command=verify_command,
-            queues=list(queues) or ["default"], concurrency=concurrency,
-            capabilities=_capabilities(capabilities), exit_when_idle=exit_when_idle,
-            limits=AttemptLimits(timeout_seconds, max_changed_files, max_diff_lines),
-            keep_failed_workspaces=keep_failed_workspaces)
-        _warn_if_unsandboxed(lane)
-        if metrics_port:  # this process's counts; the database's gauges: serve, maintain
-            lane.serve_metrics(metrics_port, database_gauges=False)
-        # Started by `up` or the demo: drain when the supervisor dies. A SIGTERM that
-        # comes before run() installs its handler just ends a worker with no attempts.
-        follow_supervisor()
-        sys.exit(runner.run(handle_signals=True))
-
-
-@app.command()
-@click.option("--workers", type=click.IntRange(min=1, max=MAX_CONCURRENCY), default=2,
-              show_default=True, help="Worker processes to run.")
-@click.option("--agent-command", required=True, callback=_command,
-              help="Passed to every worker.")
-@click.option("--verify-command", callback=_command)
-@click.option("--queue", "queues", multiple=True, callback=_queue_names)
-@click.option("--concurrency", type=click.IntRange(min=1, max=MAX_CONCURRENCY), default=1,
-              show_default=True, help="Per worker process.")
-@click.option("--capability", "capabilities", multiple=True,
-              help="KEY=VALUE declared by every worker, as `runlane worker --capability` "
-              "(repeatable): runs that require it are served.")
-@click.option("--serve", is_flag=True, help="Also serve the HTTP API and dashboard "
-              "(as `runlane serve`, on --host and --port).")
-@host_port_options
-@metrics_port_option
-def up(workers: int, agent_command: str, verify_command: str | None, queues: tuple[str, ...],
-       concurrency: int, capabilities: tuple[str, ...], serve: bool, host: str,
-       port: int, metrics_port: int) -> None:
-    """Everything on one machine: maintenance and N worker processes (restarted if they
-    die), and with --serve the HTTP API; SIGTERM or Ctrl-C drains the workers and stops."""
-    from runlane.observability.metrics import counting_across_processes
-    from runlane.services.supervisor import WorkerPool
-
-    _capabilities(capabilities)  # bad input is refused here, not by each worker's restart
-    # Served metrics are every process's: the workers count in files that this process
-    # sums (prometheus_client's multiprocess mode, in a private directory).
-    with counting_across_processes(bool(metrics_port or serve)), _lane() as lane:
-        # Refused here, once, rather than by every worker, restarted forever.
-        _check_sandbox(lane)
-        args = ["--agent-command", agent_command, "--concurrency", str(concurrency)]
-        if verify_command:
-            args += ["--verify-command", verify_command]
-        for queue in queues:
-            args += ["--queue", queue]
-        for capability in capabilities:
-            args += ["--capability", capability]
-        # The settings given as flags reach the workers as their environment.
-        pool = WorkerPool(args, workers, database_url=lane.settings.database_url,
-                          env={f"RUNLANE_{name.upper()}": value
-                               for name, value in {**state.settings,
-                                                   **state.logging}.items()})
-        stop = _stop_on_sigterm()
-        web = None
-        if serve:  # first: a port in use stops `up` before anything else starts
-            from runlane.http.serve import ServerThread
-
-            web = ServerThread(lane, host, port)
-            web.start()
-        threads = _start_maintenance(lane, stop)
-        if metrics_port:
-            lane.serve_metrics(metrics_port)
-        pool.start()
-        served = f", HTTP API on http://{host}:{port}" if web else ""
-        out.print(f"runlane up: {workers} worker(s) {pool.pids()}, maintenance running"
-                  f"{served}; Ctrl-C to stop", soft_wrap=True)
-        try:
-            while not stop.wait(1.0):
-                pool.supervise()
-        except KeyboardInterrupt:
-            stop.set()
-        if web is not None:
-            web.stop()
-        pool.stop(lane.settings.drain_grace_seconds + lane.settings.agent_term_grace_seconds)
-        _join(threads)
-
-
-def _check_sandbox(lane: Runlane) -> None:
-    """What `runlane worker` checks before it claims anything: the directories, then a
-    sandbox started once (exit 2 with the fix when it cannot start)."""
-    from runlane.worker.attempt import AttemptSettings
-
-    attempts = AttemptSettings(workspace_root=lane.settings.workspace_dir,
-                               artifacts_root=lane.settings.artifacts_dir)
-    attempts.check_directories()
-    lane.sandbox().check(workspace_root=attempts.workspace_root,
-                         artifacts_root=attempts.artifacts_root)
-    _warn_if_unsandboxed(lane)
-
-
-def _warn_if_unsandboxed(lane: Runlane) -> None:
-    if lane.settings.sandbox == "off":
-        from runlane.sandbox import OFF_WARNING
-
-        click.echo(f"runlane: WARNING: {OFF_WARNING}", err=True)
+# --- services and prs -------------------------------------------------------------
 
 
 def _stop_on_sigterm() -> threading.Event:
@@ -584,9 +402,12 @@ def _register_more() -> None:
     from runlane.cli_submit import submit
     from runlane.cli_tasks import retry_command, tasks_group
     from runlane.cli_tokens import tokens_group
+    from runlane.cli_worker import up, worker
 
     app.add_command(chaos_command)
     app.add_command(serve_command)
+    app.add_command(worker)
+    app.add_command(up)
     app.add_command(info_command)
     app.add_command(submit)
     app.add_command(tokens_group)

@@ -1161,6 +1161,11 @@ SELECT worker_id, queues, capabilities FROM workers WHERE status IN ('STARTING',
 WAITING_IN_ROUTES = """
 SELECT SUM(queued_count) FROM lanes WHERE queue IN :queues AND route_key IN :routes
 """
+# Queued runs by queue and route (a worker's --exit-when-idle says which it left).
+QUEUED_BY_ROUTE = """
+SELECT queue, route_key, SUM(queued_count) AS queued FROM lanes WHERE queued_count > 0
+GROUP BY queue, route_key ORDER BY queue, route_key
+"""
 WAITING_ROUTES = """
 SELECT DISTINCT queue, route_key FROM lanes WHERE queued_count > 0
 """
