@@ -181,6 +181,8 @@ class ViewsMixin:
 
         def task_id_of(self, some_id: str, *, principal: Principal = OPERATOR) -> str: ...
 
+        def run_id_of(self, some_id: str, *, principal: Principal = OPERATOR) -> str: ...
+
     # --- runs -----------------------------------------------------------------------
 
     @_on_the_database
@@ -217,6 +219,17 @@ class ViewsMixin:
         last = rows[limit - 1] if len(rows) > limit else None
         return RunPage(items=items, next=None if last is None else encode_cursor(
             last["created_at"], last["run_id"], newest_first=newest_first))
+
+    @_on_the_database
+    def run_cursor(self, run_id: str, *, newest_first: bool,
+                   principal: Principal = OPERATOR) -> str:
+        """The cursor of a page that starts just past ``run_id`` (a task's id: its
+        newest run) in the listing's order: `runs list --before/--after RUN_ID`."""
+        run_id = self.run_id_of(run_id, principal=principal)
+        position = views.run_position(self.store, run_id)
+        if position is None:
+            raise NotFound(f"no run {run_id!r}")
+        return encode_cursor(position[0], position[1], newest_first=newest_first)
 
     # --- workers ----------------------------------------------------------------------
 

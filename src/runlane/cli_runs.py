@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from runlane.api_views import MAX_PAGE, encode_cursor
+from runlane.api_views import MAX_PAGE
 from runlane.cli import _lane, json_flag, out, run_document, runs_app
 from runlane.cli_output import Col, chosen_output, full_time, output_options, print_json, render
 from runlane.cli_views import parse_moment
@@ -116,9 +116,7 @@ def runs_list(status: str | None, tenant: str | None, queue: str | None, repo: s
                          for r in rows[:limit]]
         else:
             if before is not None or after is not None:
-                edge = lane.run(lane.run_id_of(str(before or after)))
-                cursor = encode_cursor(edge.created_at.timestamp(), edge.run_id,
-                                       newest_first=newest)
+                cursor = lane.run_cursor(str(before or after), newest_first=newest)
             documents = []
             while len(documents) < limit:
                 page = lane.runs_page(
@@ -264,9 +262,9 @@ def cancel(task_id: str, as_json: bool) -> None:
                     "runs": [{"run_id": r, "status": s} for r, s in result.runs.items()]})
         return
     if result.task_id != task_id:
-        out.print(f"task {result.task_id} (of run {task_id}):", highlight=False)
+        out.print(f"task {result.task_id} (of run {task_id}):", highlight=False, soft_wrap=True)
     for run_id, status in result.runs.items():
-        out.print(f"run {run_id}: {status}", highlight=False)
+        out.print(f"run {run_id}: {status}", highlight=False, soft_wrap=True)
 
 
 def register(app: click.Group) -> None:

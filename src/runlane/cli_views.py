@@ -106,7 +106,7 @@ def workers_drain(worker_id: str, as_json: bool) -> None:
         return
     out.print(f"worker {found.worker_id} asked to drain ({found.status}, "
               f"{found.leases_held} lease(s) held); it drains at its next heartbeat",
-              markup=False, highlight=False)
+              markup=False, highlight=False, soft_wrap=True)
 
 
 # --- queues and tenants ----------------------------------------------------------------

@@ -32,6 +32,13 @@ class RunFilters:
         return {name: value for name, value in vars(self).items() if value is not None}
 
 
+def run_position(store: Store, run_id: str) -> tuple[float, str, str] | None:
+    """(created_at exactly as stored, run_id, tenant) of a run, or None."""
+    with store.reads.connect() as conn:
+        row = conn.execute(store._q(vsql.RUN_POSITION), {"run_id": run_id}).first()
+    return None if row is None else (float(row.created_at), row.run_id, row.tenant)
+
+
 def runs_page(store: Store, filters: RunFilters, *, limit: int, newest_first: bool,
               after: tuple[float, str] | None) -> list[dict[str, Any]]:
     """Up to ``limit`` runs matching ``filters``, past ``after`` (created_at, run_id) in

@@ -38,6 +38,9 @@ AFTER_CURSOR = {
     False: "(created_at, run_id) > (:cursor_created_at, :cursor_run_id)",
 }
 
+# Where a run stands in the listing's order (`runs list --before/--after RUN_ID`).
+RUN_POSITION = "SELECT created_at, run_id, tenant FROM runs WHERE run_id = :run_id"
+
 RUNS_PAGE = """
 SELECT {columns} FROM runs
 {where}
