@@ -83,7 +83,7 @@ def runs_list(status: str | None, tenant: str | None, queue: str | None, repo: s
               task: str | None, since: str | None, until: str | None, before: str | None,
               after: str | None, oldest_first: bool, newest_first: bool, cursor: str | None,
               limit: int, unroutable: bool, output: str | None, as_json: bool) -> None:
-    """List runs, newest first."""
+    """List runs, newest first (--unroutable: route by route, oldest first)."""
     fmt = chosen_output(output, as_json)
     if tenant is not None and not valid_name(tenant):
         raise TaskInvalid("--tenant", f"{tenant!r} is not a tenant name")
