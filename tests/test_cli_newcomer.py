@@ -249,6 +249,10 @@ def test_retry_and_either_id_where_either_makes_sense(db_url: str, repo: str) ->
     token = rl(db_url, "tokens", "create", "--role", "admin", "--json").json()["info"]
     wrong = rl(db_url, "runs", "show", token["token_id"], code=3)
     assert "it is an API token's id, not a run's or a task's" in wrong.stderr
+    wrong = rl(db_url, "tokens", "revoke", sub["run_id"], code=3)
+    assert "it is a run's id, not a token's" in wrong.stderr
+    assert rl(db_url, "tasks", "show", sub["run_id"], "--json").json()["task_id"] == \
+        sub["task_id"]
     assert "no run 'nope' (nor a task of that id)" in rl(db_url, "runs", "show", "nope",
                                                          code=3).stderr
 

@@ -7,10 +7,12 @@ from datetime import UTC, datetime
 
 import click
 
+from runlane.api import KIND_NAMES
 from runlane.cli import _lane, _print_json, json_flag, out
 from runlane.cli_output import Col, chosen_output, output_options, render
 from runlane.domain.tasks import TaskInvalid
 from runlane.domain.tokens import parse_expiry
+from runlane.errors import NotFound
 
 
 @click.group("tokens")
@@ -83,7 +85,14 @@ def tokens_list(output: str | None, as_json: bool) -> None:
 def tokens_revoke(token_id: str, as_json: bool) -> None:
     """Revoke a token: its next request is refused (401)."""
     with _lane() as lane:
-        info = lane.revoke_token(token_id)
+        try:
+            info = lane.revoke_token(token_id)
+        except NotFound as exc:
+            found = lane.identify(token_id)  # a run's id, say: name what it is
+            if found is None or found.kind == "token":
+                raise
+            raise NotFound(f"{exc}: it is {KIND_NAMES[found.kind]} id, not a token's"
+                           ) from None
     if as_json:
         _print_json(info.model_dump(mode="json"))
     else:
