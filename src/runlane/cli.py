@@ -362,8 +362,11 @@ def maintain(once: bool, metrics_port: int, as_json: bool) -> None:
             counts = lane.maintain_once()
             if as_json:
                 _print_json(counts)
-            else:
-                out.print(", ".join(f"{k}={v}" for k, v in counts.items()))
+            else:  # what the pass did; every counter with --json
+                done = {k: v for k, v in counts.items() if v}
+                out.print(", ".join(f"{k}={v}" for k, v in done.items()) if done else
+                          f"nothing to do (all {len(counts)} counters 0; --json lists them)",
+                          soft_wrap=True, highlight=False)
             return
         # SIGTERM (a deploy, systemd, Kubernetes) stops it as Ctrl-C does: the passes in
         # flight finish, then exit 0.
