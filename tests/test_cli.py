@@ -187,7 +187,7 @@ per_tenant_max_active = 2
     assert shown["version"] == 1 and shown["policy"]["concurrency"]["per_tenant_max_active"] == 2
     denied = cli.json("submit", "--no-repo-check",
                       "--tenant", "acme", "--repo", "/srv/git/payments.git",
-                      "--prompt", "p")
+                      "--prompt", "p", code=1)  # a denied submit exits 1
     assert (denied["status"], denied["reason_code"]) == (
         "POLICY_DENIED", "REPOSITORY_POLICY_BLOCKS_AUTONOMOUS_AGENT")
     parent = cli.json("submit", "--no-repo-check",

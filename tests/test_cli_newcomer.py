@@ -321,7 +321,10 @@ def test_default_paths_are_absolute_whatever_the_directory(tmp_path: Path,
         seen.add((settings.database_url, settings.artifacts_dir))
     assert seen == {(f"sqlite:///{tmp_path}/state/runlane/runlane.db",
                      tmp_path / "state" / "runlane" / "artifacts")}
+    rl(None, "db", "upgrade")  # the default's directory is made; `info` finds it after
+    assert (tmp_path / "state" / "runlane" / "runlane.db").is_file()
     monkeypatch.chdir(tmp_path)
+    assert rl(None, "info", "--json").json()["schema"]["ok"] is True
     relative = Settings(database_url="sqlite:///rel.db", artifacts_dir=Path("arts"))
     assert relative.database_url == f"sqlite:///{tmp_path}/rel.db"
     assert relative.artifacts_dir == tmp_path / "arts"

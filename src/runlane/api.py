@@ -51,7 +51,7 @@ from runlane.services.maintenance import (
 )
 from runlane.services.retention import Pruner, RetentionConfig
 from runlane.services.scheduler import Scheduler, SchedulerConfig
-from runlane.settings import Settings, load_settings
+from runlane.settings import Settings, default_database_url, load_settings
 from runlane.store import details, migrate, tokens
 from runlane.store import events as events_store
 from runlane.store.engine import build_engine
@@ -174,8 +174,10 @@ class Runlane(ActivityMixin, ViewsMixin):
     def upgrade_schema(self) -> tuple[str | None, str | None]:
         url = self.store.engine.url
         path = _sqlite_file(url) if url.get_backend_name() == "sqlite" else None
-        if path is not None:  # the default's directory (the user's state directory)
-            path.expanduser().parent.mkdir(parents=True, exist_ok=True)
+        if path is not None and self.settings.database_url == default_database_url():
+            # The default's directory (the user's state directory); a path given is
+            # used as it is (a typo in it is refused, not created).
+            path.parent.mkdir(parents=True, exist_ok=True)
         before_after = migrate.upgrade(self.store.engine)
         self._schema_checked = before_after[1] == migrate.head_revision()
         return before_after
