@@ -194,7 +194,8 @@ def summary(run: Any, task: Any, artifacts: Path, *, utc: bool, full_prompt: boo
         _line("policy", f"{admission.get('decision')} under policy "
               f"v{admission.get('policy_version')}"
               + (f", first admitted under v{first}" if first is not None else "")
-              + (f" ({admission.get('reason_code')}: {admission.get('message')})"
+              + (f" ({admission.get('reason_code')}"
+                 + (f": {admission['message']}" if admission.get("message") else "") + ")"
                  if admission.get("reason_code") else "")
               + (f", retry after {when(_when(admission['retry_after']))}"
                  if admission.get("retry_after") else ""))
