@@ -382,11 +382,22 @@ def test_worker_exit_when_idle_says_what_it_leaves_and_why(db_url: str, repo: st
                                                            tmp_path: Path) -> None:
     _submit(db_url, repo, "--require", "gpu=1")
     _submit(db_url, repo, "--queue", "other")
+    served = _submit(db_url, repo)
+    env = cli_env(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "runlane", "--database-url", db_url, "--sandbox", "off",
-         "worker", "--agent-command", "true", "--exit-when-idle"],
-        capture_output=True, text=True, env=cli_env(tmp_path), cwd=tmp_path, timeout=60)
+         "worker", "--agent-command", "echo x > x.txt", "--exit-when-idle"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if "left that this worker" in line]
     assert said and "2 queued run(s)" in said[0], done.stderr[-2000:]
     assert "gpu" in said[0] and "--queue other" in said[0]
+    # `runs show` of a run that ran: its attempt, worker, token, stages, log.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_STATE_HOME", env["XDG_STATE_HOME"])
+        shown = rl(db_url, "runs", "show", served["run_id"]).stdout
+    assert "SUCCEEDED" in shown and "fencing token 1" in shown and "None" not in shown
+    assert "stages CLAIMED → PREPARING_SANDBOX → RUNNING" in shown, shown
+    log = Path(env["XDG_STATE_HOME"]) / "runlane" / "artifacts" / served["run_id"] / "1"
+    assert f"log {log / 'agent.log'}" in shown.replace("\n", ""), shown
+    assert "pull request" in shown and "branch agent/" in shown

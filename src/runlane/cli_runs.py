@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -191,8 +190,9 @@ def summary(run: Any, task: Any, artifacts: Path, *, utc: bool, full_prompt: boo
     admission = run.admission or {}
     if admission:
         first = admission.get("first_policy_version")
-        _line("policy", f"{admission.get('decision')} under policy "
-              f"v{admission.get('policy_version')}"
+        version = admission.get("policy_version")
+        _line("policy", f"{admission.get('decision')} "
+              + (f"under policy v{version}" if version else "(no policy applied)")
               + (f", first admitted under v{first}" if first is not None else "")
               + (f" ({admission.get('reason_code')}"
                  + (f": {admission['message']}" if admission.get("message") else "") + ")"
@@ -220,27 +220,26 @@ def summary(run: Any, task: Any, artifacts: Path, *, utc: bool, full_prompt: boo
     _line("pull request", (f"{pr.url or '#' + str(pr.number)} (branch {pr.branch})"
                            + (", adopted" if pr.adopted else "")) if pr else "none")
     if run.attempts:
-        _line("artifacts", f"{artifacts / run.run_id}/<attempt>/ (agent.log, verify.log; "
-              "on the worker's machine)")
+        _line("artifacts", f"{artifacts / run.run_id}/N/ for attempt N (agent.log, "
+              "verify.log; on the worker's machine)")
     if run.retry_of_run_id:
         _line("retry of", run.retry_of_run_id)
     if run.retried_by_run_id:
         _line("retried by", run.retried_by_run_id)
     if len(task.runs) > 1:
         _line("task's runs", ", ".join(f"{r.run_id} {r.status}" for r in task.runs))
-    if run.attempts:
-        table = Table("#", "status", "reason", "worker", "token", "reached", "started",
-                      "ended", "cost", title="attempts", title_justify="left")
-        for a in run.attempts:
-            reached = a.stages[-1].status if a.stages else a.status
-            table.add_row(str(a.attempt_no), a.status, a.reason_code or "",
-                          escape(a.worker_id), str(a.fencing_token), reached,
-                          when(a.started_at), when(a.ended_at) if a.ended_at else "",
-                          f"${a.cost_usd:.4f}")
-        out.print(table)
-        for a in run.attempts:
-            if a.message:
-                _line(f"attempt {a.attempt_no}", a.message)
+    for a in run.attempts:  # one block each: readable at any width
+        stages = " → ".join(stage.status for stage in a.stages) or a.status
+        _line(f"attempt {a.attempt_no}",
+              f"{a.status}" + (f": {a.reason_code}" if a.reason_code else "")
+              + f", worker {a.worker_id}, fencing token {a.fencing_token}, "
+              f"${a.cost_usd:.4f}")
+        _line("", f"stages {stages}")
+        _line("", f"{when(a.started_at)} to "
+              + (when(a.ended_at) if a.ended_at else f"now (lease {a.lease_status})"))
+        if a.message:
+            _line("", a.message)
+        _line("", f"log {artifacts / run.run_id / str(a.attempt_no) / 'agent.log'}")
     if with_events:
         events = Table("at", "actor", "from", "to", "reason", "token", title="events",
                        title_justify="left")
