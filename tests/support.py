@@ -102,6 +102,7 @@ def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("RUNLANE_") and k != "GITHUB_TOKEN"}
     env.update({"PYTHONPATH": SRC, "RUNLANE_FORGE_DIR": str(tmp_path / "forge"),
+                "XDG_STATE_HOME": str(tmp_path / "state"),
                 "RUNLANE_WORKSPACE_DIR": str(tmp_path / "ws"), **extra})
     return env
 

@@ -446,3 +446,22 @@ def test_output_held_open_outside_the_group_does_not_block_the_runner(agent: Age
     finally:
         for pid in processes_in(agent.workspace):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_control_ish_lines_that_are_not_json_get_one_warning_each(agent: Agent) -> None:
+    """`cost 0.01` (a control line as a person might guess it) and a truncated
+    `{"runlane": ...` were logged as ordinary lines and ignored in silence: the agent's
+    author never learnt why no cost was recorded."""
+    script = agent.workspace / "guessed.txt"
+    script.write_text('cost 0.01\ncost 0.02\nprogress: half way\nFailed to fetch\n'
+                      '{"runlane": "cost", "usd": 0.01\n')
+    control = FakeControl()
+    result = agent.run(f"cat '{script}'", control)
+    assert result.succeeded and control.costs == []
+    lines = agent.log().splitlines()
+    warned = [line for line in lines if line.startswith(f"{MARKER} WARNING")]
+    assert [w.split("looks like a ")[1].split(" ")[0] for w in warned[:2]] == \
+        ["'cost'", "'progress'"], warned
+    assert len(warned) == 3 and "malformed control line" in warned[2], warned
+    assert '{"runlane": "cost", "usd": 0.01}' in warned[0]  # what a control line is
+    assert "cost 0.01" in lines and "cost 0.02" in lines and "Failed to fetch" in lines

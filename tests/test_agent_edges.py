@@ -67,7 +67,7 @@ def _show(tmp_path: Path, run_id: str, **extra: str) -> dict[str, Any]:
 
 
 def test_artifacts_dir_given_to_the_agent_is_usable_from_its_workspace(tmp_path: Path) -> None:
-    """With the default ARTIFACTS_DIR (`runlane-artifacts`, relative) the agent was given
+    """With the default ARTIFACTS_DIR (once `runlane-artifacts`, relative) the agent was given
     a relative RUNLANE_ARTIFACTS_DIR while it runs in the workspace: what it wrote "into
     the artifacts directory" landed in the repository and was committed and pushed."""
     repo = _remote(tmp_path)
@@ -82,8 +82,8 @@ def test_artifacts_dir_given_to_the_agent_is_usable_from_its_workspace(tmp_path:
     files = _git("ls-tree", "-r", "--name-only", branch, cwd=repo).split()
     assert Path(seen).is_absolute(), f"RUNLANE_ARTIFACTS_DIR was {seen!r}"
     assert files == ["README", "seen.txt"], files
-    # Where the README says: under ARTIFACTS_DIR, relative to the worker's directory.
-    assert Path(seen) == tmp_path / "runlane-artifacts" / sub["run_id"] / "1"
+    # Where the README says: under ARTIFACTS_DIR, in the user's state directory.
+    assert Path(seen) == tmp_path / "state" / "runlane" / "artifacts" / sub["run_id"] / "1"
     assert (Path(seen) / "r.txt").read_text() == "report\n"
     assert (Path(seen) / "agent.log").exists()
 

@@ -49,10 +49,12 @@ def test_db_upgrade_is_repeatable(cli: CLI) -> None:
 
 
 def test_submit_show_list_cancel(cli: CLI) -> None:
-    sub = cli.json("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p",
+    sub = cli.json("submit", "--no-repo-check",
+                   "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p",
                    "--priority", "high", "--idempotency-key", "k1")
     assert sub["status"] == "QUEUED" and sub["created"]
-    again = cli.json("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p",
+    again = cli.json("submit", "--no-repo-check",
+                     "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p",
                      "--priority", "high", "--idempotency-key", "k1")
     assert (again["run_id"], again["created"]) == (sub["run_id"], False)
     [run] = cli.json("runs", "list")
@@ -75,11 +77,11 @@ def test_batch_submit_is_all_or_nothing(cli: CLI, tmp_path: Path) -> None:
     path = tmp_path / "tasks.jsonl"
     path.write_text("\n".join(json.dumps({**good, "prompt": f"p{i}"}) for i in range(3))
                     + "\n" + json.dumps({**good, "priority": "soon"}) + "\n")
-    result = cli("submit", "--batch", str(path), code=2)
+    result = cli("submit", "--no-repo-check", "--batch", str(path), code=2)
     assert "line 4: priority" in result.stderr
     assert cli.json("runs", "list") == []
     path.write_text("\n".join(json.dumps({**good, "prompt": f"p{i}"}) for i in range(3)))
-    assert len(cli.json("submit", "--batch", str(path))) == 3
+    assert len(cli.json("submit", "--no-repo-check", "--batch", str(path))) == 3
     assert len(cli.json("runs", "list")) == 3
 
 
@@ -90,15 +92,20 @@ def test_batch_submit_is_all_or_nothing(cli: CLI, tmp_path: Path) -> None:
         (("cancel", "nope"), 3, "no task 'nope'"),
         (("runs", "list", "--bogus"), 2, "--bogus"),
         (("runs", "list", "--status", "DONE"), 2, "--status"),
-        (("submit", "--tenant", "", "--repo", "/x", "--prompt", "p"), 2, "tenant"),
-        (("submit", "--tenant", "a", "--repo", "ftp://h/x", "--prompt", "p"), 2, "repo"),
-        (("submit", "--tenant", "a", "--repo", "/x", "--prompt", "p", "--priority", "x"), 2,
+        (("submit", "--no-repo-check",
+          "--tenant", "", "--repo", "/x", "--prompt", "p"), 2, "tenant"),
+        (("submit", "--no-repo-check",
+          "--tenant", "a", "--repo", "ftp://h/x", "--prompt", "p"), 2, "repo"),
+        (("submit", "--no-repo-check",
+          "--tenant", "a", "--repo", "/x", "--prompt", "p", "--priority", "x"), 2,
          "priority"),
-        (("submit", "--tenant", "a", "--repo", "/x"), 2, "--prompt"),
-        (("submit", "--batch", "/no/such/file"), 2, "cannot read"),
-        (("submit", "--tenant", "a", "--repo", "/x", "--prompt", "p", "--require", "jdk>=x"),
+        (("submit", "--no-repo-check", "--tenant", "a", "--repo", "/x"), 2, "--prompt"),
+        (("submit", "--no-repo-check", "--batch", "/no/such/file"), 2, "cannot read"),
+        (("submit", "--no-repo-check",
+          "--tenant", "a", "--repo", "/x", "--prompt", "p", "--require", "jdk>=x"),
          2, "--require"),
-        (("submit", "--tenant", "a", "--repo", "/x", "--prompt", "p", "--depends-on", "nope"),
+        (("submit", "--no-repo-check",
+          "--tenant", "a", "--repo", "/x", "--prompt", "p", "--depends-on", "nope"),
          2, "no task 'nope'"),
         (("policy", "apply", "/no/such/policy.toml"), 2, "/no/such/policy.toml"),
         (("worker", "--agent-command", "true", "--capability", "=x"), 2, "--capability"),
@@ -178,14 +185,17 @@ per_tenant_max_active = 2
     assert cli.json("policy", "apply", str(good))["created"] is False
     shown = cli.json("policy", "show")
     assert shown["version"] == 1 and shown["policy"]["concurrency"]["per_tenant_max_active"] == 2
-    denied = cli.json("submit", "--tenant", "acme", "--repo", "/srv/git/payments.git",
-                      "--prompt", "p")
+    denied = cli.json("submit", "--no-repo-check",
+                      "--tenant", "acme", "--repo", "/srv/git/payments.git",
+                      "--prompt", "p", code=1)  # a denied submit exits 1
     assert (denied["status"], denied["reason_code"]) == (
         "POLICY_DENIED", "REPOSITORY_POLICY_BLOCKS_AUTONOMOUS_AGENT")
-    parent = cli.json("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p",
+    parent = cli.json("submit", "--no-repo-check",
+                      "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p",
                       "--require", "jdk>=21", "--require", "tools=git,maven",
                       "--user", "ann", "--estimated-cost", "0.5")
-    child = cli.json("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "r",
+    child = cli.json("submit", "--no-repo-check",
+                     "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "r",
                      "--depends-on", parent["task_id"], "--parent", parent["task_id"])
     assert child["status"] == "ADMITTED"
     shown = cli.json("runs", "show", child["run_id"])

@@ -54,7 +54,8 @@ def _strict_json(text: str) -> Any:
 def test_empty_idempotency_key_is_refused_not_a_shared_key(cli: CLI) -> None:  # noqa: F811
     """`--idempotency-key "$TICKET"` with an empty variable: today every such submit
     (any repo, any prompt) silently returns the first task ever submitted with ''."""
-    first = cli("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "one",
+    first = cli("submit", "--no-repo-check",
+                "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "one",
                 "--idempotency-key", "", "--json", code=2)
     assert "idempotency_key" in first.stderr
     assert cli.json("runs", "list") == []
@@ -66,7 +67,8 @@ def test_empty_idempotency_key_is_refused_not_a_shared_key(cli: CLI) -> None:  #
 def test_infinite_estimated_cost_is_bad_input(cli: CLI) -> None:  # noqa: F811
     """SQLite: accepted, and every later --json prints `"estimated_cost_usd": Infinity`
     (not JSON). PostgreSQL: exit 4 'database: invalid input syntax for type json'."""
-    result = cli("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p",
+    result = cli("submit", "--no-repo-check",
+                 "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p",
                  "--estimated-cost", "inf", "--json", code=2)
     assert "estimated_cost" in result.stderr
     _strict_json(cli("runs", "list", "--json").stdout)
@@ -105,7 +107,7 @@ def test_a_policy_limit_of_three_billion_does_not_wedge_claims_on_postgresql(
         assert "per_tenant_max_active" in applied.stderr
         return
     assert applied.returncode == 0, applied.stderr
-    submitted = _run(pg_url, tmp_path, "submit", "--tenant", "acme", "--repo",
+    submitted = _run(pg_url, tmp_path, "submit", "--no-repo-check", "--tenant", "acme", "--repo",
                      "/srv/git/a.git", "--prompt", "p", "--json")
     assert submitted.returncode == 0, submitted.stderr
     store = Store(pg_url)
@@ -196,8 +198,9 @@ def test_a_file_that_is_not_utf8_is_bad_input(cli: CLI, tmp_path: Path,  # noqa:
     'is not UTF-8 text', exit 2)."""
     path = tmp_path / "tasks.jsonl"
     path.write_bytes(b"\xff\xfe{\x00")
-    args = (["submit", "--batch", str(path)] if flag == "--batch" else
-            ["submit", "--tenant", "a", "--repo", "/x", "--prompt", "p", "--context",
+    args = (["submit", "--no-repo-check", "--batch", str(path)] if flag == "--batch" else
+            ["submit", "--no-repo-check",
+             "--tenant", "a", "--repo", "/x", "--prompt", "p", "--context",
              str(path)])
     assert flag in cli(*args, code=2).stderr
 
@@ -243,7 +246,8 @@ def test_a_schema_newer_than_this_runlane_is_reported_as_such(tmp_path: Path) ->
 def test_runs_list_with_an_empty_tenant_does_not_list_every_tenant(cli: CLI) -> None:  # noqa: F811
     """`runs list --tenant "$T"` with an empty variable lists every tenant's runs
     (store.list_runs tests `if tenant:`); a tenant is never '' (submit refuses it)."""
-    cli("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p")
+    cli("submit", "--no-repo-check",
+        "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p")
     result = _run(cli.url, cli.cwd, "runs", "list", "--tenant", "", "--json")
     if result.returncode == 2:  # refused as bad input: also right
         one_line_error(result, 2, "--tenant")

@@ -59,7 +59,8 @@ def sqlite_url(tmp_path: Path) -> str:
     return url
 
 
-BASE = ("submit", "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p")
+BASE = ("submit", "--no-repo-check",
+        "--tenant", "acme", "--repo", "/srv/git/a.git", "--prompt", "p")
 
 
 # --- tasks named by an empty id -------------------------------------------------------
@@ -94,7 +95,7 @@ def test_a_nul_character_is_bad_input_on_both_engines(url: str, tmp_path: Path) 
                        ("context", {**good, "context": {"summary": "s\u0000"}})):
         path = tmp_path / "tasks.jsonl"
         path.write_text(json.dumps(row) + "\n")
-        one_line_error(_run(url, tmp_path, "submit", "--batch", str(path)), 2,
+        one_line_error(_run(url, tmp_path, "submit", "--no-repo-check", "--batch", str(path)), 2,
                         f"line 1: {field}")
     context = tmp_path / "context.json"
     context.write_text(json.dumps({"diff": "d\u0000"}))
@@ -154,7 +155,8 @@ def test_prs_list_shows_whole_run_ids(sqlite_url: str, tmp_path: Path) -> None:
     """`runs list` prints whole run ids for `runs show RUN_ID`; `prs list` cut them
     (`01a23610-5d28…`) on an 80-column terminal, so none could be used."""
     repo = bare_remote(tmp_path)
-    sub = _json(sqlite_url, tmp_path, "submit", "--tenant", "acme", "--repo", str(repo),
+    sub = _json(sqlite_url, tmp_path, "submit", "--no-repo-check",
+                                      "--tenant", "acme", "--repo", str(repo),
                 "--prompt", "p")
     _ok(_run(sqlite_url, tmp_path, "worker", "--agent-command", "echo x > x.txt",
              "--exit-when-idle", timeout=120))
@@ -214,7 +216,7 @@ def test_readmes_scheduling_example_is_admitted_under_the_example_policy(
     assert _json(sqlite_url, tmp_path, *shlex.split(show)[1:-1])["version"] == 1
     args = shlex.split(submit)[1:]
     tenant = args[args.index("--tenant") + 1]
-    first = _json(sqlite_url, tmp_path, "submit", "--tenant", tenant, "--repo",
+    first = _json(sqlite_url, tmp_path, "submit", "--no-repo-check", "--tenant", tenant, "--repo",
                   "https://git.example.com/acme/app.git", "--prompt", "first")
     assert first["status"] == "QUEUED", first
     args = [first["task_id"] if a == "TASK_ID" else a for a in args]

@@ -122,7 +122,7 @@ def test_the_cli_refuses_a_conflicting_submit_in_one_line(db_url: str,
                                                           tmp_path: Path) -> None:
     def runlane(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "runlane", "--database-url", db_url,
-                               "submit", "--tenant", "acme", "--repo", REPO,
+                               "submit", "--no-repo-check", "--tenant", "acme", "--repo", REPO,
                                "--idempotency-key", "cli-1", *args], capture_output=True,
                               text=True, cwd=tmp_path, env=cli_env(tmp_path), timeout=60)
 

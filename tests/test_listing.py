@@ -195,7 +195,8 @@ def test_cli_runs_list_keeps_its_array_order_and_limit_and_continues_with_a_curs
     first = submit(lane, 3)
     clock.advance(1)
     rest = submit(lane, 3, queue="urgent")
-    listed = runlane(db_url, tmp_path, "runs", "list", "--limit", "4", "--json")
+    listed = runlane(db_url, tmp_path, "runs", "list", "--oldest-first", "--limit", "4",
+                     "--json")
     documents = json.loads(listed.stdout)
     assert isinstance(documents, list)
     assert [d["run_id"] for d in documents][:3] == sorted(first)  # oldest first
@@ -204,10 +205,13 @@ def test_cli_runs_list_keeps_its_array_order_and_limit_and_continues_with_a_curs
                                  "priority", "attempt_count", "max_attempts", "created_at",
                                  "updated_at", "reason_code", "outcome", "cost_usd"}
     [note] = listed.stderr.strip().splitlines()
-    assert "only the oldest 4 matching runs are listed" in note
-    cursor = note.rsplit("--cursor ", 1)[1]
-    more = json.loads(runlane(db_url, tmp_path, "runs", "list", "--cursor", cursor,
-                              "--json").stdout)
+    assert "4 runs listed (--limit), newer ones exist" in note, note
+    cursor = note.rsplit("--cursor ", 1)[1].rstrip(")")
+    more = json.loads(runlane(db_url, tmp_path, "runs", "list", "--oldest-first", "--cursor",
+                              cursor, "--json").stdout)
+    after = json.loads(runlane(db_url, tmp_path, "runs", "list", "--after",
+                               documents[-1]["run_id"], "--json").stdout)
+    assert after == more
     assert [d["run_id"] for d in documents + more] == sorted(first) + sorted(rest)
     urgent = json.loads(runlane(db_url, tmp_path, "runs", "list", "--queue", "urgent",
                                 "--newest-first", "--since", "2027-01-15T08:00:00.5",

@@ -261,7 +261,8 @@ def test_up_can_declare_worker_capabilities(tmp_path: Path) -> None:
     for args in (["add", "."], ["-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm",
                                 "init"], ["push", "-q", "origin", "main"]):
         subprocess.run(["git", *args], cwd=seed, check=True, capture_output=True)
-    sub = _run(url, tmp_path, "submit", "--tenant", "acme", "--repo", str(bare), "--prompt",
+    sub = _run(url, tmp_path, "submit", "--no-repo-check",
+                              "--tenant", "acme", "--repo", str(bare), "--prompt",
                "p", "--require", "tools=git", "--json")
     assert sub.returncode == 0, sub.stderr
     run_id = json.loads(sub.stdout)["run_id"]
@@ -373,7 +374,8 @@ def test_runs_show_gives_every_time_in_one_format(tmp_path: Path) -> None:
     policy = tmp_path / "p.toml"
     policy.write_text('[[rules]]\nwhen = { tenant = "later" }\naction = "defer"\n')
     assert _run(url, tmp_path, "policy", "apply", str(policy)).returncode == 0
-    sub = _run(url, tmp_path, "submit", "--tenant", "later", "--repo", "/srv/app.git",
+    sub = _run(url, tmp_path, "submit", "--no-repo-check",
+                              "--tenant", "later", "--repo", "/srv/app.git",
                "--prompt", "p", "--json")
     run_id = json.loads(sub.stdout)["run_id"]
     shown = json.loads(_run(url, tmp_path, "runs", "show", run_id, "--json").stdout)
@@ -383,16 +385,19 @@ def test_runs_show_gives_every_time_in_one_format(tmp_path: Path) -> None:
                                    for e in shown["events"]), shown["events"]
     retry = shown["admission"]["retry_after"]
     assert isinstance(retry, str) and retry.endswith("+00:00"), retry
-    table = _run(url, tmp_path, "runs", "show", run_id, COLUMNS="200").stdout
-    assert shown["events"][0]["at"] in table, table
-    assert retry in table, table
+    table = _run(url, tmp_path, "runs", "show", run_id, "--utc", "--events",
+                 COLUMNS="200").stdout
+    # People read local time (here UTC, --utc) to the second, with its offset.
+    assert shown["events"][0]["at"][:19].replace("T", " ") + "+00:00" in table, table
+    assert retry[:19].replace("T", " ") + "+00:00" in table, table
 
 
 def test_runs_list_says_when_the_limit_cut_it_and_shows_whole_ids(tmp_path: Path) -> None:
     """`runs list` returned the oldest --limit runs (1000 by default) without a word,
     and its table cut run ids at 80 columns, so `runs show` could not take them."""
     url = migrated_sqlite(tmp_path / "l.db")
-    subs = [json.loads(_run(url, tmp_path, "submit", "--tenant", "acme", "--repo",
+    subs = [json.loads(_run(url, tmp_path, "submit", "--no-repo-check",
+                                           "--tenant", "acme", "--repo",
                             "/srv/app.git", "--prompt", f"p{i}", "--json").stdout)
             for i in range(3)]
     cut = _run(url, tmp_path, "runs", "list", "--limit", "2", "--json")
@@ -424,13 +429,14 @@ def test_batch_lines_take_the_flag_names_too(tmp_path: Path) -> None:
     keys accepted were `requires` (an object), `estimated_cost_usd`, `parent_task_id`.
     The flags' names are now accepted too."""
     url = migrated_sqlite(tmp_path / "b.db")
-    parent = json.loads(_run(url, tmp_path, "submit", "--tenant", "acme", "--repo",
+    parent = json.loads(_run(url, tmp_path, "submit", "--no-repo-check",
+                                            "--tenant", "acme", "--repo",
                              "/srv/app.git", "--prompt", "p", "--json").stdout)
     batch = tmp_path / "b.jsonl"
     batch.write_text(json.dumps({"tenant": "acme", "repo": "/srv/app.git", "prompt": "q",
                                  "require": ["tools=git"], "estimated_cost": 0.5,
                                  "parent": parent["task_id"]}) + "\n")
-    done = _run(url, tmp_path, "submit", "--batch", str(batch), "--json")
+    done = _run(url, tmp_path, "submit", "--no-repo-check", "--batch", str(batch), "--json")
     assert done.returncode == 0, done.stderr
     run_id = json.loads(done.stdout)[0]["run_id"]
     shown = json.loads(_run(url, tmp_path, "runs", "show", run_id, "--json").stdout)
@@ -440,5 +446,5 @@ def test_batch_lines_take_the_flag_names_too(tmp_path: Path) -> None:
     both = tmp_path / "both.jsonl"
     both.write_text(json.dumps({"tenant": "acme", "repo": "/srv/app.git", "prompt": "q",
                                 "parent": "x", "parent_task_id": "y"}) + "\n")
-    done = _run(url, tmp_path, "submit", "--batch", str(both))
+    done = _run(url, tmp_path, "submit", "--no-repo-check", "--batch", str(both))
     assert done.returncode == 2, done.stderr

@@ -28,7 +28,7 @@ def test_a_read_only_uri_filename_reads_and_refuses_writes_clearly(tmp_path: Pat
     file:…: run `runlane db upgrade`" although the file was there."""
     path = tmp_path / "runlane.db"
     url = migrated_sqlite(path)
-    submitted = _runlane(url, tmp_path, "submit", "--tenant", "acme", "--repo",
+    submitted = _runlane(url, tmp_path, "submit", "--no-repo-check", "--tenant", "acme", "--repo",
                          "/srv/git/a.git", "--prompt", "p", "--json")
     assert submitted.returncode == 0, submitted.stderr
     run_id = json.loads(submitted.stdout)["run_id"]
@@ -45,7 +45,8 @@ def test_a_read_only_uri_filename_reads_and_refuses_writes_clearly(tmp_path: Pat
 
     # Writing through it: one clear line, exit 4 (database), no traceback, naming the
     # URL as written (SQLAlchemy renders the ':' of 'file:' as '%3A').
-    one_line_error(_runlane(read_only, tmp_path, "submit", "--tenant", "acme", "--repo",
+    one_line_error(_runlane(read_only, tmp_path, "submit", "--no-repo-check",
+                                                 "--tenant", "acme", "--repo",
                              "/srv/git/a.git", "--prompt", "q"), 4,
                     f"database {read_only}: attempt to write a readonly database")
     # A read-only URI of a file that is not there: the usual fix-it message, naming the

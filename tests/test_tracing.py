@@ -272,7 +272,7 @@ def test_a_bad_exporter_is_one_line_of_bad_input(tmp_path: Path) -> None:
 
     result = subprocess.run(
         [sys.executable, "-m", "runlane", "--database-url", f"sqlite:///{tmp_path}/r.db",
-         "submit", "--tenant", "a", "--repo", "/srv/x.git", "--prompt", "p"],
+         "submit", "--no-repo-check", "--tenant", "a", "--repo", "/srv/x.git", "--prompt", "p"],
         env=cli_env(tmp_path, OTEL_TRACES_EXPORTER="zipkin"), capture_output=True, text=True,
         timeout=60)
     one_line_error(result, 2, "OTEL_TRACES_EXPORTER")
@@ -318,7 +318,8 @@ def test_a_retry_after_a_sigkill_is_a_second_attempt_span_in_the_same_trace(
 
         try:
             sub = json.loads(subprocess.run(
-                [*runlane, "submit", "--tenant", "acme", "--repo", str(remote), "--prompt",
+                [*runlane, "submit", "--no-repo-check",
+                           "--tenant", "acme", "--repo", str(remote), "--prompt",
                  "p", "--json"], env=env, capture_output=True, check=True, timeout=60).stdout)
             submit = _only(collector.spans(), "runlane.submit")  # exported at its exit
             victim = worker()

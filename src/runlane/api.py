@@ -6,6 +6,7 @@ import functools
 import random
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -50,7 +51,7 @@ from runlane.services.maintenance import (
 )
 from runlane.services.retention import Pruner, RetentionConfig
 from runlane.services.scheduler import Scheduler, SchedulerConfig
-from runlane.settings import Settings, load_settings
+from runlane.settings import Settings, default_database_url, load_settings
 from runlane.store import details, migrate, tokens
 from runlane.store import events as events_store
 from runlane.store.engine import build_engine
@@ -157,6 +158,12 @@ class Runlane(ActivityMixin, ViewsMixin):
     # --- schema ---------------------------------------------------------------------
 
     def upgrade_schema(self) -> tuple[str | None, str | None]:
+        url = self.store.engine.url
+        path = _sqlite_file(url) if url.get_backend_name() == "sqlite" else None
+        if path is not None and self.settings.database_url == default_database_url():
+            # The default's directory (the user's state directory); a path given is
+            # used as it is (a typo in it is refused, not created).
+            path.parent.mkdir(parents=True, exist_ok=True)
         before_after = migrate.upgrade(self.store.engine)
         self._schema_checked = before_after[1] == migrate.head_revision()
         return before_after
@@ -223,9 +230,41 @@ class Runlane(ActivityMixin, ViewsMixin):
 
     @_on_the_database
     def cancel(self, task_id: str, *, principal: Principal = OPERATOR) -> CancelResult:
+        """Cancel a task (given by its id or by one of its runs' ids)."""
         _may_write(principal, "cancel")
-        self._visible_task(task_id, principal)
-        return self.store.cancel(task_id)
+        return self.store.cancel(self.task_id_of(task_id, principal=principal))
+
+    @_on_the_database
+    def identify(self, some_id: str, *, principal: Principal = OPERATOR) -> Identified | None:
+        """What ``some_id`` names: a task (with its newest run), a run (with its task),
+        an API token or a worker; None if nothing the principal sees."""
+        if not _is_text(some_id):
+            return None
+        found = details.identify(self.store, some_id)
+        if found is None:
+            return None
+        if principal.tenant is not None and (found["kind"] not in ("task", "run")
+                                             or not principal.sees(found["tenant"])):
+            return None
+        return Identified(kind=found["kind"], task_id=found["task_id"],
+                          run_id=found["run_id"])
+
+    def task_id_of(self, some_id: str, *, principal: Principal = OPERATOR) -> str:
+        """The task ``some_id`` names: a task's id, or a run's (its task). NotFound
+        says what else the id is, if anything."""
+        found = self.identify(some_id, principal=principal)
+        if found is None or found.task_id is None:
+            raise NotFound(f"no task {some_id!r}"
+                           + _other_kind(found, "a task's or a run's", "a run"))
+        return found.task_id
+
+    def run_id_of(self, some_id: str, *, principal: Principal = OPERATOR) -> str:
+        """The run ``some_id`` names: a run's id, or a task's (its newest run)."""
+        found = self.identify(some_id, principal=principal)
+        if found is None or found.run_id is None:
+            raise NotFound(f"no run {some_id!r}"
+                           + _other_kind(found, "a run's or a task's", "a task"))
+        return found.run_id
 
     @_on_the_database
     def retry(self, task_id: str, *, principal: Principal = OPERATOR) -> Submission:
@@ -233,8 +272,7 @@ class Runlane(ActivityMixin, ViewsMixin):
         admitted under the policy in force as a submit is. Conflict while the task's
         run is on its way."""
         _may_write(principal, "retry")
-        if not _is_text(task_id):
-            raise NotFound(f"no task {task_id!r}")
+        task_id = self.task_id_of(task_id, principal=principal)
         return retry_task(self.store, task_id, tenant=principal.tenant,
                           default_max_attempts=self.settings.max_attempts)
 
@@ -244,15 +282,6 @@ class Runlane(ActivityMixin, ViewsMixin):
         if not _is_text(task_id):
             raise NotFound(f"no task {task_id!r}")
         return task_detail(details.task_detail(self.store, task_id, principal.tenant))
-
-    def _visible_task(self, task_id: str, principal: Principal) -> None:
-        """NotFound, with the message of a missing task, unless ``principal`` sees it."""
-        if not _is_text(task_id):
-            raise NotFound(f"no task {task_id!r}")
-        if principal.tenant is not None:
-            tenant = details.task_tenant(self.store, task_id)
-            if tenant is None or not principal.sees(tenant):
-                raise NotFound(f"no task {task_id!r}")
 
     @_on_the_database
     def runs(self, *, status: str | None = None, tenant: str | None = None,
@@ -507,6 +536,30 @@ class Runlane(ActivityMixin, ViewsMixin):
             agent_term_grace_seconds=s.agent_term_grace_seconds,
             exit_when_idle=exit_when_idle, change_poll_seconds=s.change_poll_seconds))
 
+    @_on_the_database
+    def unserved(self, *, queues: list[str], capabilities: dict[str, Any] | None = None
+                 ) -> list[tuple[int, str]]:
+        """Queued runs a worker on ``queues`` with ``capabilities`` cannot serve, as
+        (count, why) per queue or requirement set: what `worker --exit-when-idle`
+        leaves behind."""
+        from runlane.domain.routing import parse_capabilities, requirements_from_canonical
+        from runlane.domain.routing import unmet as unmet_requirements
+
+        caps = parse_capabilities(capabilities or {})
+        left: list[tuple[int, str]] = []
+        other_queues: dict[str, int] = {}
+        for queue, route_key, queued in self.store.queued_by_route():
+            if queue not in queues:
+                other_queues[queue] = other_queues.get(queue, 0) + queued
+                continue
+            why = unmet_requirements(requirements_from_canonical(route_key), caps)
+            if why:
+                left.append((queued, f"in queue {queue} needing {route_key} "
+                                     f"(unmet: {'; '.join(why)})"))
+        left += [(n, f"in queue {q}, which it does not serve (--queue {q})")
+                 for q, n in sorted(other_queues.items())]
+        return left
+
     def sandbox(self, workspace_root: Path | None = None,
                 artifacts_root: Path | None = None) -> Sandbox:
         """The sandbox of this lane's agent and verify commands, from the settings
@@ -562,6 +615,27 @@ class Runlane(ActivityMixin, ViewsMixin):
         pruner = self.pruner()
         return {**self.reaper().run_once(), **self.reconciler().run_once(),
                 **self.scheduler().run_once(), **(pruner.run_once() if pruner else {})}
+
+
+@dataclass(frozen=True)
+class Identified:
+    """What an id names (``Runlane.identify``): ``kind`` task, run, token or worker;
+    for a task, ``run_id`` is its newest run; for a run, ``task_id`` its task."""
+
+    kind: str
+    task_id: str | None = None
+    run_id: str | None = None
+
+
+KIND_NAMES = {"task": "a task's", "run": "a run's", "token": "an API token's",
+              "worker": "a worker's"}
+
+
+def _other_kind(found: Identified | None, wanted: str, other: str) -> str:
+    """The end of a NotFound: an id of another kind says what it is."""
+    if found is None:
+        return f" (nor {other} of that id)"
+    return f": it is {KIND_NAMES[found.kind]} id, not {wanted}"
 
 
 def _submission(s: StoreSubmission) -> Submission:

@@ -179,6 +179,10 @@ class ViewsMixin:
         store: Store
         settings: Settings
 
+        def task_id_of(self, some_id: str, *, principal: Principal = OPERATOR) -> str: ...
+
+        def run_id_of(self, some_id: str, *, principal: Principal = OPERATOR) -> str: ...
+
     # --- runs -----------------------------------------------------------------------
 
     @_on_the_database
@@ -187,16 +191,19 @@ class ViewsMixin:
                   repo: str | None = None, created_after: datetime | float | None = None,
                   created_before: datetime | float | None = None,
                   cursor: str | None = None, limit: int = 50,
-                  newest_first: bool = True) -> RunPage:
+                  newest_first: bool = True, task_id: str | None = None) -> RunPage:
         """One page of runs, newest first (or oldest first), filtered; ``next`` is the
         cursor of the following page, None on the last. ``repo`` in any spelling (it is
         compared in its canonical form); ``created_after`` inclusive, ``created_before``
-        exclusive. A page is a walk of an index from the cursor (store/views_sql.py)."""
+        exclusive; ``task_id`` (a task's or one of its runs' id): that task's runs. A
+        page is a walk of an index from the cursor (store/views_sql.py)."""
         filters = RunFilters(
             tenant=_name("tenant", tenant), status=_status(status),
             queue=_name("queue", queue), repo=_repo(repo),
             created_after=_epoch("created_after", created_after),
-            created_before=_epoch("created_before", created_before))
+            created_before=_epoch("created_before", created_before),
+            task_id=None if task_id is None else self.task_id_of(task_id,
+                                                                 principal=principal))
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
             raise _invalid(f"limit {limit!r} is not an integer in 1..{MAX_PAGE}")
         if not isinstance(newest_first, bool):
@@ -212,6 +219,17 @@ class ViewsMixin:
         last = rows[limit - 1] if len(rows) > limit else None
         return RunPage(items=items, next=None if last is None else encode_cursor(
             last["created_at"], last["run_id"], newest_first=newest_first))
+
+    @_on_the_database
+    def run_cursor(self, run_id: str, *, newest_first: bool,
+                   principal: Principal = OPERATOR) -> str:
+        """The cursor of a page that starts just past ``run_id`` (a task's id: its
+        newest run) in the listing's order: `runs list --before/--after RUN_ID`."""
+        run_id = self.run_id_of(run_id, principal=principal)
+        position = views.run_position(self.store, run_id)
+        if position is None:
+            raise NotFound(f"no run {run_id!r}")
+        return encode_cursor(position[0], position[1], newest_first=newest_first)
 
     # --- workers ----------------------------------------------------------------------
 

@@ -34,9 +34,10 @@ def tasks_group() -> None:
 @click.argument("task_id")
 @json_flag
 def tasks_show(task_id: str, as_json: bool) -> None:
-    """One task: what was asked, its runs (a retry adds one), its parent and children."""
+    """One task (or the task of a run id): what was asked, its runs (a retry adds one),
+    its parent and children."""
     with _lane() as lane:
-        task = lane.task(task_id)
+        task = lane.task(lane.task_id_of(task_id))
     document = task.model_dump(mode="json")
     if as_json:
         _print_json(document)

@@ -6,11 +6,13 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 import click
-from rich.table import Table
 
+from runlane.api import KIND_NAMES
 from runlane.cli import _lane, _print_json, json_flag, out
+from runlane.cli_output import Col, chosen_output, output_options, render
 from runlane.domain.tasks import TaskInvalid
 from runlane.domain.tokens import parse_expiry
+from runlane.errors import NotFound
 
 
 @click.group("tokens")
@@ -56,19 +58,25 @@ def tokens_create(tenant: str | None, role: str, expires: str | None, name: str 
 
 
 @tokens_group.command("list")
-@json_flag
-def tokens_list(as_json: bool) -> None:
+@output_options
+def tokens_list(output: str | None, as_json: bool) -> None:
     """Every token with its state (active, revoked, expired); never a secret."""
+    fmt = chosen_output(output, as_json)
     with _lane() as lane:
         tokens = lane.tokens()
-    if as_json:
-        _print_json([t.model_dump(mode="json") for t in tokens])
-        return
-    table = Table("id", "tenant", "role", "name", "state", "created", "expires", "last used")
-    for t in tokens:
-        table.add_row(t.token_id, t.tenant or "*", t.role, t.name or "", t.state,
-                      _shown(t.created_at), _shown(t.expires_at), _shown(t.last_used_at))
-    out.print(table)
+    columns = (
+        Col("id", lambda t: t.token_id, ident=True, key="token_id"),
+        Col("tenant", lambda t: t.tenant or "*"),
+        Col("role", lambda t: t.role),
+        Col("state", lambda t: t.state),
+        Col("name", lambda t: t.name, drop=3),
+        Col("created", lambda t: t.created_at, drop=2, key="created_at"),
+        Col("expires", lambda t: t.expires_at, drop=1, key="expires_at"),
+        Col("last used", lambda t: t.last_used_at, drop=4, key="last_used_at"),
+    )
+    render(tokens, columns, fmt, json_document=lambda: [t.model_dump(mode="json")
+                                                        for t in tokens],
+           empty="no tokens (`runlane tokens create` makes one)", console=out)
 
 
 @tokens_group.command("revoke")
@@ -77,7 +85,14 @@ def tokens_list(as_json: bool) -> None:
 def tokens_revoke(token_id: str, as_json: bool) -> None:
     """Revoke a token: its next request is refused (401)."""
     with _lane() as lane:
-        info = lane.revoke_token(token_id)
+        try:
+            info = lane.revoke_token(token_id)
+        except NotFound as exc:
+            found = lane.identify(token_id)  # a run's id, say: name what it is
+            if found is None or found.kind == "token":
+                raise
+            raise NotFound(f"{exc}: it is {KIND_NAMES[found.kind]} id, not a token's"
+                           ) from None
     if as_json:
         _print_json(info.model_dump(mode="json"))
     else:

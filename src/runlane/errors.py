@@ -48,6 +48,7 @@ class Conflict(RunlaneError):
 
     exit_code = 2
     reason_code = "IDEMPOTENCY_CONFLICT"
+    field: str | None = None  # the field of the request that differs, when known
 
 
 class RetryRefused(Conflict):

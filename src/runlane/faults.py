@@ -15,7 +15,9 @@ a death after the push intent named its commit and before anything was pushed);
 in the local forge, ``before_pull_request_lock`` (its git lookups done, its lock not
 yet taken: the window it closes by checking the caller's deadline under the lock)
 and ``before_pull_request_write`` (that check passed, the record not yet written:
-the window left, which a worker resumed there fills with late evidence).
+the window left, which a worker resumed there fills with late evidence);
+``worker_start`` (`runlane worker` before anything: a worker that cannot start, which
+`runlane up` restarts with backoff until its crash-loop limit).
 """
 
 from __future__ import annotations

@@ -33,19 +33,46 @@ class SettingsInvalid(RunlaneError):
 MAX_SECONDS = 365 * 24 * 3600.0
 
 
-def default_workspace_dir() -> Path:
-    """The worker's state directory, not a shared one: ``$XDG_STATE_HOME/runlane/
-    workspaces``, else ``~/.local/state/runlane/workspaces``. (A fixed directory under
-    /tmp could be made first by another user, who then owned every clone.) Without a
-    home directory: ``<tmp>/runlane-<uid>/workspaces``, which the worker's owner check
+def state_dir() -> Path:
+    """runlane's own directory for this user, whatever the current directory:
+    ``$XDG_STATE_HOME/runlane``, else ``~/.local/state/runlane``. (A fixed directory
+    under /tmp could be made first by another user, who then owned every clone.)
+    Without a home directory: ``<tmp>/runlane-<uid>``, which the worker's owner check
     refuses if another user made it."""
     state = os.environ.get("XDG_STATE_HOME", "")
     if os.path.isabs(state):  # the XDG spec: a relative path is ignored
-        return Path(state) / "runlane" / "workspaces"
+        return Path(state) / "runlane"
     try:
-        return Path.home() / ".local" / "state" / "runlane" / "workspaces"
+        return Path.home() / ".local" / "state" / "runlane"
     except (RuntimeError, KeyError):
-        return Path(tempfile.gettempdir()) / f"runlane-{os.geteuid()}" / "workspaces"
+        return Path(tempfile.gettempdir()) / f"runlane-{os.geteuid()}"
+
+
+def default_workspace_dir() -> Path:
+    """The worker's clones: ``<state_dir>/workspaces``."""
+    return state_dir() / "workspaces"
+
+
+def default_artifacts_dir() -> Path:
+    """Each attempt's logs and files: ``<state_dir>/artifacts``."""
+    return state_dir() / "artifacts"
+
+
+def default_database_url() -> str:
+    """SQLite in ``<state_dir>/runlane.db``: the same database from any directory."""
+    return f"sqlite:///{state_dir() / 'runlane.db'}"
+
+
+def absolute_sqlite_url(url: str) -> str:
+    """A SQLite URL whose file is a relative path, with the path made absolute (once,
+    here: every process and every later chdir then means the same file). Other URLs,
+    in-memory and URI-filename databases are returned as given."""
+    if not url.startswith("sqlite:///") or url.startswith("sqlite:////"):
+        return url
+    database, sep, query = url[len("sqlite:///"):].partition("?")
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return url
+    return f"sqlite:///{Path(database).expanduser().absolute()}{sep}{query}"
 
 
 class Settings(BaseSettings):
@@ -54,7 +81,7 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
     )
 
-    database_url: str = "sqlite:///runlane.db"
+    database_url: str = Field(default_factory=default_database_url)
     lease_ttl_seconds: float = Field(60.0, gt=0, le=MAX_SECONDS)
     heartbeat_seconds: float = Field(10.0, gt=0, le=MAX_SECONDS)
     retry_base_seconds: float = Field(30.0, ge=0, le=MAX_SECONDS)
@@ -69,7 +96,7 @@ class Settings(BaseSettings):
     max_run_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS)
     max_run_cost_usd: float | None = Field(None, ge=0)
     workspace_dir: Path = Field(default_factory=default_workspace_dir)
-    artifacts_dir: Path = Path("runlane-artifacts")
+    artifacts_dir: Path = Field(default_factory=default_artifacts_dir)
     drain_grace_seconds: float = Field(30.0, ge=0, le=MAX_SECONDS)
     agent_term_grace_seconds: float = Field(10.0, ge=0, le=MAX_SECONDS)
     # PostgreSQL ends a session idle inside a transaction this long (a frozen process
@@ -101,6 +128,16 @@ class Settings(BaseSettings):
     metrics: bool = True
     metrics_cache_seconds: float = Field(5.0, ge=0, le=3600)
     metrics_host: str = "127.0.0.1"
+
+    @field_validator("database_url")
+    @classmethod
+    def _absolute_database(cls, value: str) -> str:
+        return absolute_sqlite_url(value)
+
+    @field_validator("workspace_dir", "artifacts_dir")
+    @classmethod
+    def _absolute_dir(cls, value: Path) -> Path:
+        return Path(value).expanduser().absolute()
 
     @field_validator("sandbox_read_only_paths", mode="before")
     @classmethod

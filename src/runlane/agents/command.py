@@ -20,6 +20,7 @@ import errno
 import json
 import math
 import os
+import re
 import selectors
 import signal
 import stat
@@ -93,6 +94,20 @@ ControlMessage = Failure | CostReport | ProgressReport | ToolCallReport | Iterat
 MAX_ID_CHARS = 200  # a tool call's id and name are cut to this length
 
 
+# A line that reads like an attempt at a control line but is not JSON (`cost 0.01`,
+# `runlane: fail TIMEOUT`): logged as it is, with a warning saying what a control line is.
+_CONTROL_ISH = re.compile(r"^\s*(?:runlane\s*[:=]?\s*)?(cost|fail|progress|tool_call|iteration)"
+                          r"(?:\s*[:=]\s*|\s+)\S", re.IGNORECASE)
+CONTROL_LINE_HINT = ('control lines are one JSON object per line, e.g. '
+                     '{"runlane": "cost", "usd": 0.01}')
+
+
+def control_ish(line: str) -> str | None:
+    """The control kind a non-JSON line seems to attempt (``cost 0.01``), or None."""
+    match = _CONTROL_ISH.match(line)
+    return match.group(1).lower() if match else None
+
+
 def parse_control_line(line: str) -> ControlMessage | None:
     """The control message a stdout line carries; None for an ordinary log line.
 
@@ -101,6 +116,8 @@ def parse_control_line(line: str) -> ControlMessage | None:
     """
     text = line.strip()
     if not (text.startswith("{") and text.endswith("}")):
+        if text.startswith("{") and '"runlane"' in text:
+            raise MalformedControlLine("not valid JSON: a JSON object on one line")
         return None
     try:
         obj: Any = json.loads(text)
@@ -572,6 +589,7 @@ class _ControlLines:
         self._out = out
         self.failure: Failure | None = None
         self.progress: list[str] = []
+        self._warned: set[str] = set()
 
     def stdout_line(self, raw: bytes) -> None:
         text = raw.decode("utf-8", errors="replace")
@@ -582,6 +600,11 @@ class _ControlLines:
             return
         if message is None:
             self._out.line(raw)
+            kind = control_ish(text)
+            if kind is not None and kind not in self._warned:
+                self._warned.add(kind)  # once per kind and attempt: it may be a log line
+                self._out.note(f"WARNING the line above looks like a {kind!r} control line "
+                               f"but is not one, so runlane ignored it ({CONTROL_LINE_HINT})")
         elif isinstance(message, Failure):
             self.failure = message  # the last one wins
         elif isinstance(message, CostReport):

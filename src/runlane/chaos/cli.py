@@ -76,7 +76,8 @@ class _Progress:
               help="Default: the profile's; postgresql means a private throw-away cluster.")
 @click.option("--database-url", default=None,
               help="Use this (empty) database instead; no PostgreSQL restarts then.")
-@click.option("--runs", type=click.IntRange(min=1), default=None)
+@click.option("--runs", type=click.IntRange(min=1), default=None,
+              help="Runs the workload submits (default: the profile's).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Worker processes.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=None,
@@ -91,7 +92,8 @@ class _Progress:
               help="Seconds between pg_terminate_backend rounds.")
 @click.option("--restarts", type=click.IntRange(min=0), default=None,
               help="PostgreSQL immediate restarts during the run.")
-@click.option("--lease-ttl", type=click.FloatRange(min=0.5), default=None)
+@click.option("--lease-ttl", type=click.FloatRange(min=0.5), default=None,
+              help="LEASE_TTL_SECONDS of the drill's processes (default: the profile's).")
 @click.option("--max-seconds", type=click.FloatRange(min=1), default=None,
               help="Stop waiting for the runs after this long.")
 @click.option("--stall-seconds", type=click.FloatRange(min=1), default=None,

@@ -72,3 +72,47 @@ def clone_source(repo: str, *, env: Mapping[str, str] | None = None) -> str:
     except CodeHostError:
         return repo  # not a repository name code_host_for knows: git says what is wrong
     return f"https://{shorthand_host_from_env(env)}/{owner}/{name}.git"
+
+
+def configured_hosts(env: Mapping[str, str] | None = None) -> list[str]:
+    """The code hosts this machine's workers know, one line each (``runlane info``
+    and a refused submit list them)."""
+    env = os.environ if env is None else env
+    forge = env.get(FORGE_DIR_ENV) or str(default_forge_dir())
+    api_url = env.get("RUNLANE_GITHUB_API_URL") or DEFAULT_API_URL
+    names = sorted(GITHUB_HOSTS - {"www.github.com"})
+    if api_url.rstrip("/") != DEFAULT_API_URL and urlsplit(api_url).hostname:
+        names.append(str(urlsplit(api_url).hostname))
+    token = ("a token is set" if env.get("RUNLANE_GITHUB_TOKEN") or env.get("GITHUB_TOKEN")
+             else "no token yet: set RUNLANE_GITHUB_TOKEN")
+    return [f"local: paths and file:// URLs on this machine (pull requests kept in {forge})",
+            f"GitHub: https://{'|'.join(names)}/OWNER/NAME, git@HOST:OWNER/NAME.git and "
+            f"OWNER/NAME (API {api_url}; {token})"]
+
+
+ADD_A_HOST = ("to add GitHub Enterprise, set RUNLANE_GITHUB_API_URL=https://HOST/api/v3 "
+              "(and RUNLANE_GITHUB_TOKEN) where the workers run; or clone the repository to "
+              "a local path and submit that")
+
+
+def repository_problem(repo: str, env: Mapping[str, str] | None = None) -> str | None:
+    """Why no run of ``repo`` can ever succeed on this machine's code hosts (None: one
+    serves it): no code host knows it, or it is a local path that does not exist."""
+    from runlane.errors import redact_credentials
+
+    shown = redact_credentials(repo)
+    try:
+        host = code_host_for(repo, env=env)
+    except CodeHostError:
+        return (f"no configured code host serves repository {shown!r}; the code hosts "
+                f"are: {'; '.join(configured_hosts(env))}. {ADD_A_HOST[0].upper()}"
+                f"{ADD_A_HOST[1:]}")
+    close = getattr(host, "close", None)
+    if callable(close):
+        close()
+    if is_local_repo(repo):
+        path = (Path(urlsplit(repo).path) if repo.startswith("file://")
+                else Path(repo).expanduser())
+        if not path.exists():
+            return f"repository {shown!r} does not exist on this machine ({path.absolute()})"
+    return None

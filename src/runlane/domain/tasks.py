@@ -309,3 +309,42 @@ def task_digest(spec: TaskSpec) -> str:
     text = json.dumps(_normal(fields), sort_keys=True, separators=(",", ":"),
                       ensure_ascii=False, default=str)
     return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
+
+
+# The fields a conflict names, in the order it looks at them (the first that differs).
+CONFLICT_FIELDS = ("repo", "prompt", "requires", "queue", "priority", "max_attempts",
+                   "context", "depends_on", "parent_task_id", "user", "estimated_cost_usd")
+
+
+def differing_field(spec: TaskSpec, earlier: TaskSpec | dict[str, Any]) -> str | None:
+    """The first field in which ``spec`` asks otherwise than ``earlier`` (another spec,
+    or a stored task's row: queue, priority and max attempts as decided, context as
+    kept), or None when no stored field tells."""
+    if isinstance(earlier, TaskSpec):
+        mine, theirs = spec.model_dump(), earlier.model_dump()
+        mine["requires"] = canonical_requirements(parse_requirements(spec.requires))
+        theirs["requires"] = canonical_requirements(parse_requirements(earlier.requires))
+        return next((f for f in CONFLICT_FIELDS if _normal(mine[f]) != _normal(theirs[f])),
+                    None)
+    stored = dict(earlier)
+    context = stored.get("context")
+    if isinstance(context, str):
+        context = json.loads(context)
+    truncated = stored.get("truncated_sections")
+    asked: dict[str, Any] = {
+        "repo": (spec.repo, stored.get("repo")),
+        "prompt": (spec.prompt, stored.get("prompt")),
+        "requires": (canonical_requirements(parse_requirements(spec.requires)),
+                     stored.get("requires") or ""),
+        "user": (spec.user, stored.get("user_id")),
+        "parent_task_id": (spec.parent_task_id, stored.get("parent_task_id")),
+        "estimated_cost_usd": (spec.estimated_cost_usd, stored.get("estimated_cost_usd")),
+    }
+    if not truncated or truncated in ("[]", []):
+        asked["context"] = (spec.context or {}, context or {})
+    for name, value in (("queue", spec.queue), ("priority", spec.priority),
+                        ("max_attempts", spec.max_attempts)):
+        if value is not None:  # unset: the policy chose, nothing to compare
+            asked[name] = (value, stored.get(name))
+    return next((f for f in CONFLICT_FIELDS if f in asked and asked[f][0] != asked[f][1]),
+                None)

@@ -7,10 +7,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import structlog
+
+from runlane.errors import RunlaneError
 
 log = structlog.get_logger("runlane.supervisor")
 
@@ -35,9 +40,48 @@ def follow_supervisor() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+class WorkerCrashLoop(RunlaneError):
+    """A worker died again and again right after starting: restarting it cannot help
+    (a bad setting, directory or agent command); ``up`` stops with its error."""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """How a dead worker is restarted: after ``base_seconds``, doubled for each death
+    in a row (up to ``max_seconds``) of a worker that lived less than
+    ``healthy_seconds``; ``crash_loop_limit`` such deaths in a row stop the pool."""
+
+    base_seconds: float = 1.0
+    max_seconds: float = 60.0
+    healthy_seconds: float = 30.0
+    crash_loop_limit: int = 5
+
+    def delay(self, deaths: int) -> float:
+        return float(min(self.base_seconds * 2 ** max(deaths - 1, 0), self.max_seconds))
+
+
+@dataclass
+class _Slot:
+    process: subprocess.Popen[bytes]
+    started: float
+    deaths: int = 0  # in a row, each within healthy_seconds of its start
+    restart_at: float | None = None  # dead, to be restarted then
+    done: bool = False  # exited 0 with done_when_idle: not restarted
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    reader: threading.Thread | None = None
+
+
+TAIL_LINES = 20
+
+
 class WorkerPool:
+    """N ``runlane worker`` processes. Their stderr is passed through to this
+    process's, its last lines kept to say why a worker died (unless ``stderr`` is
+    given: then it goes there)."""
+
     def __init__(self, worker_args: Sequence[str], count: int, *, database_url: str,
-                 env: dict[str, str] | None = None, stderr: int | None = None) -> None:
+                 env: dict[str, str] | None = None, stderr: int | None = None,
+                 backoff: Backoff | None = None, done_when_idle: bool = False) -> None:
         self.command = [sys.executable, "-m", "runlane", "--database-url", database_url,
                         "worker", *worker_args]
         self.count = count
@@ -45,29 +89,74 @@ class WorkerPool:
         # killed `runlane up` or demo leaves no worker behind.
         self.env = {**os.environ, **(env or {}), SUPERVISOR_ENV: str(os.getpid())}
         self.stderr = stderr
-        self.processes: list[subprocess.Popen[bytes]] = []
+        self.backoff = backoff or Backoff()
+        self.done_when_idle = done_when_idle
+        self.slots: list[_Slot] = []
         self.restarts = 0
         self.stopping = False
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(self.command, env=self.env, stdout=subprocess.DEVNULL,
-                                stderr=self.stderr, stdin=subprocess.DEVNULL)
+    @property
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        return [slot.process for slot in self.slots]
+
+    def _spawn(self, slot: _Slot | None = None) -> _Slot:
+        capture = self.stderr is None
+        process = subprocess.Popen(self.command, env=self.env, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE if capture else self.stderr,
+                                   stdin=subprocess.DEVNULL)
+        if slot is None:
+            slot = _Slot(process, time.monotonic())
+        else:
+            slot.process, slot.started, slot.restart_at = process, time.monotonic(), None
+        if capture:
+            slot.reader = threading.Thread(target=_pass_through, args=(process, slot.tail),
+                                           daemon=True,
+                                           name=f"runlane-worker-{process.pid}-stderr")
+            slot.reader.start()
+        return slot
 
     def start(self) -> None:
-        self.processes = [self._spawn() for _ in range(self.count)]
+        self.slots = [self._spawn() for _ in range(self.count)]
         log.info("workers_started", pids=self.pids())
 
     def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
+        return [slot.process.pid for slot in self.slots]
+
+    def all_done(self) -> bool:
+        """Every worker exited 0 with done_when_idle (`up --exit-when-idle`)."""
+        return bool(self.slots) and all(slot.done for slot in self.slots)
 
     def supervise(self) -> int:
-        """Restart workers that exited while the pool is running; returns restarts."""
+        """Restart workers that died, each after its backoff; returns restarts made.
+        Raises WorkerCrashLoop, with the worker's last error line, when one died
+        ``crash_loop_limit`` times in a row soon after starting."""
         restarted = 0
-        for i, process in enumerate(self.processes):
-            code = process.poll()
-            if code is not None and not self.stopping:
-                log.warning("worker_died", pid=process.pid, exit_code=code)
-                self.processes[i] = self._spawn()
+        now = time.monotonic()
+        for slot in self.slots:
+            if self.stopping or slot.done:
+                continue
+            if slot.restart_at is None:
+                code = slot.process.poll()
+                if code is None:
+                    continue
+                if code == 0 and self.done_when_idle:
+                    slot.done = True
+                    continue
+                lived = now - slot.started
+                slot.deaths = slot.deaths + 1 if lived < self.backoff.healthy_seconds else 1
+                if slot.deaths >= self.backoff.crash_loop_limit:
+                    if slot.reader is not None:  # its last lines, to say why
+                        slot.reader.join(timeout=5)
+                    raise WorkerCrashLoop(
+                        f"a worker died {slot.deaths} times in a row, each within "
+                        f"{self.backoff.healthy_seconds:g} s of its start (last exit code "
+                        f"{code}): {_last_error(slot.tail)}")
+                slot.restart_at = now + self.backoff.delay(slot.deaths)
+                log.warning("worker_died", pid=slot.process.pid, exit_code=code,
+                            lived_seconds=round(lived, 3),
+                            restart_in_seconds=round(slot.restart_at - now, 3))
+            if slot.restart_at is not None and now >= slot.restart_at:
+                self._spawn(slot)
                 restarted += 1
         self.restarts += restarted
         return restarted
@@ -85,3 +174,24 @@ class WorkerPool:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _pass_through(process: subprocess.Popen[bytes], tail: deque[str]) -> None:
+    """Copy a worker's stderr to ours, line by line, keeping its last lines."""
+    assert process.stderr is not None
+    for raw in process.stderr:
+        try:
+            sys.stderr.buffer.write(raw)
+            sys.stderr.buffer.flush()
+        except (OSError, ValueError):
+            pass
+        tail.append(raw.decode("utf-8", errors="replace").rstrip())
+    process.stderr.close()
+
+
+def _last_error(tail: deque[str]) -> str:
+    """The worker's own one-line error (``error: ...``), else its last line."""
+    for line in reversed(tail):
+        if line.startswith(("error: ", "internal error: ")):
+            return line
+    return tail[-1] if tail else "it printed nothing"

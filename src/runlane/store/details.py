@@ -57,6 +57,37 @@ def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
+# What an id names, for the CLI's commands that take a task's or a run's id (and the
+# message of a wrong kind): one primary-key look-up each.
+IDENTIFY = """
+SELECT 'task' AS kind, task_id, NULL AS run_id, tenant FROM tasks WHERE task_id = :id
+UNION ALL
+SELECT 'run', task_id, run_id, tenant FROM runs WHERE run_id = :id
+UNION ALL
+SELECT 'token', NULL, NULL, tenant FROM api_tokens WHERE token_id = :id
+UNION ALL
+SELECT 'worker', NULL, NULL, NULL FROM workers WHERE worker_id = :id
+"""
+# A task's newest run: the one its retries lead to (no run retries it).
+NEWEST_RUN = """
+SELECT run_id FROM runs WHERE task_id = :task_id ORDER BY created_at DESC, run_id DESC
+LIMIT 1
+"""
+
+
+def identify(store: Store, some_id: str) -> dict[str, Any] | None:
+    """What ``some_id`` names (kind, its task, its run, its tenant), or None."""
+    with store.reads.connect() as conn:
+        row = conn.execute(store._q(IDENTIFY), {"id": some_id}).first()
+        if row is None:
+            return None
+        found = dict(row._mapping)
+        if found["kind"] == "task":
+            found["run_id"] = conn.execute(store._q(NEWEST_RUN),
+                                           {"task_id": some_id}).scalar()
+        return found
+
+
 def task_tenant(store: Store, task_id: str) -> str | None:
     with store.reads.connect() as conn:
         return conn.execute(store._q(TASK_TENANT), {"task_id": task_id}).scalar()

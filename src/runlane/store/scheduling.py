@@ -333,6 +333,12 @@ class SchedulingMixin:
 
     # --- routing ------------------------------------------------------------------
 
+    def queued_by_route(self) -> list[tuple[str, str, int]]:
+        """(queue, route key, queued runs) of every lane with queued runs."""
+        with self.reads.connect() as conn:
+            return [(r.queue, r.route_key, int(r.queued or 0))
+                    for r in conn.execute(self._q(sql.QUEUED_BY_ROUTE))]
+
     def _servable_routes(self, conn: Connection, capabilities: dict[str, Any] | None
                          ) -> frozenset[str]:
         """Route keys whose requirements these capabilities satisfy (cached briefly:

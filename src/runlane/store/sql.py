@@ -1123,6 +1123,13 @@ SELECT (SELECT version FROM policy) AS policy_version,
 # An idempotency key already taken: the task, the digest of the request that took
 # it (NULL before migration 0019), and the task's first run (a retried task has more:
 # a replay answers as the first submit did).
+# What a task was asked with, to name the field a reused idempotency key's request
+# differs in (Store.submit's Conflict).
+TASK_AS_ASKED = """
+SELECT repo, prompt, queue, priority, max_attempts, context, truncated_sections, user_id,
+       requires, parent_task_id, estimated_cost_usd
+FROM tasks WHERE task_id = :task_id
+"""
 EXISTING_RUN = """
 SELECT t.task_id, r.run_id, r.status, t.payload_bytes, t.truncated_sections,
        t.request_digest
@@ -1153,6 +1160,11 @@ SELECT worker_id, queues, capabilities FROM workers WHERE status IN ('STARTING',
 """
 WAITING_IN_ROUTES = """
 SELECT SUM(queued_count) FROM lanes WHERE queue IN :queues AND route_key IN :routes
+"""
+# Queued runs by queue and route (a worker's --exit-when-idle says which it left).
+QUEUED_BY_ROUTE = """
+SELECT queue, route_key, SUM(queued_count) AS queued FROM lanes WHERE queued_count > 0
+GROUP BY queue, route_key ORDER BY queue, route_key
 """
 WAITING_ROUTES = """
 SELECT DISTINCT queue, route_key FROM lanes WHERE queued_count > 0

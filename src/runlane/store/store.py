@@ -59,6 +59,7 @@ from runlane.domain.tasks import (
     PayloadReport,
     TaskInvalid,
     TaskSpec,
+    differing_field,
     enforce_payload_cap,
     task_digest,
 )
@@ -286,12 +287,17 @@ def _admission_request_key(spec: TaskSpec, repo: str) -> tuple[Any, ...] | None:
             requires)
 
 
-def _key_conflict(spec: TaskSpec, task_id: str | None) -> Conflict:
-    """The same tenant and idempotency key, another request: nothing is written."""
+def _key_conflict(spec: TaskSpec, task_id: str | None, field: str | None) -> Conflict:
+    """The same tenant and idempotency key, another request: nothing is written. The
+    message names the first field that differs, when the stored task tells."""
     where = f" by task {task_id}" if task_id else " earlier in this batch"
-    return Conflict(f"idempotency key {spec.idempotency_key!r} of tenant {spec.tenant!r} "
-                    f"was used{where} for a different request (repository, prompt, queue, "
-                    "priority, requirements or other fields differ); nothing was written")
+    what = (f"the field {field!r} differs" if field else
+            "repository, prompt, queue, priority, requirements or other fields differ")
+    conflict = Conflict(f"idempotency key {spec.idempotency_key!r} of tenant "
+                        f"{spec.tenant!r} was used{where} for a different request ({what}); "
+                        "nothing was written")
+    conflict.field = field
+    return conflict
 
 
 # Claims one call may make when a candidate got no slot (Store.claim).
@@ -731,7 +737,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
                     actor=actor, presumed=presumed)
                 for i, first in aliases.items():  # a key repeated inside the batch
                     if digests[i] != digests[first]:
-                        raise _key_conflict(fitted[i][0], None)
+                        raise _key_conflict(fitted[i][0], None, differing_field(
+                            specs[i], specs[first]))
                 for i, item in zip(planned, batch.items, strict=True):
                     if digests[i] is not None:
                         item["request_digest"] = digests[i]
@@ -772,7 +779,11 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
                         # matching (what they were asked with is not known).
                         if existing.request_digest is not None \
                                 and existing.request_digest != digests[i]:
-                            raise _key_conflict(fitted[i][0], existing.task_id)
+                            stored = conn.execute(self._q(sql.TASK_AS_ASKED), {
+                                "task_id": existing.task_id}).first()
+                            raise _key_conflict(fitted[i][0], existing.task_id, None
+                                                if stored is None else differing_field(
+                                                    specs[i], dict(stored._mapping)))
                         # A replay answers as the first submit did (its size too).
                         truncated = existing.truncated_sections or []
                         results[i] = Submission(

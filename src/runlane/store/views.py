@@ -26,9 +26,17 @@ class RunFilters:
     repo: str | None = None  # canonical
     created_after: float | None = None  # inclusive
     created_before: float | None = None  # exclusive
+    task_id: str | None = None  # a task's runs (ix_runs_task_id)
 
     def given(self) -> dict[str, Any]:
         return {name: value for name, value in vars(self).items() if value is not None}
+
+
+def run_position(store: Store, run_id: str) -> tuple[float, str, str] | None:
+    """(created_at exactly as stored, run_id, tenant) of a run, or None."""
+    with store.reads.connect() as conn:
+        row = conn.execute(store._q(vsql.RUN_POSITION), {"run_id": run_id}).first()
+    return None if row is None else (float(row.created_at), row.run_id, row.tenant)
 
 
 def runs_page(store: Store, filters: RunFilters, *, limit: int, newest_first: bool,

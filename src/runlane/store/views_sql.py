@@ -31,11 +31,15 @@ RUN_FILTERS = {
     "repo": "repo = :repo",
     "created_after": "created_at >= :created_after",
     "created_before": "created_at < :created_before",
+    "task_id": "task_id = :task_id",
 }
 AFTER_CURSOR = {
     True: "(created_at, run_id) < (:cursor_created_at, :cursor_run_id)",
     False: "(created_at, run_id) > (:cursor_created_at, :cursor_run_id)",
 }
+
+# Where a run stands in the listing's order (`runs list --before/--after RUN_ID`).
+RUN_POSITION = "SELECT created_at, run_id, tenant FROM runs WHERE run_id = :run_id"
 
 RUNS_PAGE = """
 SELECT {columns} FROM runs
