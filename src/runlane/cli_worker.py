@@ -64,7 +64,7 @@ def worker_options(fn: F) -> F:
     options = [
         click.option("--agent-command", required=True, callback=_command,
                      help="The agent: run by /bin/sh -c in each attempt's workspace "
-                     "(environment, control lines and exit codes: docs/agents.md)."),
+                     "(environment, control lines and exit codes: docs/agent-protocol.md)."),
         click.option("--verify-command", callback=_command,
                      help="Run in the workspace after the agent succeeds; non-zero fails "
                      "the attempt (VERIFY_FAILED)."),
