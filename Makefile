@@ -71,6 +71,10 @@ constraints:
 # creates and removes workspaces all along spends most of its time there (the fault
 # harness's short profile: 159 s on such a /tmp, 109 s on /dev/shm).
 TEST_TMP := $(shell [ -d /dev/shm ] && [ -w /dev/shm ] && echo /dev/shm/runlane-test-$$(id -u))
+# The suite starts runlane processes by the thousand (CLI calls, workers, the fault
+# harness's): from bytecode, each starts in 0.66 s instead of 1.0 s where
+# PYTHONDONTWRITEBYTECODE is set (every process would compile every module again).
+COMPILE := $(BIN)/python -m compileall -q -j 0 src >/dev/null
 TEST_ENV := $(if $(TEST_TMP),mkdir -p $(TEST_TMP) && TMPDIR=$(TEST_TMP),)
 
 demo: $(STAMP) bwrap
@@ -83,11 +87,13 @@ demo: $(STAMP) bwrap
 test: $(STAMP) test-tools
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(COMPILE)
 	$(TEST_ENV) $(BIN)/pytest -n 2 --dist loadgroup -m "not chaos" --durations=25
 	$(TEST_ENV) $(BIN)/pytest -m chaos
 
 # The fault harness's real runs alone (the second half of `make test`).
 test-chaos: $(STAMP) test-tools
+	$(COMPILE)
 	$(TEST_ENV) $(BIN)/pytest -m chaos
 
 lint: $(STAMP)

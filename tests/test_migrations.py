@@ -982,3 +982,27 @@ def test_pg_0004_moves_a_populated_queue_into_lanes_online(
     leases = store.claim("w1", "default", limit=5, lease_ttl=30)
     assert [lease.priority for lease in leases] == [0] * 5  # the lanes serve at once
     assert store.audit() == []
+
+
+def test_the_revisions_read_without_alembic_are_alembics() -> None:
+    """The schema check reads the migration files itself (no Alembic import at each
+    command's start): what it reads must be what Alembic walks."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(migrate._config())
+    assert migrate._revisions() == {r.revision: r.down_revision
+                                    for r in script.walk_revisions()}
+    assert migrate.head_revision() == script.get_current_head()
+
+
+def test_the_version_read_without_alembic_is_alembics(fresh_url: str,
+                                                      make_engine: Callable[[str], Engine]
+                                                      ) -> None:
+    from alembic.runtime.migration import MigrationContext
+
+    engine = make_engine(fresh_url)
+    assert migrate.current_revision(engine) is None  # no alembic_version table yet
+    migrate.upgrade(engine, "0005")
+    with engine.connect() as conn:
+        assert migrate.current_revision(engine) == \
+            MigrationContext.configure(conn).get_current_revision() == "0005"

@@ -1,18 +1,23 @@
-"""Schema migrations (Alembic), run on runlane's own engine."""
+"""Schema migrations (Alembic), run on runlane's own engine.
+
+Every command checks the schema's version before its first statement; that check reads
+the revisions from the migration files and the version from ``alembic_version`` without
+importing Alembic (0.1 s of every CLI call's start, docs/benchmarks.md). Alembic itself
+is imported to migrate.
+"""
 
 from __future__ import annotations
 
+import functools
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, inspect, text
 
 from runlane.errors import SchemaTooNew
 
@@ -23,31 +28,59 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 MIGRATION_LOCK_KEY = 0x72756E6C616E65
 LOCK_POLL_SECONDS = 0.5
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
 log = structlog.get_logger("runlane.migrations")
+
+_REVISION = re.compile(r"""^revision\s*(?::\s*str\s*)?=\s*["']([^"']+)["']""", re.MULTILINE)
+_DOWN = re.compile(r"""^down_revision\s*(?::[^=]*)?=\s*(?:["']([^"']+)["']|None)""",
+                   re.MULTILINE)
 
 
 def _config() -> Config:
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     return config
 
 
+@functools.cache
+def _revisions() -> dict[str, str | None]:
+    """Each migration's revision and the one it follows, read from its file."""
+    found: dict[str, str | None] = {}
+    for path in sorted((MIGRATIONS / "versions").glob("*.py")):
+        if path.name.startswith("_"):
+            continue
+        source = path.read_text()
+        revision, down = _REVISION.search(source), _DOWN.search(source)
+        if revision is None or down is None:
+            raise RuntimeError(f"{path}: no revision or down_revision")
+        found[revision.group(1)] = down.group(1)
+    return found
+
+
 def head_revision() -> str:
-    head = ScriptDirectory.from_config(_config()).get_current_head()
-    assert head is not None
-    return head
+    """The newest migration: the one no other follows (the chain is linear)."""
+    revisions = _revisions()
+    heads = set(revisions) - {down for down in revisions.values() if down}
+    if len(heads) != 1:
+        raise RuntimeError(f"migrations have {len(heads)} heads: {sorted(heads)}")
+    return heads.pop()
 
 
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
+        if not inspect(conn).has_table("alembic_version"):
+            return None
+        return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
 
 
 def refuse_newer(revision: str | None) -> None:
     """Raise SchemaTooNew when ``revision`` is none of this runlane's migrations (a
     newer runlane migrated the database: a rolling deploy's older binary)."""
-    script = ScriptDirectory.from_config(_config())
-    if revision is not None and revision not in {r.revision for r in script.walk_revisions()}:
+    if revision is not None and revision not in _revisions():
         raise SchemaTooNew(
             f"database schema is at {revision}, newer than this runlane knows (its newest "
             f"is {head_revision()}): run a runlane at least as new as the one that "
@@ -61,6 +94,8 @@ def upgrade(engine: Engine, revision: str = "head") -> tuple[str | None, str | N
     with migration_lock(engine):
         before = current_revision(engine)
         refuse_newer(before)
+        from alembic import command
+
         with _migrating(engine) as config:
             command.upgrade(config, revision)
         return before, current_revision(engine)
@@ -71,6 +106,8 @@ def downgrade(engine: Engine, revision: str) -> tuple[str | None, str | None]:
     (before, after)."""
     with migration_lock(engine):
         before = current_revision(engine)
+        from alembic import command
+
         with _migrating(engine) as config:
             command.downgrade(config, revision)
         return before, current_revision(engine)
