@@ -466,7 +466,8 @@ class Runlane(ActivityMixin, ViewsMixin):
 
     def scheduler(self) -> Scheduler:
         return Scheduler(self.store, SchedulerConfig(
-            interval_seconds=self.settings.reaper_interval_seconds))
+            interval_seconds=self.settings.reaper_interval_seconds,
+            default_max_attempts=self.settings.max_attempts))
 
     def pruner(self) -> Pruner | None:
         """The retention job, unless RETENTION_DAYS is 0 (keep finished runs forever)."""

@@ -1305,6 +1305,9 @@ FROM runs r
 WHERE r.status = :status
   AND r.visible_at <= {now}
   AND (r.created_at, r.run_id) > (:after_created, :after_id)
+  -- A run its campaign's pause holds waits for the resume (store/campaigns.py), not
+  -- for a pass (one after a policy change looks at every deferred run).
+  AND (r.reason_code IS NULL OR r.reason_code <> 'CAMPAIGN_PAUSED')
 ORDER BY r.created_at, r.run_id
 LIMIT :limit
 {lock_r_skip}
