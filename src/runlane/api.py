@@ -18,6 +18,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from runlane.agents.base import AttemptLimits
 from runlane.api_activity import ActivityMixin
+from runlane.api_campaigns import CampaignsMixin
 from runlane.api_views import ViewsMixin
 from runlane.clock import Clock
 from runlane.codehost.base import CodeHost
@@ -132,7 +133,7 @@ def shown_url(url: URL) -> str:
     return unquote(url.render_as_string(hide_password=True))
 
 
-class Runlane(ActivityMixin, ViewsMixin):
+class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin):
     """Submit, cancel, inspect and audit runs.
 
     >>> lane = Runlane("sqlite:///runlane.db")          # doctest: +SKIP

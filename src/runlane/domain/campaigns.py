@@ -31,6 +31,7 @@ from pydantic import (
 
 from runlane.domain.reasons import Reason
 from runlane.domain.tasks import parse_priority, valid_name, validate_repo
+from runlane.errors import RunlaneError
 
 MAX_TARGETS = 10_000
 # Campaign runs take this priority class unless the file names another: an interactive
@@ -44,8 +45,12 @@ _TOML_AT = re.compile(r"\s*\(at (line \d+, column \d+|end of document)\)$")
 _VAR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-class CampaignInvalid(ValueError):
-    """A campaign that cannot be created; names the file, the dotted field and the problem."""
+class CampaignInvalid(RunlaneError, ValueError):
+    """A campaign that cannot be created; names the file, the dotted field and the problem
+    (bad input: exit 2, HTTP 422)."""
+
+    exit_code = 2
+    reason_code = "CAMPAIGN_INVALID"
 
     def __init__(self, source: str, field: str, problem: str):
         super().__init__(f"{source}: {field}: {problem}")
@@ -257,21 +262,6 @@ class Campaign(_Model):
                              "and ._:@/-")
         return value
 
-    @model_validator(mode="after")
-    def _consistent(self) -> Campaign:
-        seen: dict[str, int] = {}
-        for i, target in enumerate(self.targets):
-            if target.key in seen:
-                raise ValueError(f"targets[{i}] repeats targets[{seen[target.key]}] "
-                                 f"({target.repo} with the same vars)")
-            seen[target.key] = i
-            try:
-                render_prompt(self.prompt, target)
-            except KeyError as exc:
-                raise ValueError(f"targets[{i}] ({target.repo}) has no variable {exc} "
-                                 "that the prompt names") from None
-        return self
-
     def batches(self) -> list[int]:
         """The size of each batch, in order, covering every target."""
         return batch_sizes(len(self.targets), self.rollout)
@@ -412,10 +402,24 @@ def campaign_from_document(data: Any, source: str = "<document>",
         raise CampaignInvalid(source, "targets",
                               f"has {len(data['targets'])} targets; at most {MAX_TARGETS}")
     try:
-        return Campaign.model_validate(data)
+        campaign = Campaign.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise CampaignInvalid(source, _dotted(first["loc"]), _problem(first)) from None
+    seen: dict[str, int] = {}
+    for i, target in enumerate(campaign.targets):
+        if target.key in seen:
+            raise CampaignInvalid(source, f"targets[{i}]", f"repeats targets[{seen[target.key]}] "
+                                  f"({target.repo} with the same vars)")
+        seen[target.key] = i
+        try:
+            render_prompt(campaign.prompt, target)
+        except KeyError as exc:
+            raise CampaignInvalid(source, f"targets[{i}]", f"{target.repo} has no variable "
+                                  f"{exc} that the prompt names") from None
+        except ValueError as exc:
+            raise CampaignInvalid(source, "prompt", f"is not a template: {exc}") from None
+    return campaign
 
 
 def parse_campaign(text: str, source: str = "<string>",
