@@ -530,6 +530,13 @@ class CampaignMixin:
 
     # --- views -----------------------------------------------------------------------
 
+    def campaign_of_run(self, run_id: str) -> str | None:
+        """The name of the campaign ``run_id`` is the current run of a target of (its
+        pull request's body names it), or None."""
+        with self.reads.connect() as conn:
+            found = conn.execute(self._q(csql.CAMPAIGN_OF_RUN), {"run_id": run_id}).scalar()
+        return None if found is None else str(found)
+
     def campaign_summary(self, campaign_id: str) -> dict[str, Any]:
         """Everything ``campaign show`` and the report print, read in one snapshot."""
         with self.reads.begin() as conn:

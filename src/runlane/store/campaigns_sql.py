@@ -249,3 +249,10 @@ SELECT notification_id, kind, recipient, attempts, delivered_at, last_error, cre
 FROM campaign_notifications WHERE campaign_id = :campaign_id
 ORDER BY created_at, notification_id
 """
+
+# The campaign a run is the current run of a target of (ix_campaign_targets_run): its
+# pull request's body names it.
+CAMPAIGN_OF_RUN = """
+SELECT c.name FROM campaign_targets t JOIN campaigns c ON c.campaign_id = t.campaign_id
+WHERE t.run_id = :run_id
+"""
