@@ -642,7 +642,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         ).first()
         if row is None:
             return False
-        if target in TERMINAL:  # a campaign's run: its stop rule, in this transaction
+        if target in TERMINAL and row.in_campaign:  # its stop rule, in this transaction
             self._campaign_runs_ended(conn, [(run_id, target, reason_code, outcome)],
                                       float(now if now is not None else row.now))
         self._lane_moved(conn, row.lane_id, source, target)
@@ -1196,10 +1196,11 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             # then every lane (the runs' own, the dependents', the tenants shown again)
             # at the block's end in lane_id order.
             with self._lane_moves_in_order(conn):
-                if won:  # campaigns' runs among them: the stop rule, in this transaction
+                ours = sorted(run_id for run_id, r in won.items() if r.in_campaign)
+                if ours:  # campaigns' runs: their stop rules, in this transaction
                     self._campaign_runs_ended(conn, [
-                        (run_id, S.SUCCEEDED, None, outcome) for run_id in sorted(won)],
-                        float(next(iter(won.values())).now))
+                        (run_id, S.SUCCEEDED, None, outcome) for run_id in ours],
+                        float(won[ours[0]].now))
                 for run_id, row in sorted(won.items()):
                     _, lease, path = moves[run_id]
                     self._lane_moved(conn, row.lane_id, lease.stage, path[-1])
