@@ -367,3 +367,49 @@ def test_another_tenants_token_cannot_see_or_change_a_campaign(lane: Runlane,
         lane.pause_campaign("mine", principal=Principal(Role.READ, "acme"))
     assert lane.campaign("mine", principal=Principal(Role.READ, "acme"))["status"] == "ACTIVE"
     assert lane.pause_campaign("mine", principal=acme)["status"] == "PAUSED"
+
+
+# --- several schedulers at once --------------------------------------------------------------
+
+SCHEDULER = """
+import sys, time
+from runlane.store.store import Store
+store = Store(sys.argv[1])
+deadline = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    store.campaign_pass(default_max_attempts=1)
+"""
+
+
+def test_two_scheduler_processes_release_each_batch_once(lane: Runlane, tmp_path: Path,
+                                                         db_url: str) -> None:
+    import subprocess
+    import sys
+
+    repos = [tmp_path / f"s{i}.git" for i in range(16)]
+    made = lane.create_campaign(text=campaign_text("race", repos, canary=2, steps="[2]",
+                                                   max_active=2))
+    procs = [subprocess.Popen([sys.executable, "-c", SCHEDULER, db_url, "20"])
+             for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 30
+        while lane.campaign("race")["status"] != "COMPLETED":
+            assert time.monotonic() < deadline, lane.campaign("race")["by_state"]
+            for lease in lane.store.claim("w", limit=4):
+                lane.store.advance(lease, RunStatus.RUNNING)
+                lane.store.complete(lease, outcome="no_changes")
+            time.sleep(0.01)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    with lane.store.engine.connect() as conn:
+        row = conn.execute(text("SELECT released_batch, released_at FROM campaigns"
+                                " WHERE campaign_id = :c"), {"c": made["campaign_id"]}).one()
+        per_key = conn.execute(text("SELECT COUNT(*) FROM tasks GROUP BY idempotency_key")).all()
+        runs = conn.execute(text("SELECT COUNT(*) FROM runs")).scalar_one()
+    released_at = row.released_at if isinstance(row.released_at, list) else __import__(
+        "json").loads(row.released_at)
+    assert row.released_batch == 7 and len(released_at) == 8  # 8 batches, each released once
+    assert released_at == sorted(released_at)
+    assert len(per_key) == 16 and {n for (n,) in per_key} == {1} and runs == 16
