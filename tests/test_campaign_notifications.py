@@ -35,7 +35,7 @@ def receiver() -> Iterator[tuple[Receiver, str]]:
     box = Receiver(fail_first=1)
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - the http.server name
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
             with box.lock:
                 code = 500 if len(box.calls) < box.fail_first else 200
