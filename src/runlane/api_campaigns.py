@@ -61,11 +61,14 @@ class CampaignsMixin:
     def create_campaign(self, *, path: str | Path | None = None, text: str | None = None,
                         source: str = "<api>", principal: Principal = OPERATOR
                         ) -> dict[str, Any]:
-        """A campaign from a file (``path``) or its TOML ``text`` (``targets_file`` is
-        then read relative to the working directory). The same campaign again returns
-        the first (``created`` false); another one under a taken name is a Conflict."""
+        """A campaign from a file (``path``, its ``targets_file`` read beside it) or its
+        TOML ``text`` (targets inline: a request never names a file of the server). The
+        same campaign again returns the first (``created`` false); another one under a
+        taken name is a Conflict."""
+        if not principal.can_submit:
+            raise Forbidden(f"a {principal.role.value} token may not create a campaign")
         campaign: Campaign = load_campaign(path) if path is not None else parse_campaign(
-            text or "", source, Path.cwd())
+            text or "", source, None)
         _may_change(principal, campaign.tenant, "create a campaign")
         created = self.store.create_campaign(campaign)
         row = self.store.find_campaign(campaign.name, campaign.tenant)
@@ -106,6 +109,8 @@ class CampaignsMixin:
 
     def _move(self, name: str, tenant: str | None, principal: Principal, what: str,
               move: Any) -> dict[str, Any]:
+        if not principal.can_submit:  # before the lookup: a read token learns nothing
+            raise Forbidden(f"a {principal.role.value} token may not {what} a campaign")
         row = self._campaign_row(name, principal, tenant)
         _may_change(principal, row.tenant, f"{what} a campaign")
         changed = move(row.campaign_id)

@@ -386,6 +386,9 @@ def campaign_from_document(data: Any, source: str = "<document>",
                            base_dir: Path | None = None) -> Campaign:
     """Validate parsed data; ``targets_file`` is read relative to ``base_dir``."""
     if isinstance(data, dict) and "targets_file" in data:
+        if base_dir is None:
+            raise CampaignInvalid(source, "targets_file", "is read from a file's directory "
+                                  "only; give the targets inline here")
         data = dict(data)
         name = data.pop("targets_file")
         if "targets" in data:
@@ -394,7 +397,7 @@ def campaign_from_document(data: Any, source: str = "<document>",
         if not isinstance(name, str):
             raise CampaignInvalid(source, "targets_file", "must be a path")
         path = Path(name)
-        if not path.is_absolute() and base_dir is not None:
+        if not path.is_absolute():
             path = base_dir / path
         data["targets"] = _read_targets_file(path, source)
     if isinstance(data, dict) and isinstance(data.get("targets"), list) \
