@@ -65,7 +65,7 @@ def campaign_text(name: str, n: int) -> str:
                       f'vars = {{team = "t{i % 7}"}}\n' for i in range(n))
     return (f'name = "{name}"\ntenant = "acme"\nprompt = "migrate {{repo}} for {{team}}"\n'
             f"{targets}[rollout]\ncanary = {n}\n[concurrency]\nmax_active = {n}\n"
-            "per_repository = 1\n[stop]\nfailure_rate = 0.99\nwindow = 50\nmin_sample = 10\n")
+            "per_repository = 1\n[stop]\nfailure_rate = 1.0\nwindow = 50\nmin_sample = 10\n")
 
 
 def leases_plain(store: Store, n: int, tag: str) -> list[Lease]:
