@@ -296,7 +296,10 @@ class CampaignMixin:
         """Runs just ended in this transaction: (run_id, status, reason, outcome). For
         those that are a campaign's current run of a target: the target's outcome, the
         campaign's counts, the stop rule (a crossed threshold stops the campaign here,
-        so no later run of it is dispatched or claimed), notifications, completion."""
+        so no later run of it is dispatched or claimed), notifications, completion.
+        The targets are found and their campaigns' rows locked in one statement; each
+        target's end is then one statement on PostgreSQL (CTEs: the target, its
+        numbered finish, the campaign's counts, the rule's window), four on SQLite."""
         targets = conn.execute(self._q(csql.TARGETS_OF_RUNS, "run_ids"),
                                {"run_ids": [e[0] for e in ended]}).all()
         if not targets:
@@ -304,48 +307,63 @@ class CampaignMixin:
         by_run = {e[0]: e for e in ended}
         for campaign_id, group_iter in groupby(targets, key=lambda t: t.campaign_id):
             group = list(group_iter)
-            row = conn.execute(self._q(csql.CAMPAIGN_LOCK), {"campaign_id": campaign_id}).one()
+            row = group[0]  # the campaign's columns, as locked
             cfg = self._campaign_config(row)
             counted = 0
+            active = int(row.active)
+            window: list[bool] = []
             for t in group:
                 _, status, reason, outcome = by_run[t.run_id]
                 if status is S.CANCELLED and reason is None:
                     reason = Reason.CANCELLED_BY_USER.value
                 succeeded = status is S.SUCCEEDED
-                conn.execute(self._q(csql.TARGET_ENDED), {
-                    "campaign_id": campaign_id, "position": t.position,
-                    "state": target_state(status).value, "now": now,
+                counts = cfg.stop.counts(reason, succeeded)
+                failed = cfg.stop.is_failure(reason, succeeded)
+                counted += counts
+                params = {
+                    "campaign_id": campaign_id, "position": t.position, "run_id": t.run_id,
+                    "batch": t.batch, "state": target_state(status).value, "now": now,
                     "run_status": status.value, "reason_code": None if succeeded else reason,
-                    "outcome": outcome})
-                if cfg.stop.counts(reason, succeeded):
-                    counted += 1
-                    conn.execute(self._q(csql.OUTCOME_INSERT), {
-                        "campaign_id": campaign_id, "seq": int(row.finishes) + counted,
-                        "position": t.position, "run_id": t.run_id, "batch": t.batch,
-                        "failed": int(cfg.stop.is_failure(reason, succeeded)),
-                        "reason_code": None if succeeded else reason, "now": now})
+                    "outcome": outcome, "counted": int(counts), "failed": int(failed),
+                    "seq": int(row.finishes) + counted, "window_start": int(row.window_start),
+                    "window": cfg.stop.window}
+                active, window = self._record_target_end(conn, params)
+                if counts:
+                    window = [failed, *window][: cfg.stop.window]
                 if cfg.notifies:
-                    self._campaign_notify(conn, campaign_id, "run_finished", t.owner or cfg.owner, {
+                    self._campaign_notify(conn, campaign_id, "run_finished",
+                                          t.owner or cfg.owner, {
                         "campaign": cfg.name, "tenant": cfg.tenant, "repo": t.repo,
                         "target": t.position, "batch": t.batch, "run_id": t.run_id,
                         "task_id": t.task_id, "status": status.value,
                         "reason_code": None if succeeded else reason, "outcome": outcome,
                         "at": now})
-            conn.execute(self._q(csql.CAMPAIGN_FINISHED), {
-                "campaign_id": campaign_id, "ended": len(group), "counted": counted,
-                "now": now})
-            if counted and row.status in (C.ACTIVE.value, C.PAUSED.value):
-                window = [bool(r.failed) for r in conn.execute(self._q(csql.OUTCOME_WINDOW), {
-                    "campaign_id": campaign_id, "window_start": int(row.window_start),
-                    "window": cfg.stop.window})]
-                if cfg.stop.crossed(window):
-                    rate = sum(window) / len(window)
-                    self._stop_campaign(conn, campaign_id, cfg, now, actor="campaign-stop-rule",
-                                        reason=(f"stop rule: {sum(window)} of the last "
-                                                f"{len(window)} finished runs failed "
-                                                f"({rate:.0%} > {cfg.stop.failure_rate:.0%})"))
-                    continue
-            self._maybe_complete(conn, campaign_id, now)
+            if counted and row.status in (C.ACTIVE.value, C.PAUSED.value) \
+                    and cfg.stop.crossed(window):
+                self._stop_campaign(conn, campaign_id, cfg, now, actor="campaign-stop-rule",
+                                    reason=(f"stop rule: {sum(window)} of the last "
+                                            f"{len(window)} finished runs failed "
+                                            f"({sum(window) / len(window):.0%} > "
+                                            f"{cfg.stop.failure_rate:.0%})"))
+                continue
+            if active == 0:  # the campaign's last active run: is there more to do?
+                self._maybe_complete(conn, campaign_id, now)
+
+    def _record_target_end(self, conn: Connection, params: dict[str, Any]
+                           ) -> tuple[int, list[bool]]:
+        """One target's end: its row, its numbered finish (when it counts), the
+        campaign's counts; returns the campaign's active runs after it and the rule's
+        window before this finish (newest first)."""
+        if self.dialect == "postgresql":
+            r = conn.execute(self._q(csql.TARGET_END_PG), params).one()
+            return int(r.active), [bool(x) for x in (r.recent or [])]
+        conn.execute(self._q(csql.TARGET_ENDED), params)
+        window = [bool(r.failed) for r in conn.execute(self._q(csql.OUTCOME_WINDOW), params)]
+        if params["counted"]:
+            conn.execute(self._q(csql.OUTCOME_INSERT), params)
+        conn.execute(self._q(csql.CAMPAIGN_FINISHED), {**params, "ended": 1})
+        active = conn.execute(self._q(csql.CAMPAIGN_ACTIVE), params).scalar_one()
+        return int(active), window
 
     def _maybe_complete(self, conn: Connection, campaign_id: str, now: float) -> None:
         row = conn.execute(self._q(csql.CAMPAIGN_LOCK), {"campaign_id": campaign_id}).one()

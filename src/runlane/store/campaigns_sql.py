@@ -112,11 +112,47 @@ SET state = 'ACTIVE', task_id = :task_id, run_id = :run_id, dispatched_at = :now
     ended_at = NULL, run_status = NULL, reason_code = NULL, outcome = NULL
 WHERE campaign_id = :campaign_id AND position = :position AND state = 'PENDING'
 """
-# The targets whose current runs just ended (ix_campaign_targets_run).
+# The targets whose current runs just ended (ix_campaign_targets_run), with their
+# campaigns' rows, locked (PostgreSQL; in campaign_id order, one statement).
 TARGETS_OF_RUNS = """
-SELECT campaign_id, position, batch, repo, owner, run_id, task_id FROM campaign_targets
-WHERE run_id IN :run_ids AND state = 'ACTIVE'
-ORDER BY campaign_id, position
+SELECT t.campaign_id, t.position, t.batch, t.repo, t.owner, t.run_id, t.task_id,
+       c.status, c.finishes, c.window_start, c.active, c.digest, c.document
+FROM campaign_targets t JOIN campaigns c ON c.campaign_id = t.campaign_id
+WHERE t.run_id IN :run_ids AND t.state = 'ACTIVE'
+ORDER BY t.campaign_id, t.position
+{lock_c}
+"""
+# One target's end on PostgreSQL, in one statement: the target's row, its numbered
+# finish when it counts (``:counted``), the campaign's counts; returns the campaign's
+# active runs after it and the stop rule's window as it stood before this finish
+# (newest first: every CTE reads the statement's snapshot, so the new finish is not in
+# it; the store puts it in front). SQLite sends TARGET_ENDED, OUTCOME_WINDOW,
+# OUTCOME_INSERT, CAMPAIGN_FINISHED and CAMPAIGN_ACTIVE (no writes inside WITH there).
+TARGET_END_PG = """
+WITH t AS (
+    UPDATE campaign_targets
+    SET state = :state, ended_at = :now, run_status = :run_status,
+        reason_code = :reason_code, outcome = :outcome
+    WHERE campaign_id = :campaign_id AND position = :position AND state = 'ACTIVE'
+    RETURNING position),
+o AS (
+    INSERT INTO campaign_outcomes (campaign_id, seq, position, run_id, batch, failed,
+                                   reason_code, at)
+    SELECT :campaign_id, :seq, :position, :run_id, :batch, :failed, :reason_code, :now
+    FROM t WHERE CAST(:counted AS integer) = 1
+    RETURNING seq),
+c AS (
+    UPDATE campaigns SET active = active - (SELECT COUNT(*) FROM t),
+                         finishes = finishes + (SELECT COUNT(*) FROM o), updated_at = :now
+    WHERE campaign_id = :campaign_id
+    RETURNING active)
+SELECT (SELECT active FROM c) AS active,
+       ARRAY(SELECT failed FROM campaign_outcomes
+             WHERE campaign_id = :campaign_id AND seq > :window_start
+             ORDER BY seq DESC LIMIT :window) AS recent
+"""
+CAMPAIGN_ACTIVE = """
+SELECT active FROM campaigns WHERE campaign_id = :campaign_id
 """
 TARGET_ENDED = """
 UPDATE campaign_targets

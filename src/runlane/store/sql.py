@@ -1971,6 +1971,7 @@ class Statements:
             lock_r_share=LOCK_SHARE[self.dialect].format(alias="r"),
             lock_a_skip=LOCK_SKIP[self.dialect].format(alias="a"),
             lock_l_skip=LOCK_SKIP[self.dialect].format(alias="l"),
+            lock_c=LOCK_WAIT[self.dialect].format(alias="c"),
             lock_c_share_skip=LOCK_SHARE_SKIP[self.dialect].format(alias="c"),
             row_version=ROW_VERSION[self.dialect].format(alias="l"),
             row_version_lanes=ROW_VERSION[self.dialect].format(alias="lanes"),
