@@ -127,8 +127,11 @@ def completion(url_of: Callable[[], str], runs: int, rounds: int) -> list[str]:
             values = samples[(kind, op)]
             added = "" if kind == "no campaign" else \
                 f"{statistics.median(values) - statistics.median(base):+.3f}"
+            added_mean = "" if kind == "no campaign" else \
+                f"{statistics.fmean(values) - statistics.fmean(base):+.3f}"
             rows.append(f"| {op} | {kind} | {len(values)} | {statistics.median(values):.3f} | "
-                        f"{pct(values, 90):.3f} | {added} |")
+                        f"{pct(values, 90):.3f} | {statistics.fmean(values):.3f} | {added} | "
+                        f"{added_mean} |")
     return rows
 
 
@@ -171,8 +174,8 @@ def main() -> None:
           f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())} at start.\n")
     print("Completion of one run (ms per call; a campaign's runs record their end and "
           "evaluate the stop rule in the same transaction):\n")
-    header = ("| call | runs | n | p50 ms | p90 ms | p50 added |\n"
-              "| :--- | :--- | ---: | ---: | ---: | ---: |")
+    header = ("| call | runs | n | p50 ms | p90 ms | mean ms | p50 added | mean added |\n"
+              "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: |")
     with tempfile.TemporaryDirectory(dir="/dev/shm" if Path("/dev/shm").is_dir()
                                      else None) as tmp:
         counter = iter(range(1000))

@@ -413,3 +413,28 @@ def test_two_scheduler_processes_release_each_batch_once(lane: Runlane, tmp_path
     assert row.released_batch == 7 and len(released_at) == 8  # 8 batches, each released once
     assert released_at == sorted(released_at)
     assert len(per_key) == 16 and {n for (n,) in per_key} == {1} and runs == 16
+
+
+def test_a_scheduler_killed_mid_dispatch_creates_nothing_twice(lane: Runlane, tmp_path: Path,
+                                                               db_url: str) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    repos = [tmp_path / f"k{i}.git" for i in range(6)]
+    lane.create_campaign(text=campaign_text("killed", repos, canary=6, steps='["all"]',
+                                            max_active=6))
+    crashed = subprocess.run(
+        [sys.executable, "-c", SCHEDULER, db_url, "0.5"],
+        env={**os.environ, "RUNLANE_FAULT_CRASH_AT": "campaign_dispatch_submitted"},
+        capture_output=True, check=False)
+    assert crashed.returncode == -signal.SIGKILL
+    with lane.store.engine.connect() as conn:
+        assert conn.execute(text("SELECT COUNT(*) FROM tasks")).scalar_one() == 0
+    lane.store.campaign_pass()
+    lane.store.campaign_pass()
+    with lane.store.engine.connect() as conn:
+        per_key = conn.execute(text("SELECT COUNT(*) FROM tasks GROUP BY idempotency_key")).all()
+    assert len(per_key) == 6 and {n for (n,) in per_key} == {1}
+    assert lane.campaign("killed")["by_state"]["ACTIVE"] == 6

@@ -15,7 +15,9 @@ a death after the push intent named its commit and before anything was pushed);
 in the local forge, ``before_pull_request_lock`` (its git lookups done, its lock not
 yet taken: the window it closes by checking the caller's deadline under the lock)
 and ``before_pull_request_write`` (that check passed, the record not yet written:
-the window left, which a worker resumed there fills with late evidence).
+the window left, which a worker resumed there fills with late evidence);
+``campaign_dispatch_submitted`` (a campaign's dispatch: its targets' tasks written,
+the targets not yet marked, the transaction not committed).
 """
 
 from __future__ import annotations

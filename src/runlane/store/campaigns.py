@@ -43,6 +43,7 @@ from runlane.domain.repos import canonical_repo
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskSpec, enforce_payload_cap, task_digest
 from runlane.errors import Conflict, NotFound
+from runlane.faults import crash_point
 from runlane.store import campaigns_sql as csql
 
 if TYPE_CHECKING:
@@ -261,6 +262,7 @@ class CampaignMixin:
         submissions = self._submit_in(conn, fitted, digests, repo_keys,
                                       default_max_attempts=default_max_attempts,
                                       actor=f"campaign:{cfg.name}")
+        crash_point("campaign_dispatch_submitted")  # the drill: a scheduler killed here
         conn.execute(self._q(csql.TARGET_DISPATCHED), [
             {"campaign_id": campaign_id, "position": t.position, "task_id": s.task_id,
              "run_id": s.run_id, "now": now} for t, s in zip(picked, submissions, strict=True)])
