@@ -29,12 +29,12 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from runlane.domain.campaigns import parse_campaign  # noqa: E402
-from runlane.domain.states import RunStatus  # noqa: E402
-from runlane.domain.tasks import TaskSpec  # noqa: E402
-from runlane.store.engine import build_engine  # noqa: E402
-from runlane.store.migrate import upgrade  # noqa: E402
-from runlane.store.store import Lease, Store  # noqa: E402
+from runlane.domain.campaigns import parse_campaign
+from runlane.domain.states import RunStatus
+from runlane.domain.tasks import TaskSpec
+from runlane.store.engine import build_engine
+from runlane.store.migrate import upgrade
+from runlane.store.store import Lease, Store
 
 PG = os.environ.get("RUNLANE_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 DB = "runlane_bench_campaigns"
@@ -115,9 +115,9 @@ def completion(url_of: Callable[[], str], runs: int, rounds: int) -> list[str]:
                 leases = make(store, runs, f"{r}{kind[0]}")
                 half = runs // 2
                 samples.setdefault((kind, "complete"), []).extend(timed(
-                    [lambda lease=lease: store.complete(lease) for lease in leases[:half]]))
+                    [lambda lease=lease, s=store: s.complete(lease) for lease in leases[:half]]))
                 samples.setdefault((kind, "fail"), []).extend(timed(
-                    [lambda lease=lease: store.fail(lease, "AGENT_FAILED")
+                    [lambda lease=lease, s=store: s.fail(lease, "AGENT_FAILED")
                      for lease in leases[half:]]))
         finally:
             store.close()
