@@ -17,8 +17,7 @@ import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import groupby
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import structlog
 from sqlalchemy import Connection
@@ -95,6 +94,20 @@ class CampaignConfig:
 
 
 @dataclass(frozen=True)
+class _Ended:
+    """A target's end as SQLite's statements return it (TARGET_END_PG's row's fields)."""
+
+    position: int
+    batch: int
+    repo: str
+    owner: str | None
+    task_id: str
+    status: str
+    active: int
+    recent: str
+
+
+@dataclass(frozen=True)
 class CampaignCreated:
     campaign_id: str
     created: bool
@@ -140,14 +153,14 @@ class CampaignMixin:
         def _now(self, conn: Connection) -> float: ...
         reads: Any
 
-    _campaign_configs: dict[tuple[str, str], CampaignConfig]
+    _campaign_configs: dict[str, CampaignConfig]
 
     def _campaign_config(self, row: Any) -> CampaignConfig:
+        """A campaign's terms from its row (cached: a campaign's terms never change)."""
         cache = self.__dict__.setdefault("_campaign_configs", {})
-        key = (row.campaign_id, row.digest)
-        found: CampaignConfig | None = cache.get(key)
+        found: CampaignConfig | None = cache.get(row.campaign_id)
         if found is None:
-            found = cache[key] = CampaignConfig.of(row.document)
+            found = cache[row.campaign_id] = CampaignConfig.of(row.document)
         return found
 
     # --- create ----------------------------------------------------------------------
@@ -270,7 +283,7 @@ class CampaignMixin:
                      {"campaign_id": campaign_id, "n": len(picked), "now": now})
         # Runs that ended at admission (a policy denies them), or a key met again whose
         # run already ended: their targets end now.
-        ended = [(s.run_id, S(s.status), s.reason_code or s.status, None)
+        ended = [(s.run_id, campaign_id, S(s.status), s.reason_code or s.status, None)
                  for s in submissions if S(s.status) in (S.SUCCEEDED, S.FAILED, S.CANCELLED,
                                                          S.POLICY_DENIED)]
         if ended:
@@ -292,80 +305,72 @@ class CampaignMixin:
 
     # --- a run's end -----------------------------------------------------------------
 
-    def _campaign_runs_ended(self, conn: Connection,
-                             ended: Sequence[tuple[str, RunStatus, str | None, str | None]],
-                             now: float) -> None:
-        """Runs just ended in this transaction: (run_id, status, reason, outcome). For
-        those that are a campaign's current run of a target: the target's outcome, the
-        campaign's counts, the stop rule (a crossed threshold stops the campaign here,
-        so no later run of it is dispatched or claimed), notifications, completion.
-        The targets are found and their campaigns' rows locked in one statement; each
-        target's end is then one statement on PostgreSQL (CTEs: the target, its
-        numbered finish, the campaign's counts, the rule's window), four on SQLite."""
-        targets = conn.execute(self._q(csql.TARGETS_OF_RUNS, "run_ids"),
-                               {"run_ids": [e[0] for e in ended]}).all()
-        if not targets:
-            return
-        by_run = {e[0]: e for e in ended}
-        for campaign_id, group_iter in groupby(targets, key=lambda t: t.campaign_id):
-            group = list(group_iter)
-            row = group[0]  # the campaign's columns, as locked
-            cfg = self._campaign_config(row)
-            counted = 0
-            active = int(row.active)
-            window: list[bool] = []
-            for t in group:
-                _, status, reason, outcome = by_run[t.run_id]
-                if status is S.CANCELLED and reason is None:
-                    reason = Reason.CANCELLED_BY_USER.value
-                succeeded = status is S.SUCCEEDED
-                counts = cfg.stop.counts(reason, succeeded)
-                failed = cfg.stop.is_failure(reason, succeeded)
-                counted += counts
-                params = {
-                    "campaign_id": campaign_id, "position": t.position, "run_id": t.run_id,
-                    "batch": t.batch, "state": target_state(status).value, "now": now,
-                    "run_status": status.value, "reason_code": None if succeeded else reason,
-                    "outcome": outcome, "counted": int(counts), "failed": int(failed),
-                    "seq": int(row.finishes) + counted, "window_start": int(row.window_start),
-                    "window": cfg.stop.window}
-                active, window = self._record_target_end(conn, params)
-                if counts:
-                    window = [failed, *window][: cfg.stop.window]
-                if cfg.notifies:
-                    self._campaign_notify(conn, campaign_id, "run_finished",
-                                          t.owner or cfg.owner, {
-                        "campaign": cfg.name, "tenant": cfg.tenant, "repo": t.repo,
-                        "target": t.position, "batch": t.batch, "run_id": t.run_id,
-                        "task_id": t.task_id, "status": status.value,
-                        "reason_code": None if succeeded else reason, "outcome": outcome,
-                        "at": now})
-            if counted and row.status in (C.ACTIVE.value, C.PAUSED.value) \
+    def _campaign_runs_ended(
+            self, conn: Connection,
+            ended: Sequence[tuple[str, str, RunStatus, str | None, str | None]],
+            now: float) -> None:
+        """Campaigns' runs just ended in this transaction: (run_id, campaign_id, status,
+        reason, outcome), the campaign found by the run's own write. Each: the target's
+        outcome, the campaign's counts and the stop rule's window (one statement on
+        PostgreSQL), then the rule: a crossed threshold stops the campaign here, so no
+        later run of it is dispatched or claimed; notifications; completion."""
+        for run_id, campaign_id, status, reason, outcome in ended:
+            cfg = self._campaign_config_of(conn, campaign_id)
+            if status is S.CANCELLED and reason is None:
+                reason = Reason.CANCELLED_BY_USER.value
+            succeeded = status is S.SUCCEEDED
+            counts = cfg.stop.counts(reason, succeeded)
+            failed = cfg.stop.is_failure(reason, succeeded)
+            params = {
+                "campaign_id": campaign_id, "run_id": run_id,
+                "state": target_state(status).value, "now": now, "run_status": status.value,
+                "reason_code": None if succeeded else reason, "outcome": outcome,
+                "counted": int(counts), "failed": int(failed), "flag": "1" if failed else "0",
+                "window": cfg.stop.window}
+            t = self._record_target_end(conn, params)
+            if t is None:  # not the target's current run any more
+                continue
+            if cfg.notifies:
+                self._campaign_notify(conn, campaign_id, "run_finished", t.owner or cfg.owner, {
+                    "campaign": cfg.name, "tenant": cfg.tenant, "repo": t.repo,
+                    "target": t.position, "batch": t.batch, "run_id": run_id,
+                    "task_id": t.task_id, "status": status.value,
+                    "reason_code": None if succeeded else reason, "outcome": outcome,
+                    "at": now})
+            window = [c == "1" for c in t.recent]
+            if counts and t.status in (C.ACTIVE.value, C.PAUSED.value) \
                     and cfg.stop.crossed(window):
                 self._stop_campaign(conn, campaign_id, cfg, now, actor="campaign-stop-rule",
                                     reason=(f"stop rule: {sum(window)} of the last "
                                             f"{len(window)} finished runs failed "
                                             f"({sum(window) / len(window):.0%} > "
                                             f"{cfg.stop.failure_rate:.0%})"))
-                continue
-            if active == 0:  # the campaign's last active run: is there more to do?
+            elif int(t.active) == 0:  # the campaign's last active run: more to do?
                 self._maybe_complete(conn, campaign_id, now)
 
-    def _record_target_end(self, conn: Connection, params: dict[str, Any]
-                           ) -> tuple[int, list[bool]]:
-        """One target's end: its row, its numbered finish (when it counts), the
-        campaign's counts; returns the campaign's active runs after it and the rule's
-        window before this finish (newest first)."""
+    def _record_target_end(self, conn: Connection, params: dict[str, Any]) -> Any:
+        """The target's row, the campaign's counts and window, the numbered finish;
+        returns the target and the campaign as they are after it (None: the target's
+        current run is another)."""
         if self.dialect == "postgresql":
-            r = conn.execute(self._q(csql.TARGET_END_PG), params).one()
-            return int(r.active), [bool(x) for x in (r.recent or [])]
-        conn.execute(self._q(csql.TARGET_ENDED), params)
-        window = [bool(r.failed) for r in conn.execute(self._q(csql.OUTCOME_WINDOW), params)]
+            return conn.execute(self._q(csql.TARGET_END_PG), params).first()
+        t = conn.execute(self._q(csql.TARGET_END), params).first()
+        if t is None:
+            return None
+        c = conn.execute(self._q(csql.CAMPAIGN_END), params).one()
         if params["counted"]:
-            conn.execute(self._q(csql.OUTCOME_INSERT), params)
-        conn.execute(self._q(csql.CAMPAIGN_FINISHED), {**params, "ended": 1})
-        active = conn.execute(self._q(csql.CAMPAIGN_ACTIVE), params).scalar_one()
-        return int(active), window
+            conn.execute(self._q(csql.OUTCOME_INSERT), {
+                **params, "seq": c.finishes, "position": t.position, "batch": t.batch})
+        return _Ended(t.position, t.batch, t.repo, t.owner, t.task_id, c.status, c.active,
+                      c.recent)
+
+    def _campaign_config_of(self, conn: Connection, campaign_id: str) -> CampaignConfig:
+        """A campaign's terms, which never change once created: read once per process."""
+        found = self.__dict__.setdefault("_campaign_configs", {}).get(campaign_id)
+        if found is not None:
+            return cast(CampaignConfig, found)
+        row = conn.execute(self._q(csql.CAMPAIGN_DOCUMENT), {"campaign_id": campaign_id}).one()
+        return self._campaign_config(row)
 
     def _maybe_complete(self, conn: Connection, campaign_id: str, now: float) -> None:
         row = conn.execute(self._q(csql.CAMPAIGN_LOCK), {"campaign_id": campaign_id}).one()
@@ -577,9 +582,7 @@ class CampaignMixin:
                                     {"campaign_id": campaign_id}).all()
             cancels = conn.execute(self._q(csql.CANCELLED_BY_REASON),
                                    {"campaign_id": campaign_id}).all()
-            window = [bool(r.failed) for r in conn.execute(self._q(csql.OUTCOME_WINDOW), {
-                "campaign_id": campaign_id, "window_start": int(row.window_start),
-                "window": cfg.stop.window})]
+            window = [c == "1" for c in row.recent]
             notifications = conn.execute(self._q(csql.NOTIFICATIONS_OF),
                                          {"campaign_id": campaign_id}).all()
         return {"row": row, "config": cfg, "by_batch": by_batch, "failed": failed,

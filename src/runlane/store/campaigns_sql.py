@@ -19,10 +19,10 @@ from __future__ import annotations
 # the first (uq_campaigns_tenant_name).
 CAMPAIGN_INSERT = """
 INSERT INTO campaigns (campaign_id, tenant, name, owner, status, digest, document, batches,
-                       released_batch, released_at, active, finishes, window_start,
+                       released_batch, released_at, active, finishes, recent,
                        created_at, updated_at)
 VALUES (:campaign_id, :tenant, :name, :owner, 'ACTIVE', :digest, :document, :batches,
-        0, :released_at, 0, 0, 0, {now}, {now})
+        0, :released_at, 0, 0, '', {now}, {now})
 ON CONFLICT (tenant, name) DO NOTHING
 RETURNING campaign_id
 """
@@ -68,18 +68,13 @@ WHERE campaign_id = :campaign_id AND released_batch = :current AND status = 'ACT
 CAMPAIGN_ACTIVE_ADD = """
 UPDATE campaigns SET active = active + :n, updated_at = {now} WHERE campaign_id = :campaign_id
 """
-CAMPAIGN_FINISHED = """
-UPDATE campaigns SET active = active - :ended, finishes = finishes + :counted,
-                     updated_at = {now}
-WHERE campaign_id = :campaign_id
-"""
 CAMPAIGN_SET_STATUS = """
 UPDATE campaigns SET status = :to_status, updated_at = {now},
     stop_reason = CASE WHEN CAST(:to_status AS VARCHAR(16)) = 'STOPPED'
                        THEN CAST(:stop_reason AS TEXT) ELSE stop_reason END,
     ended_at = CASE WHEN CAST(:to_status AS VARCHAR(16)) IN ('STOPPED', 'COMPLETED')
                     THEN {now} ELSE NULL END,
-    window_start = CASE WHEN :new_window = 1 THEN finishes ELSE window_start END
+    recent = CASE WHEN :new_window = 1 THEN '' ELSE recent END
 WHERE campaign_id = :campaign_id AND status IN :sources
 """
 
@@ -112,66 +107,63 @@ SET state = 'ACTIVE', task_id = :task_id, run_id = :run_id, dispatched_at = :now
     ended_at = NULL, run_status = NULL, reason_code = NULL, outcome = NULL
 WHERE campaign_id = :campaign_id AND position = :position AND state = 'PENDING'
 """
-# The targets whose current runs just ended (ix_campaign_targets_run), with their
-# campaigns' rows, locked (PostgreSQL; in campaign_id order, one statement).
-TARGETS_OF_RUNS = """
-SELECT t.campaign_id, t.position, t.batch, t.repo, t.owner, t.run_id, t.task_id,
-       c.status, c.finishes, c.window_start, c.active, c.digest, c.document
-FROM campaign_targets t JOIN campaigns c ON c.campaign_id = t.campaign_id
-WHERE t.run_id IN :run_ids AND t.state = 'ACTIVE'
-ORDER BY t.campaign_id, t.position
-{lock_c}
-"""
-# One target's end on PostgreSQL, in one statement: the target's row, its numbered
-# finish when it counts (``:counted``), the campaign's counts; returns the campaign's
-# active runs after it and the stop rule's window as it stood before this finish
-# (newest first: every CTE reads the statement's snapshot, so the new finish is not in
-# it; the store puts it in front). SQLite sends TARGET_ENDED, OUTCOME_WINDOW,
-# OUTCOME_INSERT, CAMPAIGN_FINISHED and CAMPAIGN_ACTIVE (no writes inside WITH there).
+# A campaign's run ended (its campaign found by the run's own write: sql._SET_RETURNING):
+# on PostgreSQL one statement does the rest. ``t``: the target, if this run is still its
+# current one (ix_campaign_targets_run); ``c``: the campaign's counts and the stop
+# rule's window (``recent``: "1"/"0" per counted finish, newest first, cut to
+# ``:window``), written on the row's newest version under its lock, whatever this
+# statement's snapshot (so two runs of one campaign ending at once both count, in
+# order); ``o``: the numbered finish (the report's history). Returns nothing when the
+# target had moved on. SQLite runs the same three writes one by one (TARGET_END,
+# CAMPAIGN_END, OUTCOME_INSERT: no writes inside WITH there).
 TARGET_END_PG = """
 WITH t AS (
     UPDATE campaign_targets
     SET state = :state, ended_at = :now, run_status = :run_status,
         reason_code = :reason_code, outcome = :outcome
-    WHERE campaign_id = :campaign_id AND position = :position AND state = 'ACTIVE'
-    RETURNING position),
+    WHERE run_id = :run_id AND campaign_id = :campaign_id AND state = 'ACTIVE'
+    RETURNING campaign_id, position, batch, repo, owner, task_id),
+c AS (
+    UPDATE campaigns
+    SET active = active - 1, finishes = finishes + CAST(:counted AS integer),
+        recent = CASE WHEN CAST(:counted AS integer) = 1
+                      THEN substr(CAST(:flag AS text) || recent, 1, CAST(:window AS integer))
+                      ELSE recent END,
+        updated_at = :now
+    FROM t WHERE campaigns.campaign_id = t.campaign_id
+    RETURNING campaigns.status, campaigns.active, campaigns.finishes, campaigns.recent),
 o AS (
     INSERT INTO campaign_outcomes (campaign_id, seq, position, run_id, batch, failed,
                                    reason_code, at)
-    SELECT :campaign_id, :seq, :position, :run_id, :batch, :failed, :reason_code, :now
-    FROM t WHERE CAST(:counted AS integer) = 1
-    RETURNING seq),
-c AS (
-    UPDATE campaigns SET active = active - (SELECT COUNT(*) FROM t),
-                         finishes = finishes + (SELECT COUNT(*) FROM o), updated_at = :now
-    WHERE campaign_id = :campaign_id
-    RETURNING active)
-SELECT (SELECT active FROM c) AS active,
-       ARRAY(SELECT failed FROM campaign_outcomes
-             WHERE campaign_id = :campaign_id AND seq > :window_start
-             ORDER BY seq DESC LIMIT :window) AS recent
+    SELECT t.campaign_id, c.finishes, t.position, :run_id, t.batch,
+           CAST(:failed AS integer), :reason_code, :now
+    FROM t, c WHERE CAST(:counted AS integer) = 1)
+SELECT t.position, t.batch, t.repo, t.owner, t.task_id, c.status, c.active, c.finishes,
+       c.recent
+FROM t, c
 """
-CAMPAIGN_ACTIVE = """
-SELECT active FROM campaigns WHERE campaign_id = :campaign_id
-"""
-TARGET_ENDED = """
+TARGET_END = """
 UPDATE campaign_targets
 SET state = :state, ended_at = :now, run_status = :run_status, reason_code = :reason_code,
     outcome = :outcome
-WHERE campaign_id = :campaign_id AND position = :position AND state = 'ACTIVE'
+WHERE run_id = :run_id AND campaign_id = :campaign_id AND state = 'ACTIVE'
+RETURNING position, batch, repo, owner, task_id
+"""
+CAMPAIGN_END = """
+UPDATE campaigns
+SET active = active - 1, finishes = finishes + :counted,
+    recent = CASE WHEN :counted = 1 THEN substr(:flag || recent, 1, :window) ELSE recent END,
+    updated_at = :now
+WHERE campaign_id = :campaign_id
+RETURNING status, active, finishes, recent
 """
 OUTCOME_INSERT = """
 INSERT INTO campaign_outcomes (campaign_id, seq, position, run_id, batch, failed,
                                reason_code, at)
 VALUES (:campaign_id, :seq, :position, :run_id, :batch, :failed, :reason_code, :now)
 """
-# The stop rule's window: the newest counted finishes since the window's start (the
-# primary key, read backwards).
-OUTCOME_WINDOW = """
-SELECT failed FROM campaign_outcomes
-WHERE campaign_id = :campaign_id AND seq > :window_start
-ORDER BY seq DESC
-LIMIT :window
+CAMPAIGN_DOCUMENT = """
+SELECT campaign_id, digest, document FROM campaigns WHERE campaign_id = :campaign_id
 """
 # A stopped campaign's targets never dispatched: cancelled without a run.
 PENDING_CANCELLED = """
@@ -249,7 +241,6 @@ SELECT COALESCE(reason_code, '') AS reason_code, COUNT(*) AS n FROM campaign_tar
 WHERE campaign_id = :campaign_id AND state = 'CANCELLED'
 GROUP BY reason_code ORDER BY n DESC, reason_code
 """
-RECENT_WINDOW = OUTCOME_WINDOW
 
 # --- notifications ---------------------------------------------------------------------
 

@@ -432,9 +432,11 @@ campaigns = Table(
     Column("released_at", JSON, nullable=False),  # when each batch was released
     Column("active", Integer, nullable=False, server_default="0"),  # dispatched, not ended
     Column("finishes", Integer, nullable=False, server_default="0"),  # counted finishes
-    # The stop rule looks at counted finishes numbered above this (a retry-failed or a
-    # resume after a stop starts a new window).
-    Column("window_start", Integer, nullable=False, server_default="0"),
+    # The stop rule's window: one character per counted finish, newest first, "1" a
+    # failure, at most the rule's ``window`` long. Kept in the campaign's row, so a run's
+    # end updates it with the row's newest version under its lock (one statement on
+    # PostgreSQL, store/campaigns_sql.py TARGET_END_PG); a retry-failed empties it.
+    Column("recent", Text, nullable=False, server_default=text("''")),
     Column("stop_reason", Text),
     Column("created_at", Timestamp, nullable=False),
     Column("updated_at", Timestamp, nullable=False),
@@ -464,7 +466,7 @@ campaign_targets = Table(
     UniqueConstraint("campaign_id", "target_key", name="uq_campaign_targets_key"),
     # The dispatch's pick: a campaign's pending targets of released batches, in order.
     Index("ix_campaign_targets_state", "campaign_id", "state", "batch", "position"),
-    # A run's end finds its target (store/campaigns.py, CAMPAIGN_TARGETS_OF_RUNS).
+    # A run's end finds its target (campaigns_sql.TARGET_END_PG, sql._SET_RETURNING).
     Index("ix_campaign_targets_run", "run_id",
           postgresql_where=text("run_id IS NOT NULL"), sqlite_where=text("run_id IS NOT NULL")),
 )

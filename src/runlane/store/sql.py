@@ -1429,12 +1429,14 @@ _FENCE = """
               WHERE a.run_id = runs.run_id AND a.fencing_token = :token
                 AND a.lease_status = 'ACTIVE' AND a.lease_expires_at > {now})
 """
-# ``in_campaign``: the run is a campaign target's (ix_campaign_targets_run): the store
-# records its end for the campaign, and evaluates its stop rule, in this transaction.
+# ``campaign_id``: the campaign whose target's run this is, or NULL (one probe of
+# ix_campaign_targets_run): the store records the end of a campaign's run, and
+# evaluates its stop rule, in this transaction.
 _SET_RETURNING = """RETURNING status, lane_id, task_id, queue, created_at,
     EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
       AS has_dependents,
-    EXISTS (SELECT 1 FROM campaign_targets ct WHERE ct.run_id = runs.run_id) AS in_campaign,
+    (SELECT MIN(ct.campaign_id) FROM campaign_targets ct WHERE ct.run_id = runs.run_id)
+      AS campaign_id,
     {now} AS now
 """
 SET_RUN_STATUS = _SET_RUN_STATUS + _SET_RETURNING
@@ -1555,7 +1557,8 @@ WHERE runs.run_id = b.run_id
 RETURNING runs.run_id, runs.lane_id, runs.task_id, runs.created_at,
     EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
       AS has_dependents,
-    EXISTS (SELECT 1 FROM campaign_targets ct WHERE ct.run_id = runs.run_id) AS in_campaign,
+    (SELECT MIN(ct.campaign_id) FROM campaign_targets ct WHERE ct.run_id = runs.run_id)
+      AS campaign_id,
     (SELECT """ + COUNTED_SCOPES["sqlite"].format(col="a.limit_scopes") + """ FROM attempts a
      WHERE a.run_id = runs.run_id AND a.fencing_token = runs.fencing_token) AS limit_scopes,
     {now} AS now
@@ -1595,8 +1598,8 @@ won AS (
     RETURNING runs.run_id, runs.lane_id, runs.task_id, runs.fencing_token, runs.created_at,
         EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
           AS has_dependents,
-        EXISTS (SELECT 1 FROM campaign_targets ct WHERE ct.run_id = runs.run_id)
-          AS in_campaign,
+        (SELECT MIN(ct.campaign_id) FROM campaign_targets ct WHERE ct.run_id = runs.run_id)
+          AS campaign_id,
         (SELECT """ + COUNTED_SCOPES["postgresql"].format(col="a.limit_scopes") + """
          FROM attempts a
          WHERE a.run_id = runs.run_id AND a.fencing_token = runs.fencing_token)
@@ -1626,7 +1629,7 @@ ended AS (
       AND attempts.ended_at IS NULL
     RETURNING attempts.run_id)
 SELECT won.run_id, won.lane_id, won.task_id, won.created_at, won.has_dependents,
-       won.in_campaign, won.limit_scopes, t.now, (SELECT COUNT(*) FROM ended) AS attempts_ended
+       won.campaign_id, won.limit_scopes, t.now, (SELECT COUNT(*) FROM ended) AS attempts_ended
 FROM won, t
 """
 # SQLite: the won leases' attempts end with END_ATTEMPT row by row, sent as one
@@ -1971,7 +1974,6 @@ class Statements:
             lock_r_share=LOCK_SHARE[self.dialect].format(alias="r"),
             lock_a_skip=LOCK_SKIP[self.dialect].format(alias="a"),
             lock_l_skip=LOCK_SKIP[self.dialect].format(alias="l"),
-            lock_c=LOCK_WAIT[self.dialect].format(alias="c"),
             lock_c_share_skip=LOCK_SHARE_SKIP[self.dialect].format(alias="c"),
             row_version=ROW_VERSION[self.dialect].format(alias="l"),
             row_version_lanes=ROW_VERSION[self.dialect].format(alias="lanes"),

@@ -642,8 +642,9 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         ).first()
         if row is None:
             return False
-        if target in TERMINAL and row.in_campaign:  # its stop rule, in this transaction
-            self._campaign_runs_ended(conn, [(run_id, target, reason_code, outcome)],
+        if target in TERMINAL and row.campaign_id:  # its stop rule, in this transaction
+            self._campaign_runs_ended(conn, [(run_id, row.campaign_id, target, reason_code,
+                                              outcome)],
                                       float(now if now is not None else row.now))
         self._lane_moved(conn, row.lane_id, source, target)
         self._record(conn, self._hop_events(
@@ -1196,10 +1197,11 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             # then every lane (the runs' own, the dependents', the tenants shown again)
             # at the block's end in lane_id order.
             with self._lane_moves_in_order(conn):
-                ours = sorted(run_id for run_id, r in won.items() if r.in_campaign)
+                ours = sorted(run_id for run_id, r in won.items() if r.campaign_id)
                 if ours:  # campaigns' runs: their stop rules, in this transaction
                     self._campaign_runs_ended(conn, [
-                        (run_id, S.SUCCEEDED, None, outcome) for run_id in ours],
+                        (run_id, won[run_id].campaign_id, S.SUCCEEDED, None, outcome)
+                        for run_id in ours],
                         float(won[ours[0]].now))
                 for run_id, row in sorted(won.items()):
                     _, lease, path = moves[run_id]
