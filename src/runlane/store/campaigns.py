@@ -182,6 +182,7 @@ class CampaignMixin:
                 "campaign_id": campaign_id, "tenant": campaign.tenant, "name": campaign.name,
                 "owner": campaign.owner, "digest": digest, "document": json.dumps(document),
                 "batches": json.dumps(campaign.batches()), "released_at": json.dumps([now]),
+                "stop_window": campaign.stop.window,
                 "now": now}).first()
             if inserted is None:
                 row = conn.execute(self._q(csql.CAMPAIGN_BY_NAME), {
@@ -337,16 +338,47 @@ class CampaignMixin:
                     "task_id": t.task_id, "status": status.value,
                     "reason_code": None if succeeded else reason, "outcome": outcome,
                     "at": now})
-            window = [c == "1" for c in t.recent]
-            if counts and t.status in (C.ACTIVE.value, C.PAUSED.value) \
-                    and cfg.stop.crossed(window):
-                self._stop_campaign(conn, campaign_id, cfg, now, actor="campaign-stop-rule",
-                                    reason=(f"stop rule: {sum(window)} of the last "
-                                            f"{len(window)} finished runs failed "
-                                            f"({sum(window) / len(window):.0%} > "
-                                            f"{cfg.stop.failure_rate:.0%})"))
-            elif int(t.active) == 0:  # the campaign's last active run: more to do?
-                self._maybe_complete(conn, campaign_id, now)
+            self._after_end(conn, campaign_id, cfg, counts, t.status,
+                            [c == "1" for c in t.recent], int(t.active), now)
+
+    def _campaign_ends_written(self, conn: Connection, rows: Sequence[Any],
+                               outcome: str | None) -> None:
+        """Successes whose targets' ends COMPLETE_WRITE_PG wrote (PostgreSQL): what is
+        left is Python's, in this transaction: notifications, then each campaign's stop
+        rule on its window after the batch (a success can complete a minimum sample
+        whose failures are over the threshold) or its completion."""
+        last: dict[str, Any] = {}
+        for r in rows:
+            if r.target_position is None:  # not the target's current run
+                continue
+            cfg = self._campaign_config_of(conn, r.campaign_id)
+            if cfg.notifies:
+                self._campaign_notify(conn, r.campaign_id, "run_finished",
+                                      r.target_owner or cfg.owner, {
+                    "campaign": cfg.name, "tenant": cfg.tenant, "repo": r.target_repo,
+                    "target": r.target_position, "batch": r.target_batch, "run_id": r.run_id,
+                    "task_id": r.task_id, "status": S.SUCCEEDED.value, "reason_code": None,
+                    "outcome": outcome, "at": float(r.now)})
+            last[r.campaign_id] = r
+        for campaign_id, r in sorted(last.items()):
+            cfg = self._campaign_config_of(conn, campaign_id)
+            self._after_end(conn, campaign_id, cfg, True, r.campaign_status,
+                            [c == "1" for c in r.campaign_recent], int(r.campaign_active),
+                            float(r.now))
+
+    def _after_end(self, conn: Connection, campaign_id: str, cfg: CampaignConfig,
+                   counted: bool, status: str, window: list[bool], active: int,
+                   now: float) -> None:
+        """The stop rule after a counted end (the campaign stopped here when crossed),
+        else the campaign's completion once its last active run ended."""
+        if counted and status in (C.ACTIVE.value, C.PAUSED.value) and cfg.stop.crossed(window):
+            self._stop_campaign(conn, campaign_id, cfg, now, actor="campaign-stop-rule",
+                                reason=(f"stop rule: {sum(window)} of the last "
+                                        f"{len(window)} finished runs failed "
+                                        f"({sum(window) / len(window):.0%} > "
+                                        f"{cfg.stop.failure_rate:.0%})"))
+        elif active == 0:  # the campaign's last active run: more to do?
+            self._maybe_complete(conn, campaign_id, now)
 
     def _record_target_end(self, conn: Connection, params: dict[str, Any]) -> Any:
         """The target's row, the campaign's counts and window, the numbered finish;

@@ -20,9 +20,9 @@ from __future__ import annotations
 CAMPAIGN_INSERT = """
 INSERT INTO campaigns (campaign_id, tenant, name, owner, status, digest, document, batches,
                        released_batch, released_at, active, finishes, recent,
-                       created_at, updated_at)
+                       stop_window, created_at, updated_at)
 VALUES (:campaign_id, :tenant, :name, :owner, 'ACTIVE', :digest, :document, :batches,
-        0, :released_at, 0, 0, '', {now}, {now})
+        0, :released_at, 0, 0, '', :stop_window, {now}, {now})
 ON CONFLICT (tenant, name) DO NOTHING
 RETURNING campaign_id
 """

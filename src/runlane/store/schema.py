@@ -437,6 +437,7 @@ campaigns = Table(
     # end updates it with the row's newest version under its lock (one statement on
     # PostgreSQL, store/campaigns_sql.py TARGET_END_PG); a retry-failed empties it.
     Column("recent", Text, nullable=False, server_default=text("''")),
+    Column("stop_window", Integer, nullable=False),  # the stop rule's window (its N)
     Column("stop_reason", Text),
     Column("created_at", Timestamp, nullable=False),
     Column("updated_at", Timestamp, nullable=False),

@@ -1197,12 +1197,15 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             # then every lane (the runs' own, the dependents', the tenants shown again)
             # at the block's end in lane_id order.
             with self._lane_moves_in_order(conn):
-                ours = sorted(run_id for run_id, r in won.items() if r.campaign_id)
-                if ours:  # campaigns' runs: their stop rules, in this transaction
+                ours = sorted((r.campaign_id, run_id) for run_id, r in won.items()
+                              if r.campaign_id)
+                if ours and self.is_postgres:  # recorded by COMPLETE_WRITE_PG: the rule
+                    self._campaign_ends_written(conn, [won[run_id] for _, run_id in ours],
+                                                outcome)
+                elif ours:  # campaigns' runs: their stop rules, in this transaction
                     self._campaign_runs_ended(conn, [
-                        (run_id, won[run_id].campaign_id, S.SUCCEEDED, None, outcome)
-                        for run_id in ours],
-                        float(won[ours[0]].now))
+                        (run_id, campaign_id, S.SUCCEEDED, None, outcome)
+                        for campaign_id, run_id in ours], float(won[ours[0][1]].now))
                 for run_id, row in sorted(won.items()):
                     _, lease, path = moves[run_id]
                     self._lane_moved(conn, row.lane_id, lease.stage, path[-1])

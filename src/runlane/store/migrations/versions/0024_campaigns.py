@@ -32,6 +32,7 @@ def upgrade() -> None:
         sa.Column("active", sa.Integer, nullable=False, server_default="0"),
         sa.Column("finishes", sa.Integer, nullable=False, server_default="0"),
         sa.Column("recent", sa.Text, nullable=False, server_default=sa.text("''")),
+        sa.Column("stop_window", sa.Integer, nullable=False),
         sa.Column("stop_reason", sa.Text),
         sa.Column("created_at", sa.Float, nullable=False),
         sa.Column("updated_at", sa.Float, nullable=False),
