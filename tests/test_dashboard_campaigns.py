@@ -38,7 +38,7 @@ def _status(page: Any) -> str:
     return str(page.locator("#campaign-status").inner_text())
 
 
-def test_campaign_page_progress_and_buttons(open_page: Any, served: Served) -> None:
+def test_campaign_page_progress_and_buttons(open_page: Any, served: Served) -> None:  # noqa: F811
     served.lane.create_campaign(text=CAMPAIGN)
     served.lane.store.campaign_pass()
     page = open_page(NARROW)
