@@ -101,3 +101,50 @@ def test_each_notification_arrives_once_signed(lane: Runlane, tmp_path: Path,
     shown = lane.campaign("told")["notifications"]
     assert shown == {"total": 4, "delivered": 4}
 
+
+
+SENDER = """
+import sys
+from runlane.services.notifications import Notifier, NotifierConfig
+from runlane.store.store import Store
+Notifier(Store(sys.argv[1]), NotifierConfig(backoff_base_seconds=0.0)).run_once()
+"""
+
+
+def test_a_sender_killed_after_its_post_sends_it_again_with_the_same_id(
+        lane: Runlane, db_url: str, receiver: tuple[Receiver, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The outbox is at least once: a sender SIGKILLed between the POST and its record
+    sends that notification again on the next pass, with the same delivery id, so the
+    receiver that dedupes on it acts once on each; nothing else is sent twice."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    box, url = receiver
+    box.fail_first = 0
+    lane.create_campaign(text=(
+        'name = "crash"\ntenant = "acme"\nprompt = "x"\n[[targets]]\nrepo = "/srv/c1.git"\n'
+        '[[targets]]\nrepo = "/srv/c2.git"\n[rollout]\ncanary = 2\n'
+        f'[notify]\nwebhook_url = "{url}"\n'))
+    lane.store.campaign_pass()
+    for lease in lane.store.claim("w", limit=2):
+        lane.store.fail(lease, "AGENT_FAILED")
+    died = subprocess.run([sys.executable, "-c", SENDER, db_url], check=False,
+                          env={**os.environ, "RUNLANE_FAULT_CRASH_AT":
+                               "campaign_notification_posted"})
+    assert died.returncode == -signal.SIGKILL
+    assert len(box.calls) == 1  # one POST made, its record lost with the process
+    # Taken for the dead sender's timeout: due again once it passed (pinned here).
+    from sqlalchemy import text
+    with lane.store.engine.begin() as conn:
+        conn.execute(text("UPDATE campaign_notifications SET next_at = 0"
+                          " WHERE delivered_at IS NULL"))
+    Notifier(lane.store, NotifierConfig(backoff_base_seconds=0.0)).run_once()
+    ids = [h["X-Runlane-Delivery"] for h, _, _ in box.calls]
+    with lane.store.engine.connect() as conn:
+        outbox = {r[0] for r in conn.execute(text(
+            "SELECT notification_id FROM campaign_notifications WHERE delivered_at IS NOT NULL"))}
+    assert set(ids) == outbox and len(outbox) == 3  # two run ends and the completion
+    assert len(ids) == 4 and ids.count(ids[0]) == 2  # only the one in flight, again

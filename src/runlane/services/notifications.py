@@ -28,6 +28,7 @@ from typing import Any
 
 import structlog
 
+from runlane.faults import crash_point
 from runlane.store.store import Store
 
 log = structlog.get_logger("runlane.notifications")
@@ -68,6 +69,7 @@ class Notifier:
                             attempts=item["attempts"], error=str(exc)[:200])
                 self.store.notification_failed(item["notification_id"], str(exc), delay)
                 continue
+            crash_point("campaign_notification_posted")  # sent, not yet recorded: the drill
             self.store.notification_sent(item["notification_id"])
             sent += 1
         return {"notifications_sent": sent, "notifications_failed": failed}
