@@ -438,3 +438,26 @@ def test_a_scheduler_killed_mid_dispatch_creates_nothing_twice(lane: Runlane, tm
         per_key = conn.execute(text("SELECT COUNT(*) FROM tasks GROUP BY idempotency_key")).all()
     assert len(per_key) == 6 and {n for (n,) in per_key} == {1}
     assert lane.campaign("killed")["by_state"]["ACTIVE"] == 6
+
+
+def test_a_success_that_completes_the_minimum_sample_can_stop_the_campaign(
+        lane: Runlane, tmp_path: Path) -> None:
+    """Two failures wait for the minimum sample (3); the success that completes it
+    leaves 2 of 3 failed, over 50%: the completion's own transaction stops the campaign
+    (on PostgreSQL its statement wrote the window; Python read it and stopped)."""
+    repos = [tmp_path / f"m{i}.git" for i in range(6)]
+    lane.create_campaign(text=campaign_text(
+        "sample", repos, canary=3, steps='["all"]', max_active=3,
+        stop="failure_rate = 0.5\nwindow = 3\nmin_sample = 3"))
+    lane.store.campaign_pass()
+    leases = lane.store.claim("w", limit=3)
+    lane.store.fail(leases[0], "VERIFIER_FAILED")
+    lane.store.fail(leases[1], "VERIFIER_FAILED")
+    assert lane.campaign("sample")["status"] == "ACTIVE"
+    lane.store.advance(leases[2], RunStatus.RUNNING)
+    lane.store.complete(leases[2])
+    shown = lane.campaign("sample")
+    assert shown["status"] == "STOPPED", shown["failure_rate"]
+    assert shown["stop_reason"].startswith("stop rule: 2 of the last 3")
+    assert shown["by_state"] == {"PENDING": 0, "ACTIVE": 0, "SUCCEEDED": 1, "FAILED": 2,
+                                 "CANCELLED": 3}
