@@ -1633,44 +1633,38 @@ ended AS (
 -- campaigns' rows locked in campaign_id order first (``cl``), after the runs' rows, as
 -- every end of a campaign's run locks them. No row at all for a batch of no campaign.
 ct AS (
-    UPDATE campaign_targets
+    UPDATE campaign_targets g
     SET state = 'SUCCEEDED', ended_at = t.now, run_status = 'SUCCEEDED', reason_code = NULL,
         outcome = :outcome
     FROM won, t
-    WHERE won.campaign_id IS NOT NULL AND campaign_targets.campaign_id = won.campaign_id
-      AND campaign_targets.run_id = won.run_id AND campaign_targets.state = 'ACTIVE'
-    RETURNING campaign_targets.campaign_id, campaign_targets.position,
-              campaign_targets.batch, campaign_targets.run_id, campaign_targets.repo,
-              campaign_targets.owner),
+    WHERE won.campaign_id IS NOT NULL AND g.campaign_id = won.campaign_id
+      AND g.run_id = won.run_id AND g.state = 'ACTIVE'
+    RETURNING g.campaign_id, g.position, g.batch, g.run_id, g.repo, g.owner),
 cl AS MATERIALIZED (
     SELECT c.campaign_id FROM campaigns c
-    WHERE c.campaign_id IN (SELECT campaign_id FROM won WHERE campaign_id IS NOT NULL)
-    ORDER BY c.campaign_id
-    FOR UPDATE OF c),
+    WHERE c.campaign_id IN (SELECT campaign_id FROM won)
+    ORDER BY c.campaign_id FOR UPDATE OF c),
 cg AS (SELECT campaign_id, COUNT(*) AS n FROM ct GROUP BY campaign_id),
 cc AS (
-    UPDATE campaigns
-    SET active = active - cg.n, finishes = finishes + cg.n,
-        recent = substr(repeat('0', CAST(cg.n AS integer)) || recent, 1, stop_window),
-        updated_at = t.now
+    UPDATE campaigns k
+    SET active = active - cg.n, finishes = finishes + cg.n, updated_at = t.now,
+        recent = substr(repeat('0', CAST(cg.n AS integer)) || recent, 1, stop_window)
     FROM cg, cl, t
-    WHERE campaigns.campaign_id = cg.campaign_id AND cl.campaign_id = cg.campaign_id
-    RETURNING campaigns.campaign_id, campaigns.finishes, campaigns.active,
-              campaigns.status, campaigns.recent),
+    WHERE k.campaign_id = cg.campaign_id AND cl.campaign_id = cg.campaign_id
+    RETURNING k.campaign_id, k.finishes, k.active, k.status, k.recent),
 co AS (
     INSERT INTO campaign_outcomes (campaign_id, seq, position, run_id, batch, failed,
                                    reason_code, at)
     SELECT ct.campaign_id,
-           cc.finishes - cg.n
-             + ROW_NUMBER() OVER (PARTITION BY ct.campaign_id ORDER BY ct.run_id),
+           cc.finishes - cg.n + ROW_NUMBER() OVER (PARTITION BY ct.campaign_id
+                                                   ORDER BY ct.run_id),
            ct.position, ct.run_id, ct.batch, 0, NULL, t.now
-    FROM ct JOIN cg ON cg.campaign_id = ct.campaign_id
-    JOIN cc ON cc.campaign_id = ct.campaign_id CROSS JOIN t)
+    FROM ct JOIN cg USING (campaign_id) JOIN cc USING (campaign_id) CROSS JOIN t)
 SELECT won.run_id, won.lane_id, won.task_id, won.created_at, won.has_dependents,
        won.campaign_id, won.limit_scopes, t.now, (SELECT COUNT(*) FROM ended) AS attempts_ended,
        ct.position AS target_position, ct.batch AS target_batch, ct.repo AS target_repo,
-       ct.owner AS target_owner, cc.active AS campaign_active,
-       cc.status AS campaign_status, cc.recent AS campaign_recent
+       ct.owner AS target_owner, cc.active AS campaign_active, cc.status AS campaign_status,
+       cc.recent AS campaign_recent
 FROM won CROSS JOIN t
 LEFT JOIN ct ON ct.run_id = won.run_id
 LEFT JOIN cc ON cc.campaign_id = ct.campaign_id
