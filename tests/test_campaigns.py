@@ -57,12 +57,12 @@ def remotes(tmp_path: Path, n: int) -> list[Path]:
 
 def campaign_text(name: str, repos: list[Path], *, tenant: str = "acme", canary: int = 3,
                   steps: str = '[3, 10, "all"]', max_active: int = 4, extra: str = "",
-                  stop: str = "") -> str:
+                  stop: str = "", task: str = "") -> str:
     targets = "\n".join(f'[[targets]]\nrepo = "{r}"\nowner = "owner{i}"\nvars = {{n = "{i}"}}\n'
                         for i, r in enumerate(repos))
     return (f'name = "{name}"\ntenant = "{tenant}"\nowner = "platform"\n'
             f'prompt = "change {{repo}} number {{n}}"\n{extra}\n{targets}\n'
-            f"[task]\nmax_attempts = 1\n"
+            f"[task]\nmax_attempts = 1\n{task}"
             f"[rollout]\ncanary = {canary}\nsteps = {steps}\n"
             f"[concurrency]\nmax_active = {max_active}\n"
             f"[stop]\n{stop or 'failure_rate = 0.9'}\n")
@@ -461,3 +461,19 @@ def test_a_success_that_completes_the_minimum_sample_can_stop_the_campaign(
     assert shown["stop_reason"].startswith("stop rule: 2 of the last 3")
     assert shown["by_state"] == {"PENDING": 0, "ACTIVE": 0, "SUCCEEDED": 1, "FAILED": 2,
                                  "CANCELLED": 3}
+
+
+def test_a_500_target_campaign_leaves_another_tenant_its_turn(lane: Runlane,
+                                                              tmp_path: Path) -> None:
+    """500 targets dispatched at once, in the same priority class as another tenant's
+    runs submitted after them: the claims alternate between the tenants (equal
+    weights), the campaign's backlog notwithstanding."""
+    repos = [tmp_path / f"big{i}.git" for i in range(500)]
+    lane.create_campaign(text=campaign_text("big", repos, canary=500, steps='["all"]',
+                                            max_active=500, task='priority = "normal"\n'))
+    assert lane.store.campaign_pass()["campaign_runs_dispatched"] == 500
+    theirs = {lane.submit("globex", str(tmp_path / f"g{i}.git"), "theirs").run_id
+              for i in range(10)}
+    claimed = [lease.run_id for _ in range(20) for lease in lane.store.claim("w", limit=1)]
+    assert len(claimed) == 20
+    assert sum(run_id in theirs for run_id in claimed) >= 9, claimed
