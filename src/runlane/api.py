@@ -19,6 +19,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from runlane.agents.base import AttemptLimits
 from runlane.api_activity import ActivityMixin
+from runlane.api_campaigns import CampaignsMixin
 from runlane.api_views import ViewsMixin
 from runlane.clock import Clock
 from runlane.codehost.base import CodeHost
@@ -119,7 +120,7 @@ def shown_url(url: URL) -> str:
     return unquote(url.render_as_string(hide_password=True))
 
 
-class Runlane(ActivityMixin, ViewsMixin):
+class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin):
     """Submit, cancel, inspect and audit runs.
 
     >>> lane = Runlane("sqlite:///runlane.db")          # doctest: +SKIP
@@ -481,7 +482,8 @@ class Runlane(ActivityMixin, ViewsMixin):
 
     def scheduler(self) -> Scheduler:
         return Scheduler(self.store, SchedulerConfig(
-            interval_seconds=self.settings.reaper_interval_seconds))
+            interval_seconds=self.settings.reaper_interval_seconds,
+            default_max_attempts=self.settings.max_attempts))
 
     def pruner(self) -> Pruner | None:
         """The retention job, unless RETENTION_DAYS is 0 (keep finished runs forever)."""

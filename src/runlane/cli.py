@@ -429,6 +429,7 @@ def _register_views() -> None:
     register(app)
     register_runs(app)
     register_top(app)
+    __import__("runlane.cli_campaigns").cli_campaigns.register(app)
 
 
 _register_views()

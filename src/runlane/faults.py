@@ -17,7 +17,11 @@ yet taken: the window it closes by checking the caller's deadline under the lock
 and ``before_pull_request_write`` (that check passed, the record not yet written:
 the window left, which a worker resumed there fills with late evidence);
 ``worker_start`` (`runlane worker` before anything: a worker that cannot start, which
-`runlane up` restarts with backoff until its crash-loop limit).
+`runlane up` restarts with backoff until its crash-loop limit);
+``campaign_dispatch_submitted`` (a campaign's dispatch: its targets' tasks written,
+the targets not yet marked, the transaction not committed);
+``campaign_notification_posted`` (a campaign's notification sent, its delivery not yet
+recorded).
 """
 
 from __future__ import annotations

@@ -62,6 +62,10 @@ class Reason(StrEnum):
     # lost meanwhile (a paused worker finishing a call it began), recorded late in the
     # ledger; a run that already ended without success is due a withdrawal again.
     LATE_EFFECT_RECORDED = "LATE_EFFECT_RECORDED"
+    # Campaigns (docs/campaigns.md): a run cancelled because its campaign stopped (its
+    # stop rule fired, or a user stopped it); a run held while its campaign is paused.
+    CAMPAIGN_STOPPED = "CAMPAIGN_STOPPED"
+    CAMPAIGN_PAUSED = "CAMPAIGN_PAUSED"
 
 
 DEFAULT_RETRYABLE: frozenset[Reason] = frozenset(
@@ -99,5 +103,7 @@ WORKER_ONLY: frozenset[Reason] = frozenset(
         Reason.NOTHING_TO_FINALIZE,
         Reason.STALE_PUSH_REPLACED,
         Reason.LATE_EFFECT_RECORDED,
+        Reason.CAMPAIGN_STOPPED,
+        Reason.CAMPAIGN_PAUSED,
     }
 )

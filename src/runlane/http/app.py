@@ -21,6 +21,7 @@ from runlane.http.auth import principal
 from runlane.http.routes import (
     activity,
     audit,
+    campaigns,
     events,
     fleet,
     health,
@@ -66,7 +67,7 @@ def create_app(lane: Runlane, *, events_poll_seconds: float | None = None,
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(principal)],
                    responses=problems.COMMON)  # type: ignore[arg-type]
-    for module in (tasks, runs, fleet, activity, audit, events, tokens):
+    for module in (tasks, runs, fleet, activity, audit, events, tokens, campaigns):
         v1.include_router(module.router)
     app.include_router(v1)
     app.include_router(health.router)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runlane.services.maintenance import MaintenanceService
+from runlane.services.notifications import Notifier
 from runlane.store.scheduling import SCHEDULE_CHANNEL
 from runlane.store.store import Store
 from runlane.store.wakeup import Listener
@@ -67,6 +68,7 @@ class PassTrigger:
 class SchedulerConfig:
     interval_seconds: float = 5.0
     page_size: int = 200
+    default_max_attempts: int = 3  # of a campaign's runs whose file names none
 
 
 class Scheduler(MaintenanceService):
@@ -79,6 +81,7 @@ class Scheduler(MaintenanceService):
         self.config = config or SchedulerConfig()
         self.interval_seconds = self.config.interval_seconds
         self.trigger = PassTrigger(self._pass)
+        self.notifier = Notifier(store)
         self._last: dict[str, int] = {}
         self._policy_seen: int | None = None
         self._backlog_left = False  # the last backlog pass skipped runs claims held
@@ -104,6 +107,11 @@ class Scheduler(MaintenanceService):
         self._last = self.store.schedule_pass(page_size=self.config.page_size,
                                               not_yet_due=changed or (first and backlog),
                                               queued_under_older=backlog)
+        # Campaigns: release the batches their rollout allows, dispatch their targets,
+        # send their notifications (store/campaigns.py, services/notifications.py).
+        self._last.update(self.store.campaign_pass(
+            default_max_attempts=self.config.default_max_attempts))
+        self._last.update(self.notifier.run_once())
         # Only once the pass is done: one that failed is run again in full.
         self._policy_seen = version
         self._backlog_left = self._last.get("queued_skipped", 0) > 0

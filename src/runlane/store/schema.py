@@ -408,3 +408,102 @@ api_tokens = Table(
     Column("revoked_at", Timestamp),
     Column("last_used_at", Timestamp),
 )
+
+
+# --- campaigns (migration 0024, docs/campaigns.md) -------------------------------------
+# A campaign's targets get their tasks only when the rollout dispatches them (the
+# scheduler pass, store/campaigns.py): an undispatched target has no run, so nothing of
+# an unreleased batch can be claimed, and the queue holds at most the campaign's
+# ``max_active`` runs of it.
+campaigns = Table(
+    "campaigns",
+    metadata,
+    Column("campaign_id", ID, primary_key=True),
+    Column("tenant", String(128), nullable=False),
+    Column("name", String(128), nullable=False),
+    Column("owner", String(255)),
+    Column("status", String(16), nullable=False),  # domain.campaigns.CampaignStatus
+    Column("digest", String(64), nullable=False),  # of the file as validated
+    Column("document", JSON, nullable=False),  # the campaign without its targets
+    Column("batches", JSON, nullable=False),  # the size of each batch
+    # The newest batch released (0: the canary, released at creation); a release is a
+    # compare-and-set on it, so two schedulers never release one batch twice.
+    Column("released_batch", Integer, nullable=False, server_default="0"),
+    Column("released_at", JSON, nullable=False),  # when each batch was released
+    Column("active", Integer, nullable=False, server_default="0"),  # dispatched, not ended
+    Column("finishes", Integer, nullable=False, server_default="0"),  # counted finishes
+    # The stop rule's window: one character per counted finish, newest first, "1" a
+    # failure, at most the rule's ``window`` long. Kept in the campaign's row, so a run's
+    # end updates it with the row's newest version under its lock (one statement on
+    # PostgreSQL, store/campaigns_sql.py TARGET_END_PG); a retry-failed empties it.
+    Column("recent", Text, nullable=False, server_default=text("''")),
+    Column("stop_window", Integer, nullable=False),  # the stop rule's window (its N)
+    Column("stop_reason", Text),
+    Column("created_at", Timestamp, nullable=False),
+    Column("updated_at", Timestamp, nullable=False),
+    Column("ended_at", Timestamp),
+    UniqueConstraint("tenant", "name", name="uq_campaigns_tenant_name"),
+)
+
+campaign_targets = Table(
+    "campaign_targets",
+    metadata,
+    Column("campaign_id", ID, primary_key=True),
+    Column("position", Integer, primary_key=True),  # in the file
+    Column("target_key", String(32), nullable=False),
+    Column("repo", Text, nullable=False),
+    Column("vars", JSON, nullable=False),
+    Column("owner", String(255)),
+    Column("batch", Integer, nullable=False),
+    Column("state", String(16), nullable=False),  # domain.campaigns.TargetState
+    Column("generation", Integer, nullable=False, server_default="0"),  # retry-failed
+    Column("task_id", ID),
+    Column("run_id", ID),
+    Column("dispatched_at", Timestamp),
+    Column("ended_at", Timestamp),
+    Column("run_status", String(32)),
+    Column("reason_code", String(64)),
+    Column("outcome", String(64)),
+    UniqueConstraint("campaign_id", "target_key", name="uq_campaign_targets_key"),
+    # The dispatch's pick: a campaign's pending targets of released batches, in order.
+    Index("ix_campaign_targets_state", "campaign_id", "state", "batch", "position"),
+    # A run's end finds its target (campaigns_sql.TARGET_END_PG, sql._SET_RETURNING).
+    Index("ix_campaign_targets_run", "run_id",
+          postgresql_where=text("run_id IS NOT NULL"), sqlite_where=text("run_id IS NOT NULL")),
+)
+
+# Every counted finish of a campaign's runs, numbered: the stop rule's window is the
+# newest ``window`` of them; the report's failure rate per batch.
+campaign_outcomes = Table(
+    "campaign_outcomes",
+    metadata,
+    Column("campaign_id", ID, primary_key=True),
+    Column("seq", Integer, primary_key=True),
+    Column("position", Integer, nullable=False),
+    Column("run_id", ID, nullable=False),
+    Column("batch", Integer, nullable=False),
+    Column("failed", Integer, nullable=False),
+    Column("reason_code", String(64)),
+    Column("at", Timestamp, nullable=False),
+)
+
+# The notification outbox: written in the transaction that records what it tells (a
+# run's end, the campaign's stop, pause or completion), sent after by the scheduler
+# pass, each with its id (the receiver dedupes on it), retried with backoff.
+campaign_notifications = Table(
+    "campaign_notifications",
+    metadata,
+    Column("notification_id", ID, primary_key=True),
+    Column("campaign_id", ID, nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("recipient", String(255)),
+    Column("payload", JSON, nullable=False),
+    Column("created_at", Timestamp, nullable=False),
+    Column("attempts", Integer, nullable=False, server_default="0"),
+    Column("next_at", Timestamp, nullable=False),
+    Column("delivered_at", Timestamp),
+    Column("last_error", Text),
+    Index("ix_campaign_notifications_due", "next_at",
+          postgresql_where=text("delivered_at IS NULL"),
+          sqlite_where=text("delivered_at IS NULL")),
+)

@@ -1332,6 +1332,9 @@ FROM runs r
 WHERE r.status = :status
   AND r.visible_at <= {now}
   AND (r.created_at, r.run_id) > (:after_created, :after_id)
+  -- A run its campaign's pause holds waits for the resume (store/campaigns.py), not
+  -- for a pass (one after a policy change looks at every deferred run).
+  AND (r.reason_code IS NULL OR r.reason_code <> 'CAMPAIGN_PAUSED')
 ORDER BY r.created_at, r.run_id
 LIMIT :limit
 {lock_r_skip}
@@ -1453,9 +1456,14 @@ _FENCE = """
               WHERE a.run_id = runs.run_id AND a.fencing_token = :token
                 AND a.lease_status = 'ACTIVE' AND a.lease_expires_at > {now})
 """
+# ``campaign_id``: the campaign whose target's run this is, or NULL (one probe of
+# ix_campaign_targets_run): the store records the end of a campaign's run, and
+# evaluates its stop rule, in this transaction.
 _SET_RETURNING = """RETURNING status, lane_id, task_id, queue, created_at,
     EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
       AS has_dependents,
+    (SELECT MIN(ct.campaign_id) FROM campaign_targets ct WHERE ct.run_id = runs.run_id)
+      AS campaign_id,
     {now} AS now
 """
 SET_RUN_STATUS = _SET_RUN_STATUS + _SET_RETURNING
@@ -1576,6 +1584,8 @@ WHERE runs.run_id = b.run_id
 RETURNING runs.run_id, runs.lane_id, runs.task_id, runs.created_at,
     EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
       AS has_dependents,
+    (SELECT MIN(ct.campaign_id) FROM campaign_targets ct WHERE ct.run_id = runs.run_id)
+      AS campaign_id,
     (SELECT """ + COUNTED_SCOPES["sqlite"].format(col="a.limit_scopes") + """ FROM attempts a
      WHERE a.run_id = runs.run_id AND a.fencing_token = runs.fencing_token) AS limit_scopes,
     {now} AS now
@@ -1615,6 +1625,8 @@ won AS (
     RETURNING runs.run_id, runs.lane_id, runs.task_id, runs.fencing_token, runs.created_at,
         EXISTS (SELECT 1 FROM task_dependencies d WHERE d.depends_on = runs.task_id)
           AS has_dependents,
+        (SELECT MIN(ct.campaign_id) FROM campaign_targets ct WHERE ct.run_id = runs.run_id)
+          AS campaign_id,
         (SELECT """ + COUNTED_SCOPES["postgresql"].format(col="a.limit_scopes") + """
          FROM attempts a
          WHERE a.run_id = runs.run_id AND a.fencing_token = runs.fencing_token)
@@ -1642,10 +1654,47 @@ ended AS (
       AND attempts.fencing_token = won.fencing_token
       AND attempts.lease_status = 'ACTIVE'
       AND attempts.ended_at IS NULL
-    RETURNING attempts.run_id)
+    RETURNING attempts.run_id),
+-- Campaigns' runs among the won (docs/campaigns.md): each target's end, its campaign's
+-- counts and stop-rule window (a success counts, as a "0"), the numbered finishes; the
+-- campaigns' rows locked in campaign_id order first (``cl``), after the runs' rows, as
+-- every end of a campaign's run locks them. No row at all for a batch of no campaign.
+ct AS (
+    UPDATE campaign_targets g
+    SET state = 'SUCCEEDED', ended_at = t.now, run_status = 'SUCCEEDED', reason_code = NULL,
+        outcome = :outcome
+    FROM won, t
+    WHERE won.campaign_id IS NOT NULL AND g.campaign_id = won.campaign_id
+      AND g.run_id = won.run_id AND g.state = 'ACTIVE'
+    RETURNING g.campaign_id, g.position, g.batch, g.run_id, g.repo, g.owner),
+cl AS MATERIALIZED (
+    SELECT c.campaign_id FROM campaigns c
+    WHERE c.campaign_id IN (SELECT campaign_id FROM won)
+    ORDER BY c.campaign_id FOR UPDATE OF c),
+cg AS (SELECT campaign_id, COUNT(*) AS n FROM ct GROUP BY campaign_id),
+cc AS (
+    UPDATE campaigns k
+    SET active = active - cg.n, finishes = finishes + cg.n, updated_at = t.now,
+        recent = substr(repeat('0', CAST(cg.n AS integer)) || recent, 1, stop_window)
+    FROM cg, cl, t
+    WHERE k.campaign_id = cg.campaign_id AND cl.campaign_id = cg.campaign_id
+    RETURNING k.campaign_id, k.finishes, k.active, k.status, k.recent),
+co AS (
+    INSERT INTO campaign_outcomes (campaign_id, seq, position, run_id, batch, failed,
+                                   reason_code, at)
+    SELECT ct.campaign_id,
+           cc.finishes - cg.n + ROW_NUMBER() OVER (PARTITION BY ct.campaign_id
+                                                   ORDER BY ct.run_id),
+           ct.position, ct.run_id, ct.batch, 0, NULL, t.now
+    FROM ct JOIN cg USING (campaign_id) JOIN cc USING (campaign_id) CROSS JOIN t)
 SELECT won.run_id, won.lane_id, won.task_id, won.created_at, won.has_dependents,
-       won.limit_scopes, t.now, (SELECT COUNT(*) FROM ended) AS attempts_ended
-FROM won, t
+       won.campaign_id, won.limit_scopes, t.now, (SELECT COUNT(*) FROM ended) AS attempts_ended,
+       ct.position AS target_position, ct.batch AS target_batch, ct.repo AS target_repo,
+       ct.owner AS target_owner, cc.active AS campaign_active, cc.status AS campaign_status,
+       cc.recent AS campaign_recent
+FROM won CROSS JOIN t
+LEFT JOIN ct ON ct.run_id = won.run_id
+LEFT JOIN cc ON cc.campaign_id = ct.campaign_id
 """
 # SQLite: the won leases' attempts end with END_ATTEMPT row by row, sent as one
 # executemany. (It was PostgreSQL's too, before COMPLETE_WRITE_PG: a set-based UPDATE

@@ -75,6 +75,7 @@ from runlane.errors import (
 from runlane.observability import metrics
 from runlane.store import maintenance_sql as msql
 from runlane.store import sql, transition_log
+from runlane.store.campaigns import CampaignMixin
 from runlane.store.engine import build_engine, dialect_of
 from runlane.store.evidence import (
     ENDED_WITHOUT_SUCCESS,
@@ -410,7 +411,7 @@ class _SubmitBatch:
         return rows
 
 
-class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
+class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
     def __init__(
         self,
         url: str,
@@ -648,6 +649,10 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
         ).first()
         if row is None:
             return False
+        if target in TERMINAL and row.campaign_id:  # its stop rule, in this transaction
+            self._campaign_runs_ended(conn, [(run_id, row.campaign_id, target, reason_code,
+                                              outcome)],
+                                      float(now if now is not None else row.now))
         self._lane_moved(conn, row.lane_id, source, target)
         self._record(conn, self._hop_events(
             run_id, source, path, at=now if now is not None else row.now, actor=actor,
@@ -730,92 +735,102 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
             for spec, _ in fitted)
 
         def work(conn: Connection) -> list[Submission]:
-            presumed = self._submit_policy_seen if self.is_postgres else None
-            while True:
-                batch, planned, aliases = self._plan_submission(
-                    conn, fitted, repo_keys, default_max_attempts=default_max_attempts,
-                    actor=actor, presumed=presumed)
-                for i, first in aliases.items():  # a key repeated inside the batch
-                    if digests[i] != digests[first]:
-                        raise _key_conflict(fitted[i][0], None, differing_field(
-                            specs[i], specs[first]))
-                for i, item in zip(planned, batch.items, strict=True):
-                    if digests[i] is not None:
-                        item["request_digest"] = digests[i]
-                    if traceparents is not None and traceparents[i] is not None:
-                        item["traceparent"] = traceparents[i]
-                skipped = self._write_submission(conn, batch) if planned else set()
-                if skipped is not None:
-                    break
-                # A newer policy version is in force than the one decided under: nothing
-                # was written; decide again under it, so the runs record the version in
-                # force.
-                log.info("submit_policy_changed", decided_under=batch.policy_version)
-                presumed = None
-            results: list[Submission | None] = [None] * len(fitted)
-            dependencies = [{"task_id": item["task_id"], "depends_on": dep}
-                            for i, item in zip(planned, batch.items, strict=True)
-                            if fitted[i][0].depends_on and item["task_id"] not in skipped
-                            for dep in fitted[i][0].depends_on]
-            if dependencies:
-                conn.execute(insert(task_dependencies), dependencies)
-            with self._lane_moves_in_order(conn):  # released runs' lanes: lane_id order
-                for i, item, status in zip(planned, batch.items, batch.run_statuses,
-                                           strict=True):
-                    report = fitted[i][1]
-                    task_id = item["task_id"]
-                    if task_id in skipped:  # the key was taken before
-                        existing = conn.execute(self._q(sql.EXISTING_RUN), {
-                            "tenant": item["tenant"],
-                            "key": item.get("idempotency_key")}).first()
-                        if existing is None:
-                            # A task an earlier retention kept without its run (it
-                            # now keeps both while another task names it), or one
-                            # deleted since the insert met its key.
-                            raise TaskInvalid("idempotency_key", (
-                                f"{item.get('idempotency_key')!r} names a task whose run "
-                                "retention deleted; submit with another key"))
-                        # Tasks written before migration 0019 have no digest: taken as
-                        # matching (what they were asked with is not known).
-                        if existing.request_digest is not None \
-                                and existing.request_digest != digests[i]:
-                            stored = conn.execute(self._q(sql.TASK_AS_ASKED), {
-                                "task_id": existing.task_id}).first()
-                            raise _key_conflict(fitted[i][0], existing.task_id, None
-                                                if stored is None else differing_field(
-                                                    specs[i], dict(stored._mapping)))
-                        # A replay answers as the first submit did (its size too).
-                        truncated = existing.truncated_sections or []
-                        results[i] = Submission(
-                            existing.task_id, existing.run_id, existing.status, False,
-                            tuple(json.loads(truncated) if isinstance(truncated, str)
-                                  else truncated), int(existing.payload_bytes or 0))
-                        continue
-                    if status is S.ADMITTED:  # dependencies may all have ended already
-                        outcome = self._dependency_outcome(conn, task_id)
-                        if outcome is not S.ADMITTED:
-                            self._set_status(
-                                conn, run_id=item["run_id"], source=S.ADMITTED, path=[outcome],
-                                run_token=0, actor=actor, now=batch.now,
-                                reason_code=(Reason.DEPENDENCY_FAILED
-                                             if outcome is S.CANCELLED else None),
-                                message=("a dependency ended without success"
-                                         if outcome is S.CANCELLED else "dependencies succeeded"))
-                            status = outcome
-                    results[i] = Submission(task_id, item["run_id"], status.value, True,
-                                            report.truncated_sections, report.size_bytes,
-                                            batch.decisions[item["decision_no"]].reason_code)
-            for i, first in aliases.items():  # a repeat inside the batch creates nothing
-                original = results[first]
-                assert original is not None
-                results[i] = replace(original, created=False)
-            return [r for r in results if r is not None]
+            return self._submit_in(conn, fitted, digests, repo_keys,
+                                   default_max_attempts=default_max_attempts, actor=actor,
+                                   traceparents=traceparents)
 
         submissions = self._transaction(work, autocommit=one_write)
         metrics.submitted((s.status, s.reason_code) for s in submissions if s.created)
         created = sum(1 for s in submissions if s.created)
         log.info("submitted", tasks=len(submissions), created=created)
         return submissions
+
+    def _submit_in(self, conn: Connection, fitted: list[tuple[TaskSpec, PayloadReport]],
+                   digests: list[str | None], repo_keys: dict[str, str], *,
+                   default_max_attempts: int, actor: str,
+                   traceparents: Sequence[str | None] | None = None) -> list[Submission]:
+        """The writes of ``submit`` inside the caller's transaction (a campaign's
+        dispatch submits its targets' tasks in the transaction that marks them)."""
+        presumed = self._submit_policy_seen if self.is_postgres else None
+        while True:
+            batch, planned, aliases = self._plan_submission(
+                conn, fitted, repo_keys, default_max_attempts=default_max_attempts,
+                actor=actor, presumed=presumed)
+            for i, first in aliases.items():  # a key repeated inside the batch
+                if digests[i] != digests[first]:
+                    raise _key_conflict(fitted[i][0], None, differing_field(
+                        fitted[i][0], fitted[first][0]))
+            for i, item in zip(planned, batch.items, strict=True):
+                if digests[i] is not None:
+                    item["request_digest"] = digests[i]
+                if traceparents is not None and traceparents[i] is not None:
+                    item["traceparent"] = traceparents[i]
+            skipped = self._write_submission(conn, batch) if planned else set()
+            if skipped is not None:
+                break
+            # A newer policy version is in force than the one decided under: nothing
+            # was written; decide again under it, so the runs record the version in
+            # force.
+            log.info("submit_policy_changed", decided_under=batch.policy_version)
+            presumed = None
+        results: list[Submission | None] = [None] * len(fitted)
+        dependencies = [{"task_id": item["task_id"], "depends_on": dep}
+                        for i, item in zip(planned, batch.items, strict=True)
+                        if fitted[i][0].depends_on and item["task_id"] not in skipped
+                        for dep in fitted[i][0].depends_on]
+        if dependencies:
+            conn.execute(insert(task_dependencies), dependencies)
+        with self._lane_moves_in_order(conn):  # released runs' lanes: lane_id order
+            for i, item, status in zip(planned, batch.items, batch.run_statuses,
+                                       strict=True):
+                report = fitted[i][1]
+                task_id = item["task_id"]
+                if task_id in skipped:  # the key was taken before
+                    existing = conn.execute(self._q(sql.EXISTING_RUN), {
+                        "tenant": item["tenant"],
+                        "key": item.get("idempotency_key")}).first()
+                    if existing is None:
+                        # A task an earlier retention kept without its run (it
+                        # now keeps both while another task names it), or one
+                        # deleted since the insert met its key.
+                        raise TaskInvalid("idempotency_key", (
+                            f"{item.get('idempotency_key')!r} names a task whose run "
+                            "retention deleted; submit with another key"))
+                    # Tasks written before migration 0019 have no digest: taken as
+                    # matching (what they were asked with is not known).
+                    if existing.request_digest is not None \
+                            and existing.request_digest != digests[i]:
+                        stored = conn.execute(self._q(sql.TASK_AS_ASKED), {
+                            "task_id": existing.task_id}).first()
+                        raise _key_conflict(fitted[i][0], existing.task_id, None
+                                            if stored is None else differing_field(
+                                                fitted[i][0], dict(stored._mapping)))
+                    # A replay answers as the first submit did (its size too).
+                    truncated = existing.truncated_sections or []
+                    results[i] = Submission(
+                        existing.task_id, existing.run_id, existing.status, False,
+                        tuple(json.loads(truncated) if isinstance(truncated, str)
+                              else truncated), int(existing.payload_bytes or 0))
+                    continue
+                if status is S.ADMITTED:  # dependencies may all have ended already
+                    outcome = self._dependency_outcome(conn, task_id)
+                    if outcome is not S.ADMITTED:
+                        self._set_status(
+                            conn, run_id=item["run_id"], source=S.ADMITTED, path=[outcome],
+                            run_token=0, actor=actor, now=batch.now,
+                            reason_code=(Reason.DEPENDENCY_FAILED
+                                         if outcome is S.CANCELLED else None),
+                            message=("a dependency ended without success"
+                                     if outcome is S.CANCELLED else "dependencies succeeded"))
+                        status = outcome
+                results[i] = Submission(task_id, item["run_id"], status.value, True,
+                                        report.truncated_sections, report.size_bytes,
+                                        batch.decisions[item["decision_no"]].reason_code)
+        for i, first in aliases.items():  # a repeat inside the batch creates nothing
+            original = results[first]
+            assert original is not None
+            results[i] = replace(original, created=False)
+        return [r for r in results if r is not None]
 
     def _plan_submission(self, conn: Connection, fitted: list[tuple[TaskSpec, PayloadReport]],
                          repo_keys: dict[str, str], *, default_max_attempts: int, actor: str,
@@ -1194,6 +1209,15 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin):
             # then every lane (the runs' own, the dependents', the tenants shown again)
             # at the block's end in lane_id order.
             with self._lane_moves_in_order(conn):
+                ours = sorted((r.campaign_id, run_id) for run_id, r in won.items()
+                              if r.campaign_id)
+                if ours and self.is_postgres:  # recorded by COMPLETE_WRITE_PG: the rule
+                    self._campaign_ends_written(conn, [won[run_id] for _, run_id in ours],
+                                                outcome)
+                elif ours:  # campaigns' runs: their stop rules, in this transaction
+                    self._campaign_runs_ended(conn, [
+                        (run_id, campaign_id, S.SUCCEEDED, None, outcome)
+                        for campaign_id, run_id in ours], float(won[ours[0][1]].now))
                 for run_id, row in sorted(won.items()):
                     _, lease, path = moves[run_id]
                     self._lane_moved(conn, row.lane_id, lease.stage, path[-1])

@@ -69,11 +69,14 @@ def trailer(run_id: str) -> str:
 MAX_PR_BODY_CHARS = 65536
 
 
-def pr_body(task: dict[str, Any], run_id: str, attempt_no: int) -> str:
-    """The task's prompt, then runlane's footer with the run's marker, always last and
-    whole: a prompt too long for the body is cut, with a note saying so."""
+def pr_body(task: dict[str, Any], run_id: str, attempt_no: int,
+            campaign: str | None = None) -> str:
+    """The task's prompt, then runlane's footer with the run's marker (and the campaign
+    the run is part of), always last and whole: a prompt too long for the body is cut,
+    with a note saying so."""
+    part_of = f" as part of campaign `{campaign}`" if campaign else ""
     footer = (f"\n\nOpened by runlane for task `{task['task_id']}`, "
-              f"run `{run_id}` (attempt {attempt_no}).\n\n{pr_marker(run_id)}\n")
+              f"run `{run_id}` (attempt {attempt_no}){part_of}.\n\n{pr_marker(run_id)}\n")
     prompt = str(task["prompt"])
     room = MAX_PR_BODY_CHARS - len(footer)
     if len(prompt) > room:
@@ -221,7 +224,9 @@ class Finalizer:
             try:
                 return _pr(host.open_pull_request(
                     task["repo"], head_branch=branch, base_branch=workspace.base_branch(),
-                    title=pr_title(task), body=pr_body(task, lease.run_id, lease.attempt_no)))
+                    title=pr_title(task), body=pr_body(
+                        task, lease.run_id, lease.attempt_no,
+                        campaign=self.store.campaign_of_run(lease.run_id))))
             except PullRequestExists:
                 found = host.find_pull_request(task["repo"], branch, marker)
                 if found is None:
