@@ -1,4 +1,4 @@
-"""Campaigns (issue 25): what the stop rule adds to a run's completion, and the time to
+"""Campaigns: what the stop rule adds to a run's completion, and the time to
 create a 10,000-target campaign. Prints Markdown; writes nothing.
 
 1. Completion: ``Store.complete`` of one lease (the worker's write of a run's success),
