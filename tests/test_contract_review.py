@@ -189,10 +189,10 @@ def test_every_database_error_shows_the_url_as_written(tmp_path: Path) -> None:
 # --- README examples, copied -----------------------------------------------------------
 
 
-def _readme_block(heading: str) -> list[str]:
-    """The sh block under ``heading`` in README.md, one command a line (continuations
+def _doc_block(document: str, heading: str) -> list[str]:
+    """The sh block under ``heading`` in ``document``, one command a line (continuations
     joined, comments dropped)."""
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / document).read_text()
     block = text.split(heading, 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
     commands = []
     for line in block.replace("\\\n", " ").splitlines():
@@ -202,15 +202,16 @@ def _readme_block(heading: str) -> list[str]:
     return commands
 
 
-def test_readmes_scheduling_example_is_admitted_under_the_example_policy(
+def test_the_policy_pages_example_is_admitted_under_the_example_policy(
         sqlite_url: str, tmp_path: Path) -> None:
-    """README's Scheduling block applies examples/policy.toml and then submits for
+    """The policy page's first block (once README's Scheduling block) applies examples/policy.toml and then submits for
     tenant `acme`, which that policy does not list: the example's run ended
     POLICY_DENIED (TENANT_NOT_ALLOWED)."""
     (tmp_path / "examples").mkdir()
     (tmp_path / "examples" / "policy.toml").write_text(
         (ROOT / "examples" / "policy.toml").read_text())
-    apply, show, submit, unroutable, _worker = _readme_block("### Scheduling")
+    apply, show, submit, unroutable, _worker = _doc_block("docs/policy.md",
+                                                          "## What it decides")
     assert apply.startswith("runlane policy apply")
     _ok(_run(sqlite_url, tmp_path, *shlex.split(apply)[1:]))
     assert _json(sqlite_url, tmp_path, *shlex.split(show)[1:-1])["version"] == 1
