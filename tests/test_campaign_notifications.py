@@ -148,3 +148,74 @@ def test_a_sender_killed_after_its_post_sends_it_again_with_the_same_id(
             "SELECT notification_id FROM campaign_notifications WHERE delivered_at IS NOT NULL"))}
     assert set(ids) == outbox and len(outbox) == 3  # two run ends and the completion
     assert len(ids) == 4 and ids.count(ids[0]) == 2  # only the one in flight, again
+
+
+def test_a_run_whose_worker_is_sigkilled_is_told_once(
+        db_url: str, tmp_path: Path, receiver: tuple[Receiver, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real worker process running a campaign's run is SIGKILLed mid-attempt; the
+    reaper takes the lease back and another worker process finishes the run. The
+    receiver gets the target's ``run_finished`` exactly once (and the completion
+    once), each with a valid signature: the killed attempt wrote nothing to tell."""
+    import contextlib
+    import os
+    import signal
+
+    from sqlalchemy import text
+
+    from runlane.domain.campaigns import parse_campaign
+    from runlane.domain.retry import RetryPolicy
+    from runlane.store.store import Store
+
+    from .support import bare_remote, processes_in
+    from .test_worker import WorkerProcess, reap_until, wait_until
+
+    box, url = receiver
+    box.fail_first = 0
+    monkeypatch.setenv("RL_TEST_HOOK_SECRET", SECRET)
+    remote, forge = bare_remote(tmp_path), tmp_path / "forge"
+    store = Store(db_url, retry_policy=RetryPolicy(base_seconds=0.1, max_seconds=0.2))
+    store.create_campaign(parse_campaign(
+        f'name = "killed"\ntenant = "acme"\nowner = "lead"\nprompt = "change {{repo}}"\n'
+        f'[[targets]]\nrepo = "{remote}"\nowner = "dev"\n[rollout]\ncanary = 1\n'
+        f'[notify]\nwebhook_url = "{url}"\nsecret_env = "RL_TEST_HOOK_SECRET"\n'))
+    assert store.campaign_pass()["campaign_runs_dispatched"] == 1
+    with store.engine.connect() as conn:
+        run_id = conn.execute(text("SELECT run_id FROM campaign_targets")).scalar_one()
+    notifier = Notifier(store, NotifierConfig(backoff_base_seconds=0.0))
+    agent = ('touch "$RUNLANE_ARTIFACTS_DIR/started"; '
+             'if [ "$RUNLANE_ATTEMPT" = 1 ]; then sleep 60; fi; echo change > change.txt')
+    victim = WorkerProcess(db_url, tmp_path, forge, agent)
+    finisher: WorkerProcess | None = None
+    try:
+        started = tmp_path / "artifacts" / run_id / "1" / "started"
+        wait_until(started.exists, 20, "attempt 1 to run")
+        victim.signal(signal.SIGKILL)
+        assert victim.wait() == -signal.SIGKILL
+        reap_until(store, run_id, "QUEUED", 10)
+        assert notifier.run_once()["notifications_sent"] == 0  # the lost attempt told nothing
+        finisher = WorkerProcess(db_url, tmp_path, forge, agent, "--exit-when-idle")
+        assert finisher.wait(60) == 0
+    finally:
+        victim.stop()
+        if finisher is not None:
+            finisher.stop()
+        for pid in processes_in(tmp_path / "workspaces" / f"{run_id}-1"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # attempt 1's orphaned agent
+    sent = [notifier.run_once()["notifications_sent"] for _ in range(3)]
+    assert sent == [2, 0, 0]
+    assert [c for _, _, c in box.calls] == [200, 200]
+    bodies = []
+    for headers, body, _ in box.calls:
+        expected = "sha256=" + hmac.new(SECRET.encode(), body, hashlib.sha256).hexdigest()
+        assert hmac.compare_digest(headers["X-Runlane-Signature"], expected)
+        bodies.append(json.loads(body))
+    [told] = [b for b in bodies if b["kind"] == "run_finished"]
+    assert (told["run_id"], told["status"], told["recipient"]) == (run_id, "SUCCEEDED", "dev")
+    assert sorted(b["kind"] for b in bodies) == ["completed", "run_finished"]
+    with store.engine.connect() as conn:
+        attempts = conn.execute(text("SELECT reason_code FROM attempts WHERE run_id = :r "
+                                     "ORDER BY attempt_no"), {"r": run_id}).scalars().all()
+    assert attempts == ["WORKER_LOST", None]
+    store.close()

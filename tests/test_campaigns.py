@@ -164,34 +164,34 @@ def test_batches_and_the_stop_rule() -> None:
 
 def test_rollout_releases_canary_then_each_step_within_its_concurrency(
         lane: Runlane, tmp_path: Path) -> None:
-    repos = remotes(tmp_path, 24)
-    made = lane.create_campaign(text=campaign_text("ramp", repos, max_active=4))
-    assert (made["created"], made["batch_sizes"]) == (True, [3, 3, 10, 8])
+    repos = remotes(tmp_path, 60)
+    made = lane.create_campaign(text=campaign_text("ramp", repos, max_active=6))
+    assert (made["created"], made["batch_sizes"]) == (True, [3, 3, 10, 44])
 
     def agent(ctx: AgentContext) -> None:
         (ctx.workspace / "CHANGE.md").write_text(ctx.prompt)
 
-    worker, thread = start_worker(lane, tmp_path / "forge", agent, concurrency=6)
+    worker, thread = start_worker(lane, tmp_path / "forge", agent, concurrency=8)
     try:
         found = drive(lane, "ramp", lambda c: c["status"] == "COMPLETED")
     finally:
         worker.request_drain()
         thread.join(30)
-    assert found["by_state"]["SUCCEEDED"] == 24
-    assert found["succeeded_with_pull_request"] == 24
+    assert found["by_state"]["SUCCEEDED"] == 60
+    assert found["succeeded_with_pull_request"] == 60
     rows = attempts_of_campaign(lane, made["campaign_id"])
-    assert len(rows) == 24  # one attempt per target: nothing ran twice
+    assert len(rows) == 60  # one attempt per target: nothing ran twice
     by_batch: dict[int, list[Any]] = {}
     for r in rows:
         by_batch.setdefault(int(r.batch), []).append(r)
-    assert [len(by_batch[b]) for b in sorted(by_batch)] == [3, 3, 10, 8]
+    assert [len(by_batch[b]) for b in sorted(by_batch)] == [3, 3, 10, 44]
     # Reconstructed from the claims: no run of a batch started before every run of the
     # batch before it had ended.
     for b in range(1, 4):
         assert min(r.started_at for r in by_batch[b]) >= max(
             r.ended_at for r in by_batch[b - 1]), f"batch {b} started early"
-    # The campaign's concurrency held (the worker had room for 6).
-    assert max_overlap([(r.started_at, r.ended_at) for r in rows]) <= 4
+    # The campaign's concurrency held (the worker had room for 8).
+    assert max_overlap([(r.started_at, r.ended_at) for r in rows]) <= 6
     # The pull request names the campaign.
     pr = LocalForge(tmp_path / "forge").list_pull_requests(str(repos[0]))[0]
     assert "campaign `ramp`" in pr.body

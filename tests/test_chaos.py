@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from runlane.chaos.agent import FATAL, RETRYABLE, STAGES, Behaviour, parse_prompt, plan
 from runlane.chaos.checks import replay_command
@@ -186,6 +187,91 @@ def test_the_chaos_checks_find_planted_violations(store: Store, clock: ManualClo
                               if v.check == "run_not_terminal"}
 
 
+def _finish_all(store: Store, clock: ManualClock) -> int:
+    """Claim and complete (no changes) every claimable run; how many."""
+    done = 0
+    while leases := store.claim("w1", lease_ttl=30, limit=10):
+        for lease in leases:
+            store.complete(lease, outcome="no_changes")
+            done += 1
+        clock.advance(1)
+    return done
+
+
+def test_the_campaign_checks_hold_on_a_clean_rollout_and_find_planted_breaks(
+        store: Store, clock: ManualClock) -> None:
+    """A campaign of 4 (canary 2, then the rest) run to completion passes every check;
+    then each campaign check finds the break planted in the rows it reads."""
+    from runlane.chaos.workload import CampaignPlan
+    from runlane.domain.campaigns import campaign_from_document
+
+    plans = build_workload(3, 4, repos=1, agent_faults=False, cancels=False)
+    plan = CampaignPlan(name="c1", targets=tuple(plans), canary=2, steps=("all",),
+                        max_active=4, failure_rate=0.5, window=10, min_sample=2,
+                        expect="COMPLETED")
+    store.create_campaign(campaign_from_document(plan.document(["/srv/git/app.git"])))
+    for _ in range(2):  # the canary, then the rest once it ended
+        clock.advance(1)
+        assert store.campaign_pass()["campaign_runs_dispatched"] == 2
+        clock.advance(1)
+        assert _finish_all(store, clock) == 2
+    assert [c.status for c in store.list_campaigns("acme")] == ["COMPLETED"]
+    assert check_database(store) == []
+
+    def broken(statement: str, **params: Any) -> Counter[str]:
+        execute(store, statement, **params)
+        return Counter(v.check for v in check_database(store))
+
+    assert broken("UPDATE campaigns SET active = 1")["campaign_active_count_wrong"] == 1
+    execute(store, "UPDATE campaigns SET active = 0")
+    # A batch-1 target dispatched before its batch's release.
+    found = broken("UPDATE campaign_targets SET dispatched_at = dispatched_at - 100 "
+                   "WHERE batch = 1")
+    assert found["campaign_run_before_release"] == 2
+    execute(store, "UPDATE campaign_targets SET dispatched_at = dispatched_at + 100 "
+                   "WHERE batch = 1")
+    # The stop recorded before the last dispatch: it dispatched after its stop.
+    found = broken("UPDATE campaigns SET status = 'STOPPED', ended_at = :at",
+                   at=clock.now() - 2.5)
+    assert found["campaign_dispatch_after_stop"] == 2
+    found = broken("UPDATE campaigns SET status = 'ACTIVE', ended_at = NULL")
+    assert found["campaign_not_ended"] == 1
+    execute(store, "UPDATE campaigns SET status = 'COMPLETED'")
+    # A target that says FAILED while its run succeeded, counted as a success.
+    found = broken("UPDATE campaign_targets SET state = 'FAILED' WHERE position = 0")
+    assert found["campaign_target_disagrees_with_run"] == 1
+    assert found["campaign_outcome_wrong"] == 1
+    execute(store, "UPDATE campaign_targets SET state = 'SUCCEEDED' WHERE position = 0")
+    found = broken("DELETE FROM campaign_outcomes WHERE seq = 4")
+    assert found["campaign_finishes_wrong"] == 1 and found["campaign_outcome_wrong"] == 1
+    # A dispatch that wrote the task but not the target; a second task for one dispatch.
+    found = broken("UPDATE campaign_targets SET task_id = NULL WHERE position = 1")
+    assert found["campaign_task_not_its_targets"] == 1
+    with store.engine.connect() as conn:
+        key = conn.execute(text("SELECT target_key FROM campaign_targets "
+                                "WHERE position = 2")).scalar_one()
+    submit(store, idempotency_key=f"campaign:c1:{key}:retry1")
+    assert Counter(v.check for v in check_database(store))["campaign_target_tasks"] == 1
+
+
+def test_twenty_of_a_profiles_runs_are_two_campaigns() -> None:
+    """The campaigns replace plain runs (the profile's time stays the same); the stop
+    campaign's canary succeeds and its next batch starts with two fast failures."""
+    from runlane.chaos.workload import split_campaigns
+
+    plans = build_workload(int(SHORT_SEED), 300, repos=4)
+    plain, campaigns = split_campaigns(plans)
+    assert [(c.name, len(c.targets), c.expect) for c in campaigns] == [
+        ("chaos-rollout", 12, "COMPLETED"), ("chaos-stop", 8, "STOPPED")]
+    assert len(plain) == 280
+    assert {p.key for p in plain}.isdisjoint(p.key for c in campaigns for p in c.targets)
+    stop = campaigns[1].targets
+    assert [p.behaviour.kind for p in stop[2:4]] == ["fatal", "fatal"]
+    assert all(p.cancel_at is None and not p.behaviour.crash for c in campaigns
+               for p in c.targets)
+    assert split_campaigns(plans[:30]) == (plans[:30], [])
+
+
 def test_every_check_is_named_sql_returning_run_and_detail() -> None:
     for name, statement in CHAOS_CHECKS.items():
         assert name.islower() and " AS detail" in statement, name
@@ -221,6 +307,22 @@ def test_the_replay_command_names_what_differs_from_the_profile() -> None:
 SHORT_SEED = "20261130"
 
 
+def assert_campaigns(report: dict[str, Any], plain: int) -> None:
+    """The workload's two campaigns ended as their planned failure mix says, under
+    every fault (their invariants are the ``campaign_*`` checks, all clean): the
+    rollout completed, every target run; the stop campaign stopped at its fourth
+    counted finish, its last batch never dispatched."""
+    rollout, stop = report["campaigns"]["chaos-rollout"], report["campaigns"]["chaos-stop"]
+    assert rollout["status"] == "COMPLETED" and rollout["batches_released"] == 3, rollout
+    assert rollout["by_state"] == {"SUCCEEDED+run": 10, "FAILED+run": 2}, rollout
+    assert stop["status"] == "STOPPED" and stop["batches_released"] == 2, stop
+    assert stop["by_state"]["FAILED+run"] == 2 and stop["by_state"]["CANCELLED"] >= 3, stop
+    assert report["faults"]["duplicate_campaign"] > 0
+    dispatched = sum(n for c in (rollout, stop) for k, n in c["by_state"].items()
+                     if k.endswith("+run"))
+    assert report["runs"] == plain + dispatched
+
+
 @pytest.mark.chaos
 def test_short_profile_every_fault_on_postgresql(tmp_path: Path) -> None:
     """The CI profile: 300 runs, 4 worker processes, every fault, within 3 minutes."""
@@ -230,8 +332,9 @@ def test_short_profile_every_fault_on_postgresql(tmp_path: Path) -> None:
     elapsed = time.monotonic() - started
     assert report["violations"] == [], (report["violations"][:20], err[-2000:])
     assert code == 0
-    assert (report["runs"], report["workers"], report["engine"]) == (300, 4, "postgresql")
+    assert (report["planned"], report["workers"], report["engine"]) == (300, 4, "postgresql")
     assert report["summary"] == {"lost": 0, "doubled": 0, "stuck": 0, "other": 0}
+    assert_campaigns(report, plain=280)
     for fault in ("kill", "stop", "terminate", "restart", "duplicate_submit",
                   "duplicate_wakeup", "duplicate_delivery", "cancel", "pr_crash"):
         assert report["faults"].get(fault, 0) > 0, fault
@@ -259,7 +362,8 @@ def test_sqlite_profile_eight_processes_on_one_file(tmp_path: Path) -> None:
                               cwd=tmp_path)
     assert report["violations"] == [], (report["violations"][:20], err[-2000:])
     assert code == 0
-    assert (report["engine"], report["workers"], report["runs"]) == ("sqlite", 8, 200)
+    assert (report["engine"], report["workers"], report["planned"]) == ("sqlite", 8, 200)
+    assert_campaigns(report, plain=180)
     assert report["faults"]["kill"] > 0 and report["faults"]["stop"] > 0
     assert "database_locked" not in checks_of(report)
     assert report["reclaim"]["samples"] >= 5

@@ -84,18 +84,22 @@ def evaluate(outcome: Outcome) -> Report:
                      "still alive at the end and were killed")
     if outcome.stopped_early:
         notes.append(f"the harness stopped waiting: {outcome.stopped_early}")
-    if len(outcome.plans) < c.runs:
+    if len(outcome.plans) < outcome.workload:
         violations.append(_violation(
             "workload_not_submitted", None,
-            f"only {len(outcome.plans)} of {c.runs} tasks were submitted before the harness "
-            f"stopped ({outcome.stopped_early or 'no reason'})"))
+            f"only {len(outcome.plans)} of {outcome.workload} tasks were submitted before "
+            f"the harness stopped ({outcome.stopped_early or 'no reason'})"))
+    campaigns = _campaigns(outcome)
+    violations += [_violation("duplicate_campaign_created", None, m)
+                   for m in outcome.harness_errors if m.startswith("duplicate campaign")]
 
     reasons = Counter(a.reason_code or a.status for rows in attempts.values() for a in rows)
     cancels = Counter(r.from_status for r in _rows(outcome, invariants.USER_CANCELS))
     behaviours = Counter(p.behaviour.kind for p in outcome.plans)
     faults = {k: outcome.counts[k] for k in ("kill", "stop", "terminate", "restart",
                                              "duplicate_submit", "duplicate_wakeup",
-                                             "duplicate_delivery", "cancel", "pr_crash")
+                                             "duplicate_delivery", "duplicate_campaign",
+                                             "cancel", "pr_crash")
               if k in outcome.counts}
     return Report(
         seed=c.seed, profile=c.profile, engine=c.engine, database=outcome.database,
@@ -109,7 +113,23 @@ def evaluate(outcome: Outcome) -> Report:
         attempts_by_reason=dict(reasons), cancels_by_stage=dict(cancels),
         pull_requests=pr_count, branches=branch_count, reclaim=reclaim,
         log_errors=log_errors, unplanned_failures=unplanned, notes=notes, plant=c.plant,
-        replay=replay_command(c))
+        replay=replay_command(c), campaigns=campaigns)
+
+
+def _campaigns(outcome: Outcome) -> dict[str, dict[str, Any]]:
+    """Each campaign of the workload as it ended: status, planned end, batches released,
+    counted finishes, targets by state (``+run``: with a run), stop reason. Its
+    invariants are named SQL (``store.invariants``: ``campaign_*``)."""
+    found: dict[str, dict[str, Any]] = {
+        p.name: {"targets": len(p.targets), "expected": p.expect, "status": None,
+                 "by_state": {}} for p in outcome.campaigns}
+    for r in _rows(outcome, invariants.CAMPAIGN_SUMMARY):
+        entry = found.setdefault(r.name, {"targets": 0, "expected": None, "by_state": {}})
+        entry.update(status=r.status, batches_released=int(r.released_batch) + 1,
+                     counted_finishes=int(r.finishes), stop_reason=r.stop_reason)
+        key = r.state + ("+run" if r.has_run else "")
+        entry["by_state"][key] = entry["by_state"].get(key, 0) + int(r.n)
+    return found
 
 
 def replay_command(c: ChaosConfig) -> str:

@@ -36,7 +36,8 @@ from runlane.chaos.agent import DWELL_ENV
 from runlane.chaos.hooks import PLANT_ENV, PR_CRASH_ENV, PR_CRASH_MARK
 from runlane.chaos.pgcluster import PrivateCluster
 from runlane.chaos.profiles import ChaosConfig
-from runlane.chaos.workload import TaskPlan, build_workload
+from runlane.chaos.workload import CampaignPlan, TaskPlan, build_workload, split_campaigns
+from runlane.domain.campaigns import campaign_from_document
 from runlane.domain.retry import RetryPolicy
 from runlane.domain.states import TERMINAL
 from runlane.domain.tasks import parse_task
@@ -49,6 +50,7 @@ from runlane.store.store import Store
 
 OWN_APPLICATION = "runlane-chaos"
 TERMINAL_VALUES = frozenset(s.value for s in TERMINAL)
+CAMPAIGN_ENDS = frozenset({"COMPLETED", "STOPPED"})
 CANCELLING_VALUES = frozenset({"CANCEL_REQUESTED", "CANCELLING"})
 DB_ERRORS: tuple[type[BaseException], ...] = (SQLAlchemyError, RunlaneError, OSError)
 # How long the workers may take to start and register (six Python processes starting
@@ -91,6 +93,8 @@ class Outcome:
     database: str
     plans: list[TaskPlan]
     run_of_key: dict[str, str]
+    campaigns: list[CampaignPlan]
+    workload: int  # the plain tasks planned (the profile's runs less the campaigns' targets)
     remotes: list[Path]
     forge: Path
     faults: list[Fault]
@@ -147,11 +151,14 @@ class Harness:
         self.c = config
         self.progress = progress or (lambda _: None)
         self.rng = random.Random(f"{config.seed}:faults")
-        self.plans = build_workload(config.seed, config.runs, repos=config.repos,
-                                    agent_faults="agent" in config.faults,
-                                    cancels="cancel" in config.faults,
-                                    agent_sleep=config.agent_sleep,
-                                    pr_crashes="pr_crash" in config.faults)
+        # Some of the profile's runs are a campaign's targets instead: the scheduler
+        # pass dispatches them, so the profile's run count, and its time, stay the same.
+        self.plans, self.campaigns = split_campaigns(build_workload(
+            config.seed, config.runs, repos=config.repos,
+            agent_faults="agent" in config.faults, cancels="cancel" in config.faults,
+            agent_sleep=config.agent_sleep, pr_crashes="pr_crash" in config.faults))
+        self.created_campaigns: set[str] = set()
+        self.campaign_status: dict[str, str] = {}
         self.faults: list[Fault] = []
         self.counts: Counter[str] = Counter()
         self.procs: list[Proc] = []
@@ -362,6 +369,8 @@ class Harness:
         return True
 
     def _submit_more(self) -> None:
+        if self.next_plan and not self.campaigns_created:  # with the first plain runs
+            self._create_campaigns()
         if self.next_plan >= len(self.plans):
             return
         # Feed the workers that can take work now (running, not paused, booted), and
@@ -384,6 +393,25 @@ class Harness:
         for plan in batch:
             if plan.cancel_at == "QUEUED":
                 self._cancel(self.run_of_key[plan.key])
+
+    def _create_campaigns(self) -> None:
+        """Create the workload's campaigns (again: a duplicate that must create nothing)."""
+        assert self.store is not None
+        store = self.store
+        paths = [str(r) for r in self.remotes]
+        for plan in self.campaigns:
+            campaign = campaign_from_document(plan.document(paths), f"chaos:{plan.name}")
+            made = self._db("campaign", functools.partial(store.create_campaign, campaign))
+            if made is None:
+                continue
+            if plan.name in self.created_campaigns and made.created:
+                self.errors.append(f"duplicate campaign create of {plan.name} created it again")
+                self.counts["duplicate_campaign_created"] += 1
+            self.created_campaigns.add(plan.name)
+
+    @property
+    def campaigns_created(self) -> bool:
+        return len(self.created_campaigns) == len(self.campaigns)
 
     def _cancel(self, run_id: str) -> None:
         assert self.store is not None
@@ -415,6 +443,10 @@ class Harness:
             value = int(last[0][0])
             if value != self.last_event:
                 self.last_event, self.last_change = value, time.monotonic()
+        if self.campaigns:
+            found = self._db("poll", lambda: self._read(invariants.CAMPAIGN_STATUSES))
+            if found is not None:
+                self.campaign_status = {str(r.name): str(r.status) for r in found}
         if "cancel" in self.c.faults:
             self._cancels()
 
@@ -445,6 +477,11 @@ class Harness:
         # without success, closed by a worker) done: the checks then see the code host
         # as runlane leaves it.
         if self.next_plan < len(self.plans) or self.active or self.withdrawals:
+            return False
+        # Every campaign completed or stopped (its last batch may still be undispatched
+        # while no run is active).
+        if self.campaigns and (not self.campaigns_created or any(
+                self.campaign_status.get(p.name) not in CAMPAIGN_ENDS for p in self.campaigns)):
             return False
         for run_id, (status, _) in self.status.items():
             if status not in TERMINAL_VALUES:
@@ -537,6 +574,9 @@ class Harness:
         assert self.store is not None
         store = self.store
         submitted = self.plans[:self.next_plan]
+        if self.campaigns_created:  # the same campaigns again create nothing
+            self._create_campaigns()
+            self.counts["duplicate_campaign"] += len(self.campaigns)
         if submitted:
             again = self.rng.sample(submitted, min(len(submitted), self.rng.randint(1, 3)))
             if self._submit(again):
@@ -647,6 +687,7 @@ class Harness:
         return Outcome(
             config=self.c, directory=self.workdir, database=self.database,
             plans=self.plans[:self.next_plan], run_of_key=dict(self.run_of_key),
+            campaigns=self.campaigns, workload=len(self.plans),
             remotes=self.remotes, forge=self.forge, faults=self.faults, counts=self.counts,
             restart_windows=self.restart_windows, exits=self.exits,
             harness_errors=self.errors, logs=[p.log for p in self.procs],

@@ -15,9 +15,10 @@ LOST = frozenset({"task_without_run", "task_missing", "attempts_not_contiguous",
 DOUBLED = frozenset({"two_active_leases", "overlapping_leases", "task_with_two_runs",
                      "two_pull_requests", "two_branches", "duplicate_submit_created",
                      "stale_token_write", "side_effect_with_stale_token",
-                     "claimed_after_cancel", "attempt_after_end"})
+                     "claimed_after_cancel", "attempt_after_end", "campaign_target_tasks",
+                     "campaign_task_not_its_targets", "duplicate_campaign_created"})
 STUCK = frozenset({"run_not_terminal", "workload_not_submitted", "attempt_left_open",
-                   "never_reclaimed"})
+                   "never_reclaimed", "campaign_not_ended"})
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Report:
     plant: str | None = None
     directory: str | None = None
     replay: str = ""
+    campaigns: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -95,6 +97,11 @@ def render(report: Report, console: Console, *, limit: int = 25) -> None:
         ("result", f"{s['lost']} lost, {s['doubled']} doubled, {s['stuck']} stuck, "
                    f"{s['other']} other: {len(report.violations)} violation(s)"),
     ]
+    for name, cam in sorted(report.campaigns.items()):
+        states = ", ".join(f"{k} {v}" for k, v in sorted(cam.get("by_state", {}).items()))
+        rows.append((f"campaign {name}",
+                     f"{cam.get('status')} (planned {cam.get('expected')}), "
+                     f"{cam.get('batches_released', 0)} batch(es) released: {states}"))
     if report.plant:
         rows.insert(0, ("planted bug", report.plant))
     for name, value in rows:

@@ -115,3 +115,82 @@ def build_workload(seed: int, runs: int, *, repos: int, agent_faults: bool = Tru
             priority=rng.choices(("normal", "high", "low"), (80, 10, 10))[0],
             cancel_at=cancel if cancels else None))
     return plans
+
+
+# --- campaigns ----------------------------------------------------------------------------
+
+# Behaviours a campaign target may take: each ends as planned whatever a fault does to
+# its attempts (a lost worker is retried; no cancel, dwell or pull-request crash).
+_SUCCEEDS = frozenset({"change", "nochange", "flaky"})
+_FAILS = frozenset({"fatal", "verify_fail"})
+CAMPAIGN_TENANT = "acme"
+# Below this many runs the workload has no campaign (the planted-bug runs are 30).
+CAMPAIGN_MIN_RUNS = 100
+
+
+@dataclass(frozen=True)
+class CampaignPlan:
+    """A campaign the harness creates: its targets are plans taken out of the plain
+    workload (the profile's run count stays the same), each target's behaviour carried
+    in a variable its prompt template names."""
+
+    name: str
+    targets: tuple[TaskPlan, ...]
+    canary: int
+    steps: tuple[int | str, ...]
+    max_active: int
+    failure_rate: float
+    window: int
+    min_sample: int
+    expect: str  # the end its planned failure mix gives: COMPLETED | STOPPED
+
+    def document(self, repo_path: list[str]) -> dict[str, object]:
+        """The campaign as its file would give it (``campaign_from_document``)."""
+        return {
+            "name": self.name, "tenant": CAMPAIGN_TENANT, "owner": "chaos-owner",
+            "prompt": "{behaviour}",
+            "targets": [{"repo": repo_path[p.repo], "vars": {"behaviour": p.behaviour.prompt()}}
+                        for p in self.targets],
+            "task": {"max_attempts": 4},
+            "rollout": {"canary": self.canary, "steps": list(self.steps)},
+            "concurrency": {"max_active": self.max_active,
+                            "per_repository": self.max_active},
+            "stop": {"failure_rate": self.failure_rate, "window": self.window,
+                     "min_sample": self.min_sample},
+        }
+
+
+def split_campaigns(plans: list[TaskPlan]) -> tuple[list[TaskPlan], list[CampaignPlan]]:
+    """Twenty of the workload's plans become the targets of two campaigns; the rest
+    stay plain runs. ``rollout``: 12 targets, canary 3, ramp 3 -> all, 2 planned
+    failures (last) under a 50% rule: it completes. ``stop``: 8 targets, canary 2
+    (successes), then a batch of two fast failures, a slow success and one more, under
+    a 25% rule with a sample of 4: it stops at its fourth counted finish, with a run
+    still running and a target of that batch and the whole last batch never started.
+    Too few plans of the right kinds (a small or fault-free workload): no campaign."""
+    if len(plans) < CAMPAIGN_MIN_RUNS:
+        return plans, []
+
+    def calm(p: TaskPlan) -> bool:
+        b = p.behaviour
+        return p.cancel_at is None and b.dwell is None and not b.crash
+
+    ok = [p for p in plans if calm(p) and p.behaviour.kind in _SUCCEEDS]
+    slow = [p for p in plans if calm(p) and p.behaviour.kind == "slow"]
+    bad = [p for p in plans if calm(p) and p.behaviour.kind in _FAILS]
+    fast_bad = [p for p in bad if p.behaviour.kind == "fatal"]
+    if len(ok) < 15 or len(slow) < 1 or len(bad) < 2 or len(fast_bad) < 2:
+        return plans, []
+    fast_bad = fast_bad[:2]
+    bad = [p for p in bad if p not in fast_bad][:2]
+    if len(bad) < 2:
+        return plans, []
+    rollout = CampaignPlan(name="chaos-rollout", targets=(*ok[:10], *bad), canary=3,
+                           steps=(3, "all"), max_active=6, failure_rate=0.5, window=20,
+                           min_sample=6, expect="COMPLETED")
+    stop = CampaignPlan(name="chaos-stop",
+                        targets=(ok[10], ok[11], *fast_bad, slow[0], ok[12], ok[13], ok[14]),
+                        canary=2, steps=(4, "all"), max_active=3, failure_rate=0.25,
+                        window=10, min_sample=4, expect="STOPPED")
+    taken = {p.key for c in (rollout, stop) for p in c.targets}
+    return [p for p in plans if p.key not in taken], [rollout, stop]

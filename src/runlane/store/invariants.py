@@ -17,6 +17,9 @@ TERMINAL = "('SUCCEEDED', 'FAILED', 'CANCELLED', 'POLICY_DENIED')"
 # the run's row lock may carry a slightly later time than the cancel.
 CANCEL_TOLERANCE_SECONDS = 0.5
 
+# A target's idempotency key (store/campaigns.py ``_target_spec``), its first dispatch's.
+_TARGET_KEY = "'campaign:' || c.name || ':' || t.target_key"
+
 CHAOS_CHECKS: dict[str, str] = {
     # Nothing lost, nothing stuck: once the harness is done, every run has ended.
     "run_not_terminal": f"""
@@ -72,6 +75,121 @@ CHAOS_CHECKS: dict[str, str] = {
         FROM runs r JOIN side_effects s ON s.run_id = r.run_id
         WHERE r.status = 'SUCCEEDED' AND r.outcome = 'no_changes'
         GROUP BY r.run_id""",
+    # --- campaigns (docs/campaigns.md) ---
+    # Each target has at most one task per dispatch (generation), and the task its key
+    # names is the one the target records: a dispatch wrote both or neither.
+    "campaign_target_tasks": f"""
+        SELECT t.run_id, 'campaign ' || c.name || ' target ' || CAST(t.position AS TEXT)
+               || ': ' || CAST(COUNT(k.task_id) AS TEXT) || ' task(s) for '
+               || CAST(t.generation + 1 AS TEXT) || ' dispatch(es)' AS detail
+        FROM campaign_targets t JOIN campaigns c ON c.campaign_id = t.campaign_id
+        JOIN tasks k ON k.tenant = c.tenant
+         AND (k.idempotency_key = {_TARGET_KEY}
+              OR k.idempotency_key LIKE {_TARGET_KEY} || '\\:retry%')
+        GROUP BY c.name, t.position, t.generation, t.run_id
+        HAVING COUNT(k.task_id) > t.generation + 1""",
+    "campaign_task_not_its_targets": f"""
+        SELECT t.run_id, 'campaign ' || c.name || ' target '
+               || CAST(t.position AS TEXT) || ' (' || t.state || ') records task '
+               || COALESCE(t.task_id, 'none') || ', its key names task ' || k.task_id
+               AS detail
+        FROM campaign_targets t JOIN campaigns c ON c.campaign_id = t.campaign_id
+        JOIN tasks k ON k.tenant = c.tenant AND k.idempotency_key = {_TARGET_KEY}
+        WHERE t.generation = 0 AND (t.task_id IS NULL OR t.task_id <> k.task_id)""",
+    # Nothing of a batch is dispatched, nor claimed, before the batch was released.
+    "campaign_run_before_release": """
+        SELECT t.run_id, 'campaign ' || c.name || ' batch ' || CAST(t.batch AS TEXT)
+               || ' (released: ' || CAST(c.released_batch AS TEXT)
+               || '): dispatched or claimed before its release' AS detail
+        FROM campaign_targets t JOIN campaigns c ON c.campaign_id = t.campaign_id
+        WHERE t.dispatched_at IS NOT NULL AND (
+            t.batch > c.released_batch
+            OR t.dispatched_at < {released_at}
+            OR (SELECT MIN(a.started_at) FROM attempts a WHERE a.run_id = t.run_id)
+               < {released_at})""",
+    # The campaign's counters agree with its targets: active runs, counted finishes,
+    # the stop rule's window (the newest counted finishes, "1" a failure).
+    "campaign_active_count_wrong": """
+        SELECT NULL AS run_id, 'campaign ' || c.name || ' counts '
+               || CAST(c.active AS TEXT) || ' active, its targets '
+               || CAST((SELECT COUNT(*) FROM campaign_targets t
+                        WHERE t.campaign_id = c.campaign_id AND t.state = 'ACTIVE') AS TEXT)
+               AS detail
+        FROM campaigns c
+        WHERE c.active <> (SELECT COUNT(*) FROM campaign_targets t
+                           WHERE t.campaign_id = c.campaign_id AND t.state = 'ACTIVE')""",
+    "campaign_finishes_wrong": """
+        SELECT NULL AS run_id, 'campaign ' || c.name || ' counts '
+               || CAST(c.finishes AS TEXT) || ' finishes, window ' || c.recent
+               || ' (' || CAST(LENGTH(c.recent) - LENGTH(REPLACE(c.recent, '1', '')) AS TEXT)
+               || ' failed), outcomes ' || CAST(COUNT(o.seq) AS TEXT) || ' ('
+               || CAST(COALESCE(SUM(CASE WHEN o.seq > c.finishes - c.stop_window
+                                         THEN o.failed ELSE 0 END), 0) AS TEXT)
+               || ' failed in the window)' AS detail
+        FROM campaigns c LEFT JOIN campaign_outcomes o ON o.campaign_id = c.campaign_id
+        GROUP BY c.campaign_id, c.name, c.finishes, c.recent, c.stop_window
+        HAVING c.finishes <> COUNT(o.seq) OR c.finishes <> COALESCE(MAX(o.seq), 0)
+            OR LENGTH(c.recent) <> CASE WHEN c.finishes < c.stop_window THEN c.finishes
+                                        ELSE c.stop_window END
+            OR LENGTH(c.recent) - LENGTH(REPLACE(c.recent, '1', ''))
+               <> COALESCE(SUM(CASE WHEN o.seq > c.finishes - c.stop_window
+                                    THEN o.failed ELSE 0 END), 0)""",
+    # Each target's state is its run's end; each ended run is counted once, as a
+    # failure when it did not succeed, unless its reason is one the default rule
+    # ignores (the harness's campaigns keep the default ``ignore_reasons``).
+    "campaign_target_disagrees_with_run": f"""
+        SELECT t.run_id, 'campaign ' || c.name || ' target ' || CAST(t.position AS TEXT)
+               || ' is ' || t.state || ', its run ' || r.status AS detail
+        FROM campaign_targets t JOIN campaigns c ON c.campaign_id = t.campaign_id
+        JOIN runs r ON r.run_id = t.run_id
+        WHERE NOT ((t.state = 'SUCCEEDED' AND r.status = 'SUCCEEDED')
+                OR (t.state = 'FAILED' AND r.status IN ('FAILED', 'POLICY_DENIED'))
+                OR (t.state = 'CANCELLED' AND r.status = 'CANCELLED')
+                OR (t.state = 'ACTIVE' AND r.status NOT IN {TERMINAL}))""",
+    "campaign_outcome_wrong": """
+        SELECT t.run_id, 'campaign ' || c.name || ' target ' || CAST(t.position AS TEXT)
+               || ' ended ' || t.state || ' ' || COALESCE(t.reason_code, '') || ': '
+               || CAST(COUNT(o.seq) AS TEXT) || ' counted finish(es), '
+               || CAST(COALESCE(SUM(o.failed), 0) AS TEXT) || ' failed' AS detail
+        FROM campaign_targets t JOIN campaigns c ON c.campaign_id = t.campaign_id
+        LEFT JOIN campaign_outcomes o ON o.campaign_id = t.campaign_id
+                                     AND o.run_id = t.run_id
+        WHERE t.run_id IS NOT NULL AND t.state IN ('SUCCEEDED', 'FAILED', 'CANCELLED')
+        GROUP BY c.name, t.position, t.run_id, t.state, t.reason_code
+        HAVING COUNT(o.seq) <> CASE WHEN t.state = 'SUCCEEDED' OR COALESCE(t.reason_code, '')
+                                         NOT IN ('CANCELLED_BY_USER', 'CAMPAIGN_STOPPED')
+                                    THEN 1 ELSE 0 END
+            OR COALESCE(SUM(o.failed), 0) <> CASE WHEN t.state = 'SUCCEEDED' THEN 0
+                                                  ELSE COUNT(o.seq) END""",
+    # A stopped campaign dispatched nothing after its stop, and none of its runs was
+    # claimed for the first time after it (its waiting runs were cancelled).
+    "campaign_dispatch_after_stop": """
+        SELECT t.run_id, 'campaign ' || c.name || ' stopped; target '
+               || CAST(t.position AS TEXT) || ' dispatched or first claimed after' AS detail
+        FROM campaign_targets t JOIN campaigns c ON c.campaign_id = t.campaign_id
+        WHERE c.status = 'STOPPED' AND t.dispatched_at IS NOT NULL AND (
+            t.dispatched_at > c.ended_at + :tolerance
+            OR (SELECT MIN(a.started_at) FROM attempts a WHERE a.run_id = t.run_id)
+               > c.ended_at + :tolerance)""",
+    # None stuck: once the harness is done, every campaign completed or stopped with
+    # no target left pending or active.
+    "campaign_not_ended": """
+        SELECT NULL AS run_id, 'campaign ' || c.name || ' is ' || c.status || ' with '
+               || CAST(SUM(CASE WHEN t.state = 'PENDING' THEN 1 ELSE 0 END) AS TEXT)
+               || ' pending and '
+               || CAST(SUM(CASE WHEN t.state = 'ACTIVE' THEN 1 ELSE 0 END) AS TEXT)
+               || ' active target(s)' AS detail
+        FROM campaigns c JOIN campaign_targets t ON t.campaign_id = c.campaign_id
+        GROUP BY c.campaign_id, c.name, c.status
+        HAVING c.status NOT IN ('COMPLETED', 'STOPPED')
+            OR SUM(CASE WHEN t.state = 'PENDING' THEN 1 ELSE 0 END) > 0
+            OR SUM(CASE WHEN t.state = 'ACTIVE' THEN 1 ELSE 0 END) > 0""",
+}
+# When a target's batch was released (``campaigns.released_at``: a JSON list, one
+# time per released batch), per dialect.
+RELEASED_AT = {
+    "postgresql": "CAST(c.released_at ->> t.batch AS DOUBLE PRECISION)",
+    "sqlite": "json_extract(c.released_at, '$[' || t.batch || ']')",
 }
 
 # --- reads for the report -------------------------------------------------------------
@@ -103,6 +221,15 @@ SELECT run_id, attempt_no, MIN(at) AS at FROM run_events
 WHERE to_status = 'STALE_LEASE' GROUP BY run_id, attempt_no
 """
 WORKERS = "SELECT worker_id, started_at FROM workers"
+CAMPAIGN_STATUSES = "SELECT name, status FROM campaigns"
+# The harness's campaigns as they ended, for the report.
+CAMPAIGN_SUMMARY = """
+SELECT c.name, c.status, c.released_batch, c.finishes, c.stop_reason, t.state,
+       CASE WHEN t.run_id IS NULL THEN 0 ELSE 1 END AS has_run, COUNT(*) AS n
+FROM campaigns c JOIN campaign_targets t ON t.campaign_id = c.campaign_id
+GROUP BY c.name, c.status, c.released_batch, c.finishes, c.stop_reason, t.state,
+         CASE WHEN t.run_id IS NULL THEN 0 ELSE 1 END
+"""
 # Workers that hold a live lease now (the victims worth killing).
 LEASE_HOLDERS = "SELECT DISTINCT worker_id FROM attempts WHERE lease_status = 'ACTIVE'"
 
@@ -129,7 +256,9 @@ def check_database(store: Store) -> list[Violation]:
 def run_checks(conn: Connection, params: dict[str, Any] | None = None) -> list[Violation]:
     values = {"tolerance": CANCEL_TOLERANCE_SECONDS, **(params or {})}
     found: list[Violation] = []
+    released_at = RELEASED_AT["postgresql" if conn.dialect.name == "postgresql" else "sqlite"]
     for name, statement in CHAOS_CHECKS.items():
+        statement = statement.replace("{released_at}", released_at)
         clause = text(statement)
         used = {k: v for k, v in values.items() if f":{k}" in statement}
         for r in conn.execute(clause, used):
