@@ -204,9 +204,9 @@ def _doc_block(document: str, heading: str) -> list[str]:
 
 def test_the_policy_pages_example_is_admitted_under_the_example_policy(
         sqlite_url: str, tmp_path: Path) -> None:
-    """The policy page's first block (once README's Scheduling block) applies examples/policy.toml and then submits for
-    tenant `acme`, which that policy does not list: the example's run ended
-    POLICY_DENIED (TENANT_NOT_ALLOWED)."""
+    """The policy page's first block (once README's Scheduling block) applies
+    examples/policy.toml and then submits for tenant `acme`, which that policy does not
+    list: the example's run ended POLICY_DENIED (TENANT_NOT_ALLOWED)."""
     (tmp_path / "examples").mkdir()
     (tmp_path / "examples" / "policy.toml").write_text(
         (ROOT / "examples" / "policy.toml").read_text())
