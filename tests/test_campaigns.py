@@ -477,3 +477,58 @@ def test_a_500_target_campaign_leaves_another_tenant_its_turn(lane: Runlane,
     claimed = [lease.run_id for _ in range(20) for lease in lane.store.claim("w", limit=1)]
     assert len(claimed) == 20
     assert sum(run_id in theirs for run_id in claimed) >= 9, claimed
+
+
+def test_a_stop_lets_running_runs_finish_unless_it_cancels_them(lane: Runlane,
+                                                                tmp_path: Path) -> None:
+    """`campaign stop` lets the runs already running finish; `--cancel-running` (the
+    facade's ``cancel_running``) cancels them as `runlane cancel` would, with
+    CAMPAIGN_STOPPED, and their workers are told (CANCEL_REQUESTED)."""
+    for name in ("finish", "cancel"):
+        repos = [tmp_path / f"{name}{i}.git" for i in range(4)]
+        lane.create_campaign(text=campaign_text(name, repos, canary=2, steps='["all"]',
+                                                max_active=2))
+    lane.store.campaign_pass()
+    leases = {lease.run_id: lease for lease in lane.store.claim("w", limit=4)}
+    assert len(leases) == 4
+    for lease in leases.values():
+        lane.store.advance(lease, RunStatus.RUNNING)
+
+    kept = lane.stop_campaign("finish")
+    assert (kept["status"], kept["cancelled_running"]) == ("STOPPED", 0)
+    cancelled = lane.stop_campaign("cancel", cancel_running=True)
+    assert (cancelled["status"], cancelled["cancelled_running"]) == ("STOPPED", 2)
+    by_campaign = {name: lane.store.find_campaign(name, "acme").campaign_id
+                   for name in ("finish", "cancel")}
+    with lane.store.engine.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT t.campaign_id, r.status, r.reason_code FROM campaign_targets t"
+            " JOIN runs r ON r.run_id = t.run_id")).all()
+    got = {(c, s, rc) for c, s, rc in rows}
+    assert got == {(by_campaign["finish"], "RUNNING", None),
+                   (by_campaign["cancel"], "CANCEL_REQUESTED", "CAMPAIGN_STOPPED")}
+    # The heartbeat delivers the cancel to the worker holding each of them.
+    beat = lane.store.heartbeat("w", list(leases.values()), lease_ttl=30)
+    assert len(beat.cancel_requested) == 2
+
+
+def test_a_stop_rule_that_cancels_running_runs_has_the_pass_cancel_them(
+        lane: Runlane, tmp_path: Path) -> None:
+    """The rule stops the campaign in a run's finishing transaction; the runs still
+    running are cancelled by the next scheduler pass (the file's stop.cancel_running),
+    not in that transaction (it would wait for their rows holding the campaign's)."""
+    repos = [tmp_path / f"rule{i}.git" for i in range(6)]
+    lane.create_campaign(text=campaign_text(
+        "rule", repos, canary=3, steps='["all"]', max_active=3,
+        stop="failure_rate = 0.5\nwindow = 2\nmin_sample = 2\ncancel_running = true"))
+    lane.store.campaign_pass()
+    leases = lane.store.claim("w", limit=3)
+    lane.store.advance(leases[2], RunStatus.RUNNING)
+    lane.store.fail(leases[0], "VERIFIER_FAILED")
+    lane.store.fail(leases[1], "VERIFIER_FAILED")
+    assert lane.campaign("rule")["status"] == "STOPPED"
+    assert lane.store.get_run(leases[2].run_id)["status"] == "RUNNING"
+    assert lane.store.campaign_pass()["campaign_runs_cancelled"] == 1
+    run = lane.store.get_run(leases[2].run_id)
+    assert (run["status"], run["reason_code"]) == ("CANCEL_REQUESTED", "CAMPAIGN_STOPPED")
+    assert lane.store.campaign_pass()["campaign_runs_cancelled"] == 0  # once

@@ -55,8 +55,10 @@ def test_the_readme_commands_on_the_example_campaign(url: str, tmp_path: Path) -
     assert report.startswith("# Campaign migrate-api-x-to-y (platform)")
     assert report == ok(run(url, tmp_path, "campaign", "show", "migrate-api-x-to-y",
                             "--format", "markdown")).stdout
-    stopped = as_json(url, tmp_path, "campaign", "stop", "migrate-api-x-to-y")
-    assert (stopped["status"], stopped["stop_reason"]) == ("STOPPED", "stopped by user")
+    stopped = as_json(url, tmp_path, "campaign", "stop", "migrate-api-x-to-y",
+                      "--cancel-running")
+    assert (stopped["status"], stopped["stop_reason"], stopped["cancelled_running"]) == (
+        "STOPPED", "stopped by user", 0)
     runs = as_json(url, tmp_path, "runs", "list")
     assert {(r["status"], r["reason_code"]) for r in runs} == {("CANCELLED",
                                                                 "CAMPAIGN_STOPPED")}

@@ -87,4 +87,6 @@ def test_campaigns_over_http_are_their_tenants_only(served: Served) -> None:
     with served.client(acme) as client:
         assert client.post("/v1/campaigns/bump/pause").json()["status"] == "PAUSED"
         assert client.post("/v1/campaigns/bump/resume").json()["status"] == "ACTIVE"
-        assert client.post("/v1/campaigns/bump/stop").json()["status"] == "STOPPED"
+        stopped = client.post("/v1/campaigns/bump/stop", params={"cancel_running": "true"})
+        assert (stopped.json()["status"], stopped.json()["cancelled_running"]) == (
+            "STOPPED", 0)

@@ -129,8 +129,20 @@ class CampaignsMixin:
 
     @_on_the_database
     def stop_campaign(self, name: str, *, tenant: str | None = None,
+                      cancel_running: bool = False,
                       principal: Principal = OPERATOR) -> dict[str, Any]:
-        return self._move(name, tenant, principal, "stop", self.store.stop_campaign)
+        """Stop: no more dispatch, waiting runs cancelled (CAMPAIGN_STOPPED); running
+        runs finish unless ``cancel_running`` (or the file's ``stop.cancel_running``):
+        then they are cancelled too, each as `runlane cancel` would."""
+        out = self._move(name, tenant, principal, "stop", self.store.stop_campaign)
+        found = self.store.find_campaign(out["name"], out["tenant"])
+        if cancel_running or self.store._campaign_config(found).stop.cancel_running:
+            out["cancelled_running"] = self.store.cancel_campaign_running(
+                found.campaign_id, actor=f"token:{principal.token_id}" if principal.token_id
+                else "user")
+        else:
+            out["cancelled_running"] = 0
+        return out
 
     @_on_the_database
     def retry_failed_campaign(self, name: str, *, tenant: str | None = None,

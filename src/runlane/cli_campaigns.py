@@ -108,9 +108,11 @@ def _print_summary(s: dict[str, Any]) -> None:
         click.echo(f"pull request: {p['repo']} {p['url'] or p['number']}")
 
 
-def _move(verb: str, name: str, tenant: str | None, as_json: bool) -> None:
+def _move(verb: str, name: str, tenant: str | None, as_json: bool,
+          **options: Any) -> None:
     with _lane() as lane:
-        done = getattr(lane, f"{verb.replace('-', '_')}_campaign")(name, tenant=tenant)
+        done = getattr(lane, f"{verb.replace('-', '_')}_campaign")(name, tenant=tenant,
+                                                                 **options)
     if as_json:
         _print_json(done)
         return
@@ -119,13 +121,13 @@ def _move(verb: str, name: str, tenant: str | None, as_json: bool) -> None:
                    f"status {done['status']}")
         return
     what = "" if done["changed"] else " (unchanged)"
+    if done.get("cancelled_running"):
+        what += f"; {done['cancelled_running']} running runs cancelled"
     click.echo(f"campaign {done['name']}: {done['status']}{what}")
 
 
 for _verb, _help in (("pause", "Hold the campaign: no new dispatch, its queued runs held."),
                      ("resume", "Resume a paused campaign: its held runs queued again."),
-                     ("stop", "Stop: queued runs cancelled (CAMPAIGN_STOPPED), running "
-                      "runs finish."),
                      ("retry-failed", "New runs for the failed targets (and, of a stopped "
                       "campaign, those its stop cancelled before they started).")):
     def _command(name: str, tenant: str | None, as_json: bool,
@@ -134,6 +136,18 @@ for _verb, _help in (("pause", "Hold the campaign: no new dispatch, its queued r
 
     _command.__doc__ = _help
     campaign_group.command(_verb)(json_flag(tenant_option(click.argument("name")(_command))))
+
+
+@campaign_group.command("stop")
+@click.argument("name")
+@tenant_option
+@click.option("--cancel-running", is_flag=True,
+              help="Cancel the runs already running too (else they finish).")
+@json_flag
+def _stop(name: str, tenant: str | None, cancel_running: bool, as_json: bool) -> None:
+    """Stop: no more dispatch, queued runs cancelled (CAMPAIGN_STOPPED); running runs
+    finish, or are cancelled with --cancel-running (or the file's stop.cancel_running)."""
+    _move("stop", name, tenant, as_json, cancel_running=cancel_running)
 
 
 def register(app: click.Group) -> None:

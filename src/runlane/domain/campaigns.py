@@ -200,6 +200,9 @@ class StopRule(_Model):
     failure_reasons: tuple[str, ...] | None = None
     # Runs ending with one of these are not counted at all.
     ignore_reasons: tuple[str, ...] = DEFAULT_IGNORED_REASONS
+    # A stop (the rule's or `campaign stop`) also cancels the runs already running;
+    # by default they finish.
+    cancel_running: bool = False
 
     @field_validator("failure_reasons", "ignore_reasons", mode="before")
     @classmethod

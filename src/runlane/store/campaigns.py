@@ -39,7 +39,7 @@ from runlane.domain.campaigns import (
 from runlane.domain.ids import new_id
 from runlane.domain.reasons import Reason
 from runlane.domain.repos import canonical_repo
-from runlane.domain.states import RunStatus
+from runlane.domain.states import LEASED, RunStatus
 from runlane.domain.tasks import TaskSpec, enforce_payload_cap, task_digest
 from runlane.errors import Conflict, NotFound
 from runlane.faults import crash_point
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from runlane.clock import Clock
-    from runlane.store.store import Submission
+    from runlane.store.store import CancelResult, Submission
 
 log = structlog.get_logger("runlane.store")
 S = RunStatus
@@ -151,6 +151,9 @@ class CampaignMixin:
                        traceparents: Sequence[str | None] | None = None
                        ) -> list[Submission]: ...
         def _now(self, conn: Connection) -> float: ...
+        def cancel(self, task_id: str, *, actor: str = "user",
+                   reason_code: Reason = Reason.CANCELLED_BY_USER,
+                   message: str = "cancelled by user") -> CancelResult: ...
         reads: Any
 
     _campaign_configs: dict[str, CampaignConfig]
@@ -216,7 +219,33 @@ class CampaignMixin:
                 default_max_attempts=default_max_attempts))
             counts["campaign_batches_released"] += released
             counts["campaign_runs_dispatched"] += dispatched
+        counts["campaign_runs_cancelled"] = self._cancel_running_of_stopped()
         return counts
+
+    def _cancel_running_of_stopped(self) -> int:
+        """The running runs of stopped campaigns whose stop rule says to cancel them (a
+        stop in a run's finishing transaction cannot: it would wait for those runs'
+        rows while holding the campaign's, which their own ends take)."""
+        with self.reads.connect() as conn:
+            rows = [conn.execute(self._q(csql.CAMPAIGN_LOCK), {"campaign_id": r.campaign_id})
+                    .one() for r in conn.execute(self._q(csql.STOPPED_WITH_ACTIVE))]
+        return sum(self.cancel_campaign_running(row.campaign_id, actor="scheduler")
+                   for row in rows if self._campaign_config(row).stop.cancel_running)
+
+    def cancel_campaign_running(self, campaign_id: str, *, actor: str = "user") -> int:
+        """Cancel the campaign's runs that hold a lease (CANCEL_REQUESTED, reason
+        CAMPAIGN_STOPPED, delivered to their workers as any cancel): how many."""
+        with self.reads.connect() as conn:
+            tasks = [r.task_id for r in conn.execute(
+                self._q(csql.RUNNING_TASKS, "statuses"),
+                {"campaign_id": campaign_id, "statuses": sorted(s.value for s in LEASED)})]
+        cancelled = 0
+        for task_id in tasks:
+            result = self.cancel(task_id, actor=actor, reason_code=Reason.CAMPAIGN_STOPPED,
+                                 message="its campaign was stopped")
+            cancelled += sum(s == RunStatus.CANCEL_REQUESTED.value
+                             for s in result.runs.values())
+        return cancelled
 
     def _advance(self, conn: Connection, campaign_id: str, default_max_attempts: int
                  ) -> tuple[int, int]:

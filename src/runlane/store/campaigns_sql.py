@@ -182,6 +182,20 @@ WHERE t.campaign_id = :campaign_id AND t.state = 'ACTIVE' AND r.status IN :statu
 ORDER BY r.run_id
 {lock_r}
 """
+# The tasks of a campaign's runs that hold a lease and have no cancel yet (a stop that
+# cancels running runs cancels these, each in a transaction of its own: no run is
+# waited for while the campaign row is held).
+RUNNING_TASKS = """
+SELECT t.task_id FROM campaign_targets t
+JOIN runs r ON r.run_id = t.run_id
+WHERE t.campaign_id = :campaign_id AND t.state = 'ACTIVE' AND r.status IN :statuses
+ORDER BY t.task_id
+"""
+# Stopped campaigns with runs still active (the pass cancels them when the stop says so).
+STOPPED_WITH_ACTIVE = """
+SELECT campaign_id FROM campaigns WHERE status = 'STOPPED' AND active > 0
+ORDER BY campaign_id
+"""
 FAILED_RETRIED = """
 UPDATE campaign_targets
 SET state = 'PENDING', generation = generation + 1, task_id = NULL, run_id = NULL

@@ -1652,7 +1652,9 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
 
     # --- cancellation -------------------------------------------------------------
 
-    def cancel(self, task_id: str, *, actor: str = "user") -> CancelResult:
+    def cancel(self, task_id: str, *, actor: str = "user",
+               reason_code: Reason = Reason.CANCELLED_BY_USER,
+               message: str = "cancelled by user") -> CancelResult:
         """Cancel a task: waiting runs end CANCELLED now; leased runs get
         CANCEL_REQUESTED, delivered to their worker by NOTIFY and the next heartbeat.
 
@@ -1680,7 +1682,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                 if target is not None and self._set_status(
                     conn, run_id=r.run_id, source=status, path=[target],
                     run_token=r.fencing_token, actor=actor, now=r.now,
-                    reason_code=Reason.CANCELLED_BY_USER, message="cancelled by user",
+                    reason_code=reason_code, message=message,
                 ):
                     status = target
                     if target is S.CANCEL_REQUESTED:

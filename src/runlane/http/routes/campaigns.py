@@ -58,8 +58,11 @@ def resume_campaign(name: Name, lane: Lane, who: Who, tenant: Tenant = None) -> 
 
 
 @router.post("/campaigns/{name}/stop")
-def stop_campaign(name: Name, lane: Lane, who: Who, tenant: Tenant = None) -> dict[str, Any]:
-    return lane.stop_campaign(name, tenant=tenant, principal=who)
+def stop_campaign(name: Name, lane: Lane, who: Who, tenant: Tenant = None,
+                  cancel_running: bool = False) -> dict[str, Any]:
+    """Stop; with ``cancel_running=true`` its running runs are cancelled too."""
+    return lane.stop_campaign(name, tenant=tenant, cancel_running=cancel_running,
+                              principal=who)
 
 
 @router.post("/campaigns/{name}/retry-failed")
