@@ -29,6 +29,32 @@ _OURS = "_runlane_handler"  # marks the root handler configure_logging installed
 _installed: tuple[type, int] | None = None
 
 
+class _Stderr:
+    """sys.stderr for log lines, which a closed reader does not make fatal: a worker
+    whose supervisor was killed (it read the worker's stderr) gets SIGTERM and must
+    still drain and record STOPPED, writing lines no one reads. Once a write finds the
+    pipe broken, lines go nowhere."""
+
+    def __init__(self) -> None:
+        self._broken = False
+
+    def write(self, text: str) -> int:
+        if self._broken:
+            return len(text)
+        try:
+            return sys.stderr.write(text)
+        except (BrokenPipeError, ValueError):  # ValueError: stderr closed
+            self._broken = True
+            return len(text)
+
+    def flush(self) -> None:
+        if not self._broken:
+            try:
+                sys.stderr.flush()
+            except (BrokenPipeError, ValueError):
+                self._broken = True
+
+
 def _event_first(_logger: Any, _name: str, event: MutableMapping[str, Any]
                  ) -> MutableMapping[str, Any]:
     return {"event": event.pop("event", None), **event}
@@ -57,7 +83,7 @@ def configure_logging(level: str = "INFO", json: bool = True, *,
         wrapper_class=wrapper,
         # One write per line (a PrintLogger writes the newline apart): a line of the
         # standard library's handler never lands inside one of these.
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
     if capture_stdlib:
@@ -73,7 +99,7 @@ def _capture_stdlib(level: int, timestamper: structlog.types.Processor,
                            structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name,
                            timestamper],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderer])
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(_Stderr())
     handler.setFormatter(formatter)
     setattr(handler, _OURS, True)
     root = logging.getLogger()
