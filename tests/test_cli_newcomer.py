@@ -358,6 +358,18 @@ def test_up_stops_with_the_workers_error_on_a_crash_loop(sqlite_url: str,
     assert last.startswith("error: a worker died 2 times in a row"), done.stderr[-2000:]
 
 
+def test_up_exits_when_idle_once_every_worker_has(sqlite_url: str, tmp_path: Path) -> None:
+    """`up --exit-when-idle`: a worker that exits 0 (nothing left it can serve) is not
+    restarted, and `up` ends, 0, once all have."""
+    env = cli_env(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "runlane", "--database-url", sqlite_url, "--sandbox", "off",
+         "up", "--workers", "2", "--agent-command", "true", "--exit-when-idle"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, (done.stdout, done.stderr[-2000:])
+    assert "worker_died" not in done.stderr  # exited, not died: none restarted
+
+
 def test_the_pool_reports_the_workers_own_error_with_backoff() -> None:
     from runlane.services.supervisor import Backoff, WorkerCrashLoop, WorkerPool
 
