@@ -311,12 +311,14 @@ def assert_campaigns(report: dict[str, Any], plain: int) -> None:
     """The workload's two campaigns ended as their planned failure mix says, under
     every fault (their invariants are the ``campaign_*`` checks, all clean): the
     rollout completed, every target run; the stop campaign stopped at its fourth
-    counted finish, its last batch never dispatched."""
+    counted finish, its last batch (two targets) never dispatched. Whether the second
+    batch's last target was dispatched before the stop (a slot freed by a fast failure)
+    depends on timing: it may have run, been cancelled, or never started."""
     rollout, stop = report["campaigns"]["chaos-rollout"], report["campaigns"]["chaos-stop"]
     assert rollout["status"] == "COMPLETED" and rollout["batches_released"] == 3, rollout
     assert rollout["by_state"] == {"SUCCEEDED+run": 10, "FAILED+run": 2}, rollout
     assert stop["status"] == "STOPPED" and stop["batches_released"] == 2, stop
-    assert stop["by_state"]["FAILED+run"] == 2 and stop["by_state"]["CANCELLED"] >= 3, stop
+    assert stop["by_state"]["FAILED+run"] == 2 and stop["by_state"]["CANCELLED"] >= 2, stop
     assert report["faults"]["duplicate_campaign"] > 0
     dispatched = sum(n for c in (rollout, stop) for k, n in c["by_state"].items()
                      if k.endswith("+run"))
