@@ -5,13 +5,17 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psycopg
 from sqlalchemy import text
 
+from runlane.api import Runlane
 from runlane.domain.tasks import TaskSpec, parse_task
+from runlane.settings import Settings
 from runlane.store.store import Store, Submission
 from runlane.store.wakeup import libpq_url
 
@@ -149,3 +153,15 @@ def database_state(url: str) -> dict[str, list[str]]:
                     for table in schema.metadata.sorted_tables}
     finally:
         engine.dispose()
+
+
+@contextmanager
+def fast_lane(db_url: str, tmp_path: Path) -> Iterator[Runlane]:
+    """The facade of the in-process worker tests: workspaces and artifacts under
+    ``tmp_path``, short heartbeats, TERM grace and retry backoff."""
+    settings = Settings(database_url=db_url, workspace_dir=tmp_path / "workspaces",
+                        artifacts_dir=tmp_path / "artifacts", heartbeat_seconds=0.2,
+                        agent_term_grace_seconds=0.5, retry_base_seconds=0.05,
+                        retry_max_seconds=0.1)
+    with Runlane(settings=settings) as lane:
+        yield lane

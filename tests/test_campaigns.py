@@ -28,19 +28,14 @@ from runlane.domain.campaigns import (
 )
 from runlane.domain.states import RunStatus
 from runlane.errors import Conflict, Forbidden, NotFound
-from runlane.settings import Settings
 from runlane.worker.worker import Worker
 
-from .support import bare_remote
+from .support import bare_remote, fast_lane
 
 
 @pytest.fixture
 def lane(db_url: str, tmp_path: Path) -> Iterator[Runlane]:
-    settings = Settings(database_url=db_url, workspace_dir=tmp_path / "workspaces",
-                        artifacts_dir=tmp_path / "artifacts", heartbeat_seconds=0.2,
-                        agent_term_grace_seconds=0.5, retry_base_seconds=0.05,
-                        retry_max_seconds=0.1)
-    with Runlane(settings=settings) as lane:
+    with fast_lane(db_url, tmp_path) as lane:
         yield lane
 
 

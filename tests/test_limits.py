@@ -24,11 +24,10 @@ from runlane.agents.python import AgentContext, AgentStopped, PythonAgentRunner
 from runlane.api import Runlane
 from runlane.codehost.local_forge import LocalForge
 from runlane.domain.policy import parse_policy
-from runlane.settings import Settings
 from runlane.store.store import Store
 
 from .resource_support import FORK_BOMB, MEMORY_HOG, confined, live_processes_of, unused_uid
-from .support import bare_remote
+from .support import bare_remote, fast_lane
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,11 +44,7 @@ def forge_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def lane(db_url: str, tmp_path: Path) -> Iterator[Runlane]:
-    settings = Settings(database_url=db_url, workspace_dir=tmp_path / "workspaces",
-                        artifacts_dir=tmp_path / "artifacts", heartbeat_seconds=0.2,
-                        agent_term_grace_seconds=0.5, retry_base_seconds=0.05,
-                        retry_max_seconds=0.1)
-    with Runlane(settings=settings) as lane:
+    with fast_lane(db_url, tmp_path) as lane:
         yield lane
 
 

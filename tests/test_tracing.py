@@ -33,7 +33,7 @@ from runlane.store.store import Store
 
 from .http_support import wait_until
 from .otlp_collector import CollectedSpan, Collector
-from .support import attempts_of, bare_remote, cli_env, processes_in, run_row
+from .support import attempts_of, bare_remote, cli_env, fast_lane, processes_in, run_row
 
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = ("runlane.admission", "runlane.clone", "runlane.agent", "runlane.verify",
@@ -71,11 +71,7 @@ def remote(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def lane(db_url: str, tmp_path: Path) -> Iterator[Runlane]:
-    settings = Settings(database_url=db_url, workspace_dir=tmp_path / "workspaces",
-                        artifacts_dir=tmp_path / "artifacts", heartbeat_seconds=0.2,
-                        agent_term_grace_seconds=0.5, retry_base_seconds=0.05,
-                        retry_max_seconds=0.1)
-    with Runlane(settings=settings) as lane:
+    with fast_lane(db_url, tmp_path) as lane:
         yield lane
 
 

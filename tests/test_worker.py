@@ -24,10 +24,9 @@ from runlane.agents.python import AgentContext, AgentFailed, PythonAgentRunner
 from runlane.api import Runlane
 from runlane.codehost.local_forge import LocalForge
 from runlane.domain.retry import RetryPolicy
-from runlane.settings import Settings
 from runlane.store.store import Store
 
-from .support import attempts_of, bare_remote, processes_in, run_row, spec
+from .support import attempts_of, bare_remote, fast_lane, processes_in, run_row, spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -297,11 +296,7 @@ def _workers(store: Store) -> list[dict[str, Any]]:
 
 @pytest.fixture
 def lane(db_url: str, tmp_path: Path) -> Iterator[Runlane]:
-    settings = Settings(database_url=db_url, workspace_dir=tmp_path / "workspaces",
-                        artifacts_dir=tmp_path / "artifacts", heartbeat_seconds=0.2,
-                        agent_term_grace_seconds=0.5, retry_base_seconds=0.05,
-                        retry_max_seconds=0.1)
-    with Runlane(settings=settings) as lane:
+    with fast_lane(db_url, tmp_path) as lane:
         yield lane
 
 
