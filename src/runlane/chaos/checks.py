@@ -349,6 +349,7 @@ def _reclaim(outcome: Outcome, attempts: dict[str, list[Any]]
     to_claim: list[float] = []  # ... -> the next claim (backoff, poll, a free slot)
     slowest: list[dict[str, Any]] = []
     during_restart: list[float] = []
+    during_stall: list[float] = []
     ended_instead = 0
     found: list[dict[str, Any]] = []
     for fault in outcome.faults:
@@ -375,19 +376,25 @@ def _reclaim(outcome: Outcome, attempts: dict[str, list[Any]]
             latency = float(later.started_at) - fault.at
             near_restart = any(start - budget <= fault.at <= end + RESTART_SETTLE_SECONDS
                                for start, end in outcome.restart_windows)
-            (during_restart if near_restart else samples).append(latency)
+            # A paused worker holding SQLite's write lock stops every writer, the
+            # reaper too, until it resumes: a database outage, not a slow recovery.
+            near_stall = not near_restart and any(
+                start - budget <= fault.at <= end for start, end in outcome.lock_stall_windows)
+            (during_restart if near_restart else
+             during_stall if near_stall else samples).append(latency)
             back = recovered.get((a.run_id, a.attempt_no))
-            if back is not None and not near_restart:
+            if back is not None and not (near_restart or near_stall):
                 to_requeue.append(back - fault.at)
                 to_claim.append(float(later.started_at) - back)
             slowest.append({
                 "run_id": a.run_id, "fault": fault.kind, "latency": round(latency, 3),
                 "lease_expired_after": round(float(a.lease_expires_at) - fault.at, 3),
                 "recovered_after": None if back is None else round(back - fault.at, 3),
-                "near_restart": near_restart})
+                "near_restart": near_restart, "near_lock_stall": near_stall})
     reclaim: dict[str, Any] = {"samples": len(samples), "budget": budget,
                                "ended_without_reclaim": ended_instead,
-                               "during_restart": len(during_restart)}
+                               "during_restart": len(during_restart),
+                               "during_lock_stall": len(during_stall)}
     if samples:
         reclaim.update({"p50": round(_percentile(samples, 0.5), 3),
                         "p95": round(_percentile(samples, 0.95), 3),
@@ -405,6 +412,8 @@ def _reclaim(outcome: Outcome, attempts: dict[str, list[Any]]
                              "max": round(max(values), 3)}
     if during_restart:
         reclaim["during_restart_max"] = round(max(during_restart), 3)
+    if during_stall:
+        reclaim["during_lock_stall_max"] = round(max(during_stall), 3)
     reclaim["slowest"] = sorted(slowest, key=lambda x: -x["latency"])[:5]
     return reclaim, found
 

@@ -17,6 +17,7 @@ import random
 import shlex
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,9 @@ class Outcome:
     faults: list[Fault]
     counts: Counter[str]
     restart_windows: list[tuple[float, float]]
+    # SQLite: the windows a SIGSTOPped worker held the database's write lock (no writer,
+    # the reaper included, can go on until it resumes: SQLite has no way to break it).
+    lock_stall_windows: list[tuple[float, float]]
     exits: list[tuple[str, int, int, str]]  # role, pid, exit code, last log line
     harness_errors: list[str]
     logs: list[Path]
@@ -167,6 +171,7 @@ class Harness:
         self.exits: list[tuple[str, int, int, str]] = []
         self.errors: list[str] = []
         self.restart_windows: list[tuple[float, float]] = []
+        self.lock_stall_windows: list[tuple[float, float]] = []
         self.run_of_key: dict[str, str] = {}
         self.plan_of_run: dict[str, TaskPlan] = {}
         self.task_of_run: dict[str, str] = {}
@@ -548,6 +553,32 @@ class Harness:
         timer.start()
         self.timers.append(timer)
         self.counts["stop"] += 1
+        if self.c.engine == "sqlite":
+            paused_at = time.time()
+            threading.Thread(target=self._probe_write_lock, daemon=True,
+                             args=(paused_at, paused_at + self.c.stop_seconds)).start()
+
+    def _probe_write_lock(self, paused_at: float, resumes_at: float) -> None:
+        """Whether the worker just paused holds SQLite's write lock: if no write
+        transaction can begin within a second (the others hold it for milliseconds),
+        every writer waits for its SIGCONT, and that window is recorded."""
+        path = self.url.removeprefix("sqlite:///")
+        try:
+            conn = sqlite3.connect(path, timeout=1.0, isolation_level=None)
+        except sqlite3.Error as exc:
+            self.errors.append(f"write lock probe: {exc}")
+            return
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("ROLLBACK")
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc):
+                self.errors.append(f"write lock probe: {exc}")
+                return
+            self.lock_stall_windows.append((paused_at, resumes_at))
+            self.counts["stop_holding_write_lock"] += 1
+        finally:
+            conn.close()
 
     def _fault_terminate(self) -> None:
         if self.c.engine != "postgresql":
@@ -689,7 +720,8 @@ class Harness:
             plans=self.plans[:self.next_plan], run_of_key=dict(self.run_of_key),
             campaigns=self.campaigns, workload=len(self.plans),
             remotes=self.remotes, forge=self.forge, faults=self.faults, counts=self.counts,
-            restart_windows=self.restart_windows, exits=self.exits,
+            restart_windows=self.restart_windows,
+            lock_stall_windows=list(self.lock_stall_windows), exits=self.exits,
             harness_errors=self.errors, logs=[p.log for p in self.procs],
             wall_seconds=time.monotonic() - started, stopped_early=stopped_early,
             store=self.store, stray_agents=self.stray_agents)

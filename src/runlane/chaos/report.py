@@ -140,4 +140,8 @@ def _reclaim_line(reclaim: dict[str, Any]) -> str:
     if not reclaim.get("samples"):
         return "no samples"
     return (f"p50 {reclaim['p50']:.2f}s, p99 {reclaim['p99']:.2f}s, max {reclaim['max']:.2f}s "
-            f"over {reclaim['samples']} (budget {reclaim['budget']:.2f}s)")
+            f"over {reclaim['samples']} (budget {reclaim['budget']:.2f}s)"
+            + "".join(f"; {reclaim[key]} more {label}, max {reclaim[key + '_max']:.2f}s"
+                      for key, label in (("during_restart", "within a restart"),
+                                         ("during_lock_stall", "behind a paused writer"))
+                      if reclaim.get(key)))
