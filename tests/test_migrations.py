@@ -1006,3 +1006,25 @@ def test_the_version_read_without_alembic_is_alembics(fresh_url: str,
     with engine.connect() as conn:
         assert migrate.current_revision(engine) == \
             MigrationContext.configure(conn).get_current_revision() == "0005"
+
+
+def test_a_heartbeat_changes_no_indexed_column(fresh_url: str,
+                                               make_engine: Callable[[str], Engine]) -> None:
+    """What lets a beat be a HOT update on PostgreSQL (no index entry per lease per beat,
+    bench/heartbeat.py): no index of ``attempts`` has a column the heartbeat writes, in
+    its keys or in its predicate. The columns are read off the statement itself."""
+    from runlane.store import sql
+
+    assignments = re.search(r"\bSET\b(.*?)\bWHERE\b", sql.HEARTBEAT, re.S)
+    assert assignments is not None
+    written = set(re.findall(r"(\w+)\s*=", assignments.group(1)))
+    assert written == {"lease_expires_at", "heartbeat_at"}
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine)
+    indexes = inspect(engine).get_indexes("attempts")
+    assert indexes, "attempts has its partial unique index at least"
+    for index in indexes:
+        predicate = " ".join(str(v) for k, v in index.get("dialect_options", {}).items()
+                             if k.endswith("_where"))
+        touched = written & (set(index["column_names"]) | set(re.findall(r"\w+", predicate)))
+        assert not touched, f"{index['name']} indexes {sorted(touched)}, which a beat writes"

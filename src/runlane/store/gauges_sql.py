@@ -16,7 +16,7 @@ OLDEST_QUEUED = 256
 
 # Rows of (kind, label, value, age):
 #   queue   queue name, SUM(lanes.queued_count), the age of its oldest ready run;
-#   leases  -, active leases (ix_attempts_active_lease_expiry, partial: ACTIVE only);
+#   leases  -, active leases (uq_attempts_one_active_lease, partial: ACTIVE only);
 #   worker  worker id, seconds since its last heartbeat (STARTING, READY, DRAINING);
 #   spend   tenant, USD spent today (tenant_spend's primary key: tenant, day);
 #   policy  -, the policy version in force (its budgets name the tenants above).

@@ -26,8 +26,10 @@ FIRST_KEY: tuple[float, str] = (float("-inf"), "")
 # locked, and with SKIP LOCKED: the reaper never waits on a row a worker holds (no
 # deadlock with a worker ending the attempt), and a heartbeat that is extending the
 # lease either finished first (the row is skipped, then no longer expired) or waits
-# for the reaper and then finds the lease gone. Reads ix_attempts_active_lease_expiry
-# from ``:after_at`` on (the ``>=`` bound; the ``OR`` only breaks ties).
+# for the reaper and then finds the lease gone. Reads the active leases through
+# uq_attempts_one_active_lease (its predicate is ACTIVE) and sorts those expired: no
+# index on the expiry (migration 0027), so a heartbeat changes no indexed column (the
+# ``>=`` bound starts the walk; the ``OR`` only breaks ties).
 EXPIRED_LEASES = """
 SELECT a.run_id, a.fencing_token, a.worker_id, a.lease_expires_at
 FROM attempts a

@@ -316,16 +316,11 @@ attempts = Table(
         postgresql_where=text("lease_status = 'ACTIVE'"),
         sqlite_where=text("lease_status = 'ACTIVE'"),
     ),
-    # The reaper's scan: active leases by expiry.
-    Index(
-        "ix_attempts_active_lease_expiry",
-        "lease_expires_at",
-        postgresql_where=text("lease_status = 'ACTIVE'"),
-        sqlite_where=text("lease_status = 'ACTIVE'"),
-    ),
-    # No index on the worker (migration 0015 dropped ix_attempts_active_lease_worker):
-    # a heartbeat names its runs, and finds their ACTIVE leases by the one above; every
-    # beat is an update of an indexed column (lease_expires_at), an entry in each index.
+    # No index on the worker (migration 0015 dropped ix_attempts_active_lease_worker)
+    # nor on the expiry (0027 dropped ix_attempts_active_lease_expiry): a heartbeat
+    # names its runs and finds their ACTIVE leases by the one above, and changes no
+    # indexed column, so on PostgreSQL a beat can be a HOT update (no index entry). The
+    # reaper reads the active leases by the one above too, and sorts them.
 )
 
 run_events = Table(
