@@ -9,7 +9,7 @@ from sqlalchemy import text
 from runlane.clock import ManualClock
 from runlane.domain.reasons import Reason
 from runlane.services.retention import DAY, Pruner, RetentionConfig
-from runlane.store.retention import RetentionStatements, prune_finished
+from runlane.store.retention import PruneCursor, RetentionStatements, prune_finished
 from runlane.store.store import Store
 
 from .support import execute, submit
@@ -146,3 +146,35 @@ def test_a_task_others_depend_on_keeps_its_run_until_its_last_dependent_goes(
     third = prune_finished(store, keep_seconds=KEEP_DAYS * DAY)
     assert (third.runs, third.tasks) == (1, 1)
     assert count(store, "tasks") == count(store, "task_dependencies") == 0
+
+
+def test_a_pass_walks_on_from_its_last_batch_and_the_next_pass_starts_over(
+        store: Store, clock: ManualClock) -> None:
+    """Each batch of a pass starts past the last run picked (its keyset), so it never
+    rereads what the pass deleted or passed over: a run passed over (still named by a
+    dependent) and freed meanwhile waits for the next pass, which starts from the
+    oldest again."""
+    if not RetentionStatements(store).has_dependencies:
+        pytest.skip("no task_dependencies table in this schema")
+    ids = []
+    for _ in range(4):  # four finished runs, one second apart: oldest first
+        ids += finish(store, 1)
+        clock.advance(1.0)
+    a, b, c, d = ids
+    [dependent] = submit(store)
+    execute(store, "INSERT INTO task_dependencies (task_id, depends_on) VALUES (:t, :d)",
+            t=dependent.task_id, d=store.get_run(b)["task_id"])
+    clock.advance(KEEP_DAYS * DAY + 60)
+
+    cursor = PruneCursor()
+    keep = KEEP_DAYS * DAY
+    assert prune_finished(store, keep_seconds=keep, limit=2, cursor=cursor).runs == 2
+    assert [count(store, "runs", "run_id = :r", r=r) for r in ids] == [0, 1, 0, 1]
+    execute(store, "DELETE FROM task_dependencies WHERE task_id = :t", t=dependent.task_id)
+    # b is free now, but behind the walk: this pass goes on with d.
+    assert prune_finished(store, keep_seconds=keep, limit=2, cursor=cursor).runs == 1
+    assert [count(store, "runs", "run_id = :r", r=r) for r in ids] == [0, 1, 0, 0]
+    assert prune_finished(store, keep_seconds=keep, limit=2, cursor=cursor).runs == 0
+    # A new pass walks from the oldest again.
+    assert prune_finished(store, keep_seconds=keep, limit=2, cursor=PruneCursor()).runs == 1
+    assert count(store, "runs", "run_id = :r", r=b) == 0

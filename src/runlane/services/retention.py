@@ -8,7 +8,12 @@ import time
 from dataclasses import asdict, dataclass
 
 from runlane.services.maintenance import MaintenanceService
-from runlane.store.retention import PruneResult, RetentionStatements, prune_finished
+from runlane.store.retention import (
+    PruneCursor,
+    PruneResult,
+    RetentionStatements,
+    prune_finished,
+)
 from runlane.store.store import Store
 
 DAY = 86_400.0
@@ -18,7 +23,9 @@ DAY = 86_400.0
 class RetentionConfig:
     keep_days: float = 30.0
     batch_size: int = 500  # runs per transaction
-    max_batches_per_pass: int = 200
+    # 2,000,000 runs a pass: a backlog (retention turned on late, a lowered RETENTION_DAYS)
+    # goes in one pass, not one pass an hour (bench/retention.py: 1,000,000 in ...).
+    max_batches_per_pass: int = 4000
     pause_seconds: float = 0.05  # between two batches: other writers get the locks
     interval_seconds: float = 3600.0
 
@@ -35,17 +42,19 @@ class Pruner(MaintenanceService):
         self.interval_seconds = self.config.interval_seconds
         self._statements: RetentionStatements | None = None
 
-    def prune_batch(self) -> PruneResult:
+    def prune_batch(self, cursor: PruneCursor | None = None) -> PruneResult:
         if self._statements is None:
             self._statements = RetentionStatements(self.store)
         return prune_finished(self.store, keep_seconds=self.config.keep_days * DAY,
-                              limit=self.config.batch_size, statements=self._statements)
+                              limit=self.config.batch_size, statements=self._statements,
+                              cursor=cursor)
 
     def run_once(self) -> dict[str, int]:
         total = PruneResult()
         batches = 0
+        cursor = PruneCursor()  # one walk per pass, oldest first
         for _ in range(self.config.max_batches_per_pass):
-            pruned = self.prune_batch()
+            pruned = self.prune_batch(cursor)
             batches += 1
             total += pruned
             if pruned.runs < self.config.batch_size:

@@ -21,7 +21,7 @@ long as its task is kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sqlalchemy import Connection, TextClause, bindparam, inspect, text
@@ -32,27 +32,33 @@ from runlane.store.store import Store
 
 FINISHED = sorted(s.value for s in TERMINAL)
 
-# Finished runs older than the cutoff, oldest first; ``ix_runs_status_updated``
-# (status, updated_at) serves it. A terminal run's status never changes again, and its
-# updated_at is at or after its ended_at, so "last change before the cutoff" keeps
-# every run that ended or changed recently.
-# Any ``limit`` of them, not the oldest: ``ix_runs_status_updated`` finds them per
-# status in bounded reads, where ORDER BY updated_at over four statuses made
-# PostgreSQL read and sort all of ``runs`` for every batch (1 s per batch of 500 at
-# 2M runs, bench/sizes.py).
+# Finished runs of one status older than the cutoff, oldest first from where the walk
+# got to (keyset: updated_at, then run_id): ``ix_runs_status_updated`` (status,
+# updated_at) serves it as a range read. A terminal run's status never changes again,
+# and its updated_at is at or after its ended_at, so "last change before the cutoff"
+# keeps every run that ended or changed recently.
+# One status per statement: ORDER BY updated_at over the four finished statuses made
+# PostgreSQL read and sort all of ``runs`` for every batch (1 s per batch of 500 at 2M
+# runs); no ORDER BY at all (a sequential scan stopping at its 500th match) reread the
+# entries of every run deleted earlier in the pass, dead until vacuum, so each batch
+# read more than the last (bench/retention.py). The keyset starts each batch past the
+# last run picked.
 # Nor the run of a task another task names (see above; ``ix_task_dependencies_depends_on``
 # and ``ix_tasks_parent`` serve the checks). A submit that names a task share-locks its
 # run until it commits (sql.NAMED_TASKS): SKIP LOCKED passes over it. The run's task is
 # locked here too, SKIP LOCKED: a prune never waits for a task row after it holds the
 # run (a cancel locks the task, then its runs: the two deadlocked).
 PICK_FINISHED = """
-SELECT r.run_id, r.task_id FROM runs r JOIN tasks t ON t.task_id = r.task_id
-WHERE r.status IN :finished
+SELECT r.run_id, r.task_id, r.updated_at FROM runs r JOIN tasks t ON t.task_id = r.task_id
+WHERE r.status = :status
   AND r.updated_at < {now} - :keep_seconds
+  AND r.updated_at >= :after_at
+  AND (r.updated_at > :after_at OR r.run_id > :after_id)
   AND NOT EXISTS (SELECT 1 FROM attempts a
                   WHERE a.run_id = r.run_id AND a.lease_status = 'ACTIVE')
   AND NOT EXISTS (SELECT 1 FROM tasks c WHERE c.parent_task_id = r.task_id)
   {not_depended_on}
+ORDER BY r.updated_at, r.run_id
 LIMIT :limit
 {lock_rt_skip}
 """
@@ -83,6 +89,16 @@ DELETE_DEPENDENCIES = "DELETE FROM task_dependencies WHERE task_id IN :task_ids"
 DELETE_TASKS = "DELETE FROM tasks WHERE task_id IN :task_ids"
 
 
+@dataclass
+class PruneCursor:
+    """How far one pass has walked each finished status: (updated_at, run_id) of the
+    last run picked. Runs passed over (a locked one, a task still named) lie behind it:
+    the next pass, with a new cursor, starts from the oldest again and tries them."""
+
+    after: dict[str, tuple[float, str]] = field(default_factory=dict)
+    exhausted: set[str] = field(default_factory=set)
+
+
 @dataclass(frozen=True)
 class PruneResult:
     runs: int = 0
@@ -109,7 +125,7 @@ class RetentionStatements:
                 not_depended_on=RUN_NOT_DEPENDED_ON if self.has_dependencies else ""))
             return clause.bindparams(*(bindparam(n, expanding=True) for n in expanding))
 
-        self.pick = render(PICK_FINISHED, "finished")
+        self.pick = render(PICK_FINISHED)
         self.side_effects = render(DELETE_SIDE_EFFECTS, "run_ids")
         self.run_events = render(DELETE_RUN_EVENTS, "run_ids")
         self.attempts = render(DELETE_ATTEMPTS, "run_ids")
@@ -123,18 +139,37 @@ class RetentionStatements:
 
 
 def prune_finished(store: Store, *, keep_seconds: float, limit: int = 500,
-                   statements: RetentionStatements | None = None) -> PruneResult:
+                   statements: RetentionStatements | None = None,
+                   cursor: PruneCursor | None = None) -> PruneResult:
     """Delete up to ``limit`` finished runs whose last change is older than
-    ``keep_seconds``, with everything that belongs only to them, in one transaction."""
+    ``keep_seconds``, with everything that belongs only to them, in one transaction.
+    With a ``cursor`` (one per pass) each batch starts where the last one stopped."""
     if keep_seconds < 0 or limit < 1:
         raise ValueError("keep_seconds must be >= 0 and limit >= 1")
     st = statements or RetentionStatements(store)
+    walk = cursor if cursor is not None else PruneCursor()
 
-    def work(conn: Connection) -> PruneResult:
-        picked = conn.execute(st.pick, {"finished": FINISHED, "now": store.clock.now(),
-                                        "keep_seconds": keep_seconds, "limit": limit}).all()
+    def work(conn: Connection) -> tuple[PruneResult, PruneCursor]:
+        # The walk moves on only once the batch has committed (a retried transaction
+        # starts from the same place).
+        moved = PruneCursor(dict(walk.after), set(walk.exhausted))
+        picked: list[Any] = []
+        now = store.clock.now()
+        for status in FINISHED:
+            if len(picked) >= limit or status in moved.exhausted:
+                continue
+            after_at, after_id = moved.after.get(status, (float("-inf"), ""))
+            wanted = limit - len(picked)
+            rows = conn.execute(st.pick, {"status": status, "now": now,
+                                          "keep_seconds": keep_seconds, "limit": wanted,
+                                          "after_at": after_at, "after_id": after_id}).all()
+            picked += rows
+            if rows:
+                moved.after[status] = (float(rows[-1].updated_at), rows[-1].run_id)
+            if len(rows) < wanted:
+                moved.exhausted.add(status)
         if not picked:
-            return PruneResult()
+            return PruneResult(), moved
         run_ids = [r.run_id for r in picked]
         by_run: dict[str, Any] = {"run_ids": run_ids}
         side_effects = conn.execute(st.side_effects, by_run).rowcount
@@ -142,9 +177,11 @@ def prune_finished(store: Store, *, keep_seconds: float, limit: int = 500,
         attempts = conn.execute(st.attempts, by_run).rowcount
         deleted_runs = conn.execute(st.runs, {**by_run, "finished": FINISHED}).rowcount
         tasks = _prune_tasks(conn, st, sorted({r.task_id for r in picked}))
-        return PruneResult(deleted_runs, tasks, attempts, run_events, side_effects)
+        return PruneResult(deleted_runs, tasks, attempts, run_events, side_effects), moved
 
-    return store._transaction(work)
+    result, moved = store._transaction(work)
+    walk.after, walk.exhausted = moved.after, moved.exhausted
+    return result
 
 
 def _prune_tasks(conn: Connection, st: RetentionStatements, candidates: list[str]) -> int:
