@@ -1327,7 +1327,7 @@ WHERE d.task_id = :task_id
 DUE_WAITING = """
 SELECT r.run_id, r.task_id, r.status, r.fencing_token, r.tenant, r.repo, r.queue,
        r.priority, r.user_id, r.route_key, r.max_attempts, r.created_at, r.lane_id,
-       r.policy_version, r.admission
+       r.policy_version, r.admission, r.estimated_cost_usd
 FROM runs r
 WHERE r.status = :status
   AND r.visible_at <= {now}
