@@ -22,7 +22,7 @@ def tokens_group() -> None:
 
 @tokens_group.command("create")
 @click.option("--tenant", help="The tenant the token sees and writes for (not for admin).")
-@click.option("--role", required=True, type=click.Choice(["read", "submit", "admin"]),
+@click.option("--role", required=True, type=click.Choice(["read", "submit", "approve", "admin"]),
               help="read: looks only; submit: also submits, cancels and retries; "
               "admin: the operator, every tenant.")
 @click.option("--expires", "expires",

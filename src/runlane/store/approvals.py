@@ -23,7 +23,7 @@ from sqlalchemy import Connection
 from runlane.domain.admission import TenantUsage, admit
 from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
-from runlane.errors import Conflict, NotFound
+from runlane.errors import ApprovalRefused, NotFound
 from runlane.observability import metrics
 from runlane.store import approvals_sql as asql
 
@@ -93,8 +93,8 @@ def decide_approval(store: Store, run_id: str, *, approve: bool, actor: str,
                     ) -> ApprovalDecision:
     """Approve or reject a run waiting for approval. The same decision again is
     answered with the first (``repeated``); the other one, or a run that was never
-    held or has moved on, is a Conflict. ``tenant``: the caller's (an API token's),
-    another tenant's run is NotFound."""
+    held or has moved on, is ApprovalRefused (a Conflict). ``tenant``: the caller's
+    (an API token's): another tenant's run is NotFound."""
     wanted = APPROVED if approve else REJECTED
 
     def work(conn: Connection) -> ApprovalDecision:
@@ -108,9 +108,9 @@ def decide_approval(store: Store, run_id: str, *, approve: bool, actor: str,
             if found is not None and found.decision == wanted:
                 return _record(found, status.value, repeated=True)
             if found is not None:
-                raise Conflict(f"run {run_id} was already {found.decision.lower()} "
+                raise ApprovalRefused(f"run {run_id} was already {found.decision.lower()} "
                                f"by {found.actor}; it is {status.value}")
-            raise Conflict(f"run {run_id} is {status.value}, not waiting for approval")
+            raise ApprovalRefused(f"run {run_id} is {status.value}, not waiting for approval")
         now = float(run.now)
         version, policy = store._policy(conn)
         conn.execute(store._q(asql.INSERT_APPROVAL), {

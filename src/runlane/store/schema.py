@@ -404,7 +404,7 @@ api_tokens = Table(
     metadata,
     Column("token_id", String(32), primary_key=True),
     Column("tenant", String(128)),  # NULL: every tenant (role admin)
-    Column("role", String(16), nullable=False),  # read, submit, admin
+    Column("role", String(16), nullable=False),  # read, submit, approve, admin
     Column("name", String(255)),
     Column("secret_sha256", String(64), nullable=False),
     Column("created_at", Timestamp, nullable=False),
