@@ -1717,6 +1717,15 @@ UPDATE runs SET cost_usd = cost_usd + :usd, updated_at = {now}
 WHERE run_id = :run_id AND fencing_token = :token
 RETURNING cost_usd, {now} AS now
 """
+# A run's cost limit (max_cost_usd, or a model-token limit) was crossed: when, on the
+# run and on the attempt that crossed it; the first crossing stays (issue 29).
+MARK_COST_EXCEEDED_RUN = """
+UPDATE runs SET cost_exceeded_at = COALESCE(cost_exceeded_at, {now}) WHERE run_id = :run_id
+"""
+MARK_COST_EXCEEDED_ATTEMPT = """
+UPDATE attempts SET cost_exceeded_at = COALESCE(cost_exceeded_at, {now})
+WHERE run_id = :run_id AND fencing_token = :token
+"""
 # The model tokens of a run, all its attempts (its token limits count them like cost).
 RUN_TOKENS = """
 SELECT COALESCE(SUM(input_tokens), 0) AS input_tokens,

@@ -1321,17 +1321,28 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                 return None
             row = conn.execute(self._q(sql.ADD_RUN_COST), params).one()
             self._add_tenant_spend(conn, lease.tenant, usd, float(row.now))
+            if maximum is not None and float(row.cost_usd) > float(maximum):
+                self._mark_cost_exceeded(conn, lease, float(row.now))
             return float(row.cost_usd)
 
+        maximum = lease.limits.get("max_cost_usd")
         total = self._transaction(work)
         if total is None:
             raise LeaseLost(f"run {lease.run_id}: lease with token {lease.fencing_token} "
                             "is no longer live; its cost was recorded as late cost")
-        maximum = lease.limits.get("max_cost_usd")
         if maximum is not None and total > float(maximum):
             raise CostLimitExceeded(
                 f"max_cost_usd {maximum} exceeded: run {lease.run_id} has cost ${total:.4f}")
         self._check_token_limits(lease)
+
+    def _mark_cost_exceeded(self, conn: Connection, lease: Lease, now: float | None) -> None:
+        """``cost_exceeded_at`` on the run and on this attempt: the first crossing, one
+        time for both (read first when unknown: the database clock moves between two
+        statements)."""
+        params = {"run_id": lease.run_id, "token": lease.fencing_token,
+                  "now": self._now(conn) if now is None else now}
+        conn.execute(self._q(sql.MARK_COST_EXCEEDED_RUN), params)
+        conn.execute(self._q(sql.MARK_COST_EXCEEDED_ATTEMPT), params)
 
     def _check_token_limits(self, lease: Lease) -> None:
         """The run's model tokens against its limits: like its cost, summed over all its
@@ -1345,6 +1356,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         for kind, maximum in limits.items():
             total = int(getattr(used, f"{kind}_tokens"))
             if maximum is not None and total > int(maximum):
+                self._transaction(lambda conn: self._mark_cost_exceeded(
+                    conn, lease, self.clock.now()))
                 raise CostLimitExceeded(f"max_model_{kind}_tokens {maximum} exceeded: run "
                                         f"{lease.run_id} has used {total} {kind} tokens")
 
