@@ -4,12 +4,18 @@ force, rejected or expired it ends POLICY_DENIED and never starts. On both engin
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import text
 
+from runlane.api import Runlane
 from runlane.clock import ManualClock
 from runlane.domain.admission import AdmissionRequest, TenantUsage, admit
 from runlane.domain.policy import PolicyInvalid, parse_policy, policy_document
@@ -19,7 +25,8 @@ from runlane.errors import Conflict, NotFound
 from runlane.services.scheduler import Scheduler
 from runlane.store.approvals import decide_approval, pending_approvals
 from runlane.store.store import Store
-from tests.support import events_of, run_row, submit
+from tests.http_support import Served, make_token, serve
+from tests.support import cli_env, events_of, one_line_error, run_row, submit
 
 GATED = """
 [concurrency]
@@ -232,3 +239,88 @@ def test_two_approvers_at_once_record_one_approval(db_url: str, clock: ManualClo
     finally:
         for s in stores:
             s.close()
+
+
+# --- the HTTP API: the approve role, and another tenant's token ------------------------
+
+
+@pytest.fixture
+def served(db_url: str, tmp_path: Path) -> Iterator[Served]:
+    with serve(db_url, tmp_path) as server:
+        yield server
+
+
+def test_http_approve_role_and_tenant_scoping(served: Served) -> None:
+    db = served.database_url
+    with Runlane(db) as lane:
+        lane.store.apply_policy(parse_policy(GATED), source="test")
+        ours = lane.submit("acme", PAYMENTS, "ours")
+        theirs = lane.submit("globex", PAYMENTS, "theirs")
+    acme_approver = make_token(db, "approve", "acme")
+    acme_submitter = make_token(db, "submit", "acme")
+    globex_approver = make_token(db, "approve", "globex")
+    with served.client(globex_approver) as client:
+        # Another tenant's run: not listed, and as unknown as a run that does not exist.
+        assert [p["run_id"] for p in client.get("/v1/approvals").json()] == [theirs.run_id]
+        assert client.get("/v1/approvals", params={"tenant": "acme"}).json() == []
+        for verb in ("approve", "reject"):
+            refused = client.post(f"/v1/runs/{ours.run_id}/{verb}", json={"note": "mine now"})
+            assert refused.status_code == 404, refused.text
+            assert refused.json()["reason_code"] == "NOT_FOUND"
+    with served.client(acme_submitter) as client:  # a submitter never approves
+        refused = client.post(f"/v1/runs/{ours.run_id}/approve")
+        assert (refused.status_code, refused.json()["reason_code"]) == (403, "FORBIDDEN")
+    with Runlane(db) as lane:
+        assert lane.run(ours.run_id).status == "AWAITING_APPROVAL"
+        assert lane.run(ours.run_id).approval is None
+    with served.client(acme_approver) as client:
+        assert [p["run_id"] for p in client.get("/v1/approvals").json()] == [ours.run_id]
+        done = client.post(f"/v1/runs/{ours.run_id}/approve", json={"note": "reviewed"})
+        assert done.status_code == 200, done.text
+        body = done.json()
+        assert (body["decision"], body["status"], body["note"], body["repeated"]) == (
+            "APPROVED", "QUEUED", "reviewed", False)
+        assert body["actor"].startswith("token:")
+        assert client.post(f"/v1/runs/{ours.run_id}/approve").json()["repeated"] is True
+        late = client.post(f"/v1/runs/{ours.run_id}/reject")
+        assert (late.status_code, late.json()["reason_code"]) == (409, "NOT_AWAITING_APPROVAL")
+        shown = client.get(f"/v1/runs/{ours.run_id}").json()
+        assert shown["approval"]["decision"] == "APPROVED"
+        assert shown["approval"]["note"] == "reviewed"
+    with Runlane(db) as lane:
+        assert lane.run(theirs.run_id).status == "AWAITING_APPROVAL"  # untouched
+
+
+# --- the CLI -----------------------------------------------------------------------------
+
+
+def test_cli_list_approve_reject(db_url: str, tmp_path: Path) -> None:
+    env = cli_env(tmp_path, RUNLANE_DATABASE_URL=db_url)
+    with Runlane(db_url) as lane:
+        lane.store.apply_policy(parse_policy(GATED), source="test")
+        first = lane.submit("acme", PAYMENTS, "one")
+        second = lane.submit("acme", PAYMENTS, "two")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "runlane", *args], env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    listed = cli("approvals", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [p["run_id"] for p in json.loads(listed.stdout)] == [first.run_id, second.run_id]
+    plain = cli("approvals", "list", "--output", "plain")
+    assert plain.stdout.splitlines()[0].split("\t")[:2] == ["run_id", "tenant"]
+    approved = cli("approve", first.run_id, "--note", "ok", "--by", "alice", "--json")
+    assert approved.returncode == 0, approved.stderr
+    assert json.loads(approved.stdout)["status"] == "QUEUED"
+    rejected = cli("reject", second.task_id, "--note", "no")  # a task's id: its run
+    assert rejected.returncode == 0, rejected.stderr
+    assert f"run {second.run_id} rejected by" in rejected.stdout
+    one_line_error(cli("approve", second.run_id), 2, "already rejected")
+    one_line_error(cli("approve", "no-such-run"), 3, "no run")
+    shown = json.loads(cli("runs", "show", first.run_id, "--json").stdout)
+    assert (shown["approval"]["actor"], shown["approval"]["note"]) == ("alice", "ok")
+    text_shown = cli("runs", "show", second.run_id).stdout
+    assert "approval" in text_shown and "REJECTED by cli" in text_shown
+    listed = cli("runs", "list", "--status", "awaiting_approval", "--json")
+    assert listed.returncode == 0 and json.loads(listed.stdout) == []

@@ -87,17 +87,10 @@ class ApprovalsMixin:
         if by is not None and not (isinstance(by, str) and 0 < len(by) <= 255
                                    and by.isprintable()):
             raise InvalidArgument("by must be 1-255 printable characters")
-        if not principal.can_approve:
-            # Another tenant's run stays unknown even to a token that may not approve.
-            if principal.tenant is not None and self._run_tenant(run_id) != principal.tenant:
-                raise NotFound(f"no run {run_id!r}")
+        if not principal.can_approve:  # refused before any lookup: it tells nothing
             raise Forbidden(f"a {principal.role.value} token may not {verb} runs")
         done = approvals.decide_approval(self.store, run_id, approve=approve,
                                          actor=_actor(principal, by), note=note or None,
                                          tenant=principal.tenant)
         return ApprovalResult.model_validate(
             {**done.to_json(), "decided_at": timestamp(done.decided_at)})
-
-    def _run_tenant(self, run_id: str) -> str | None:
-        from runlane.store import details
-        return details.run_tenant(self.store, run_id)
