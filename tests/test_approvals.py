@@ -324,3 +324,17 @@ def test_cli_list_approve_reject(db_url: str, tmp_path: Path) -> None:
     assert "approval" in text_shown and "REJECTED by cli" in text_shown
     listed = cli("runs", "list", "--status", "awaiting_approval", "--json")
     assert listed.returncode == 0 and json.loads(listed.stdout) == []
+
+
+def test_top_counts_the_runs_awaiting_approval(db_url: str) -> None:
+    from runlane.tui.render import header
+    from runlane.tui.snapshot import FacadeSource
+
+    with Runlane(db_url) as lane:
+        lane.store.apply_policy(parse_policy(GATED), source="test")
+        for prompt in ("one", "two"):
+            lane.submit("acme", PAYMENTS, prompt)
+        snap = FacadeSource(lane, failures=5, claim_window=60).fetch()
+    assert snap.awaiting_approval == 2
+    shown = header(snap, interval=None, stale=None, now=snap.taken_at).plain
+    assert "queued 0  awaiting approval 2  active 0" in shown
