@@ -338,3 +338,32 @@ def test_top_counts_the_runs_awaiting_approval(db_url: str) -> None:
     assert snap.awaiting_approval == 2
     shown = header(snap, interval=None, stale=None, now=snap.taken_at).plain
     assert "queued 0  awaiting approval 2  active 0" in shown
+
+
+def test_gates_add_no_statement_to_a_submit_or_a_claim_they_do_not_hold(store: Store) -> None:
+    """A policy with approval gates (none matching these runs) sends the statements a
+    policy without them sends: gates are decided in memory, and never at claim."""
+    from sqlalchemy import event
+
+    def sent_by_submit_and_claim() -> list[str]:
+        submit(store)  # warm: the first submit and claim after a policy change read it
+        assert len(store.claim("w", limit=1)) == 1
+        seen: list[str] = []
+
+        def record(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+            seen.append(statement)
+
+        event.listen(store.engine, "before_cursor_execute", record)
+        try:
+            submit(store)
+            assert len(store.claim("w", limit=1)) == 1
+        finally:
+            event.remove(store.engine, "before_cursor_execute", record)
+        return seen
+
+    apply(store, "[concurrency]\nglobal_max_active = 100\n")
+    without = sent_by_submit_and_claim()
+    apply(store, "[concurrency]\nglobal_max_active = 100\n"
+                 '[[approvals]]\nwhen = { tenant = "nobody" }\n'
+                 "[[approvals]]\nwhen = { estimated_cost_usd_above = 1000 }\n")
+    assert sent_by_submit_and_claim() == without
