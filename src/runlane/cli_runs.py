@@ -22,6 +22,8 @@ from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskInvalid, valid_name
 from runlane.errors import redact_credentials
 
+# What a decision's retry_after is, in `runs show` (a DEFER's: when to try again).
+_AFTER = {"REQUIRE_APPROVAL": "approval expires"}
 # A prompt longer than this is cut in `runs show` (--full-prompt: whole).
 PROMPT_SHOWN = 400
 
@@ -197,7 +199,8 @@ def summary(run: Any, task: Any, artifacts: Path, *, utc: bool, full_prompt: boo
               + (f" ({admission.get('reason_code')}"
                  + (f": {admission['message']}" if admission.get("message") else "") + ")"
                  if admission.get("reason_code") else "")
-              + (f", retry after {when(_when(admission['retry_after']))}"
+              + (f", {_AFTER.get(admission.get('decision'), 'retry after')} "
+                 f"{when(_when(admission['retry_after']))}"
                  if admission.get("retry_after") else ""))
     else:
         _line("policy", "no policy in force" if not run.policy_version
