@@ -199,7 +199,7 @@ def summary(run: Any, task: Any, artifacts: Path, *, utc: bool, full_prompt: boo
               + (f" ({admission.get('reason_code')}"
                  + (f": {admission['message']}" if admission.get("message") else "") + ")"
                  if admission.get("reason_code") else "")
-              + (f", {_AFTER.get(admission.get('decision'), 'retry after')} "
+              + (f", {_AFTER.get(str(admission.get('decision')), 'retry after')} "
                  f"{when(_when(admission['retry_after']))}"
                  if admission.get("retry_after") else ""))
     else:
