@@ -85,6 +85,7 @@ def served(db_url: str, tmp_path: Path) -> Iterator[Served]:
         "admin": lane.create_token(role="admin", name="ops").token,
         "acme": lane.create_token(role="submit", tenant="acme").token,
         "acme-read": lane.create_token(role="read", tenant="acme").token,
+        "acme-approve": lane.create_token(role="approve", tenant="acme").token,
         "globex": lane.create_token(role="submit", tenant="globex").token,
     }
     port = _free_port()
@@ -341,6 +342,43 @@ def test_a_read_token_sees_no_buttons_and_cannot_cancel(open_page: Any, served: 
                                headers={"Origin": served.url}, max_redirects=0)
     assert answer.status == 403
     assert served.lane.run(mine["run_id"]).status == "QUEUED"
+
+
+def test_an_approver_approves_and_rejects_on_the_run_page(open_page: Any,
+                                                         served: Served) -> None:
+    served.lane.apply_policy('[[approvals]]\nname = "every run"\n')
+    first = served.submit("acme", "acme", "needs a look")
+    second = served.submit("acme", "acme", "needs another look")
+    theirs = served.submit("globex", "globex", "theirs")
+    assert first["status"] == "AWAITING_APPROVAL"
+    submitter = open_page()
+    _sign_in(submitter, served.tokens["acme"])
+    submitter.goto(f"/runs/{first['run_id']}")
+    assert submitter.locator("#approve").count() == 0  # a submitter never approves
+    page = open_page()
+    _sign_in(page, served.tokens["acme-approve"])
+    page.goto(f"/runs/{first['run_id']}")
+    assert "waiting until" in page.locator("#approval").inner_text()
+    _shot(page, "run-awaiting-approval", served)
+    page.fill("#approve-note", "looks fine")
+    page.click("#approve")
+    page.wait_for_url(re.compile(r".*\?notice=approve$"))
+    assert served.lane.run(first["run_id"]).status == "QUEUED"
+    assert "APPROVED" in page.locator("#approval").inner_text()
+    assert "looks fine" in page.locator("#approval").inner_text()
+    assert page.locator("#approve").count() == 0  # decided: no more buttons
+    page.goto(f"/runs/{second['run_id']}")
+    page.click("#reject")
+    page.wait_for_url(re.compile(r".*\?notice=reject$"))
+    assert served.lane.run(second["run_id"]).status == "POLICY_DENIED"
+    # Another tenant's run: as unknown as no run at all, and a forged form changes nothing.
+    answer = page.goto(f"/runs/{theirs['run_id']}")
+    assert answer is not None and answer.status == 404
+    csrf = page.locator("form[action='/logout'] input[name=csrf]").input_value()
+    forged = page.request.post(f"/runs/{theirs['run_id']}/approve", form={"csrf": csrf},
+                               headers={"Origin": served.url}, max_redirects=0)
+    assert forged.status == 404
+    assert served.lane.run(theirs["run_id"]).status == "AWAITING_APPROVAL"
 
 
 def test_a_tenant_never_sees_another_tenants_run(open_page: Any, served: Served) -> None:

@@ -73,7 +73,9 @@ def test_stages_only_move_forward_and_success_only_from_finalizing() -> None:
 
 
 def test_retry_goes_back_to_the_queue_only_through_failed_retryable() -> None:
-    assert sources_of(S.QUEUED) == {S.ADMITTED, S.WAITING_CAPACITY, S.FAILED_RETRYABLE}
+    # AWAITING_APPROVAL: an approved run, never a retry (it has had no attempt).
+    assert sources_of(S.QUEUED) == {S.ADMITTED, S.WAITING_CAPACITY, S.FAILED_RETRYABLE,
+                                    S.AWAITING_APPROVAL}
 
 
 def test_check_path_validates_every_hop() -> None:

@@ -157,12 +157,22 @@ def test_tokens_are_counted_per_run_across_attempts(lane: Runlane, remote: Path,
                      f"120 {kind} tokens")
     assert [a["reason_code"] for a in run["attempts"]] == ["PROVIDER_RATE_LIMIT",
                                                            "LIMIT_EXCEEDED"]
+    # The crossing is recorded on the run and on the attempt that crossed it (issue 29).
+    first, second = run["attempts"]
+    assert first["cost_exceeded_at"] is None
+    assert run["cost_exceeded_at"] == second["cost_exceeded_at"] is not None
 
 
 def test_the_cost_limit_names_itself(lane: Runlane, remote: Path, forge_dir: Path) -> None:
     limits(lane, max_cost_usd=0.5)
-    agent = f"{line(runlane='cost', usd=0.6)}; sleep 60"
-    assert_over(run_one(lane, remote, forge_dir, agent), "max_cost_usd 0.5 exceeded: run ")
+    agent = f"{line(runlane='cost', usd=0.3)}; {line(runlane='cost', usd=0.3)}; sleep 60"
+    run = run_one(lane, remote, forge_dir, agent)
+    assert_over(run, "max_cost_usd 0.5 exceeded: run ")
+    # When the limit was crossed, on the run and its attempt (issue 29): by the second
+    # report, after the attempt started, before it ended.
+    [attempt] = run["attempts"]
+    assert run["cost_exceeded_at"] == attempt["cost_exceeded_at"]
+    assert attempt["started_at"] <= run["cost_exceeded_at"] <= attempt["ended_at"]
 
 
 @pytest.mark.parametrize(("limit", "agent", "message"), [

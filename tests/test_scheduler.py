@@ -107,6 +107,7 @@ daily_model_budget_usd = 1.0
     # after it re-admits it (the spend belongs to the day before).
     assert store.claim("w1", limit=10, lease_ttl=TTL)[0].run_id == admitted.run_id
     assert store.schedule_pass() == {"readmitted": 0, "denied": 0, "deferred": 0,
+                                     "held_for_approval": 0,
                                      "dependencies_resolved": 0, "queued_readmitted": 0,
                                      "queued_terms_changed": 0, "queued_skipped": 0}
     clock.set(1800057600.0 + 1)

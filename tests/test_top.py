@@ -320,7 +320,8 @@ def test_top_once_prints_the_snapshot_and_one_frame(db_url: str, tmp_path: Path)
         submit(lane, 3, queue="q-alpha")
     shown = json.loads(runlane(tmp_path, "--database-url", db_url, "top", "--json").stdout)
     assert set(shown) == {"source", "taken_at", "claim_span_seconds", "queues", "tenants",
-                          "workers", "failures"}
+                          "workers", "failures", "awaiting_approval"}
+    assert shown["awaiting_approval"] == 0
     assert [(q["queue"], q["queued"], q["claims_per_minute"]) for q in shown["queues"]] == [
         ("q-alpha", 3, 1.0)]
     assert [w["worker_id"] for w in shown["workers"]] == ["host-7/w-once"]

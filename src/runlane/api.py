@@ -19,6 +19,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from runlane.agents.base import AttemptLimits
 from runlane.api_activity import ActivityMixin
+from runlane.api_approvals import ApprovalsMixin
 from runlane.api_campaigns import CampaignsMixin
 from runlane.api_views import ViewsMixin
 from runlane.clock import Clock
@@ -120,7 +121,7 @@ def shown_url(url: URL) -> str:
     return unquote(url.render_as_string(hide_password=True))
 
 
-class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin):
+class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin, ApprovalsMixin):
     """Submit, cancel, inspect and audit runs.
 
     >>> lane = Runlane("sqlite:///runlane.db")          # doctest: +SKIP

@@ -430,6 +430,7 @@ def _register_views() -> None:
     register_runs(app)
     register_top(app)
     __import__("runlane.cli_campaigns").cli_campaigns.register(app)
+    __import__("runlane.cli_approvals").cli_approvals.register(app)
 
 
 _register_views()

@@ -22,6 +22,8 @@ from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskInvalid, valid_name
 from runlane.errors import redact_credentials
 
+# What a decision's retry_after is, in `runs show` (a DEFER's: when to try again).
+_AFTER = {"REQUIRE_APPROVAL": "approval expires"}
 # A prompt longer than this is cut in `runs show` (--full-prompt: whole).
 PROMPT_SHOWN = 400
 
@@ -197,11 +199,19 @@ def summary(run: Any, task: Any, artifacts: Path, *, utc: bool, full_prompt: boo
               + (f" ({admission.get('reason_code')}"
                  + (f": {admission['message']}" if admission.get("message") else "") + ")"
                  if admission.get("reason_code") else "")
-              + (f", retry after {when(_when(admission['retry_after']))}"
+              + (f", {_AFTER.get(str(admission.get('decision')), 'retry after')} "
+                 f"{when(_when(admission['retry_after']))}"
                  if admission.get("retry_after") else ""))
     else:
         _line("policy", "no policy in force" if not run.policy_version
               else f"v{run.policy_version}")
+    if run.approval is not None:
+        a = run.approval
+        _line("approval", f"{a.decision} by {a.actor} at {when(a.decided_at)} under policy "
+              f"v{a.policy_version}" + (f": {a.note}" if a.note else ""))
+    elif run.status == "AWAITING_APPROVAL":
+        _line("approval", f"waiting, until {when(run.visible_at)} "
+              "(runlane approve / runlane reject)")
     outcome = run.reason_code or run.outcome
     _line("outcome", (outcome or "") + (f": {run.message}" if run.message else ""))
     _line("attempts", f"{run.attempt_count} of {run.max_attempts}")
@@ -212,6 +222,8 @@ def summary(run: Any, task: Any, artifacts: Path, *, utc: bool, full_prompt: boo
         cost += f", ${run.late_cost_usd:.4f} reported late"
     if run.input_tokens or run.output_tokens:
         cost += f", {run.input_tokens} tokens in, {run.output_tokens} out"
+    if run.cost_exceeded_at is not None:
+        cost += f"; over its limit since {when(run.cost_exceeded_at)}"
     _line("cost", cost)
     _line("created", when(run.created_at))
     _line("updated", when(run.updated_at))
@@ -233,7 +245,9 @@ def summary(run: Any, task: Any, artifacts: Path, *, utc: bool, full_prompt: boo
         _line(f"attempt {a.attempt_no}",
               f"{a.status}" + (f": {a.reason_code}" if a.reason_code else "")
               + f", worker {a.worker_id}, fencing token {a.fencing_token}, "
-              f"${a.cost_usd:.4f}")
+              f"${a.cost_usd:.4f}"
+              + (f" (over the cost limit at {when(a.cost_exceeded_at)})"
+                 if a.cost_exceeded_at else ""))
         _line("", f"stages {stages}")
         _line("", f"{when(a.started_at)} to "
               + (when(a.ended_at) if a.ended_at else f"now (lease {a.lease_status})"))

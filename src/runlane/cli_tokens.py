@@ -17,13 +17,16 @@ from runlane.errors import NotFound
 
 @click.group("tokens")
 def tokens_group() -> None:
-    """API tokens: a tenant's read or submit token, or an admin token (docs/api-access.md)."""
+    """API tokens: a tenant's read, submit or approve token, or an admin token
+    (docs/api-access.md)."""
 
 
 @tokens_group.command("create")
 @click.option("--tenant", help="The tenant the token sees and writes for (not for admin).")
-@click.option("--role", required=True, type=click.Choice(["read", "submit", "admin"]),
+@click.option("--role", required=True,
+              type=click.Choice(["read", "submit", "approve", "admin"]),
               help="read: looks only; submit: also submits, cancels and retries; "
+              "approve: also approves or rejects runs an approval gate holds; "
               "admin: the operator, every tenant.")
 @click.option("--expires", "expires",
               help="A duration from now (30d, 12h, 45m) or an ISO date (2027-01-31); "

@@ -51,6 +51,14 @@ class Conflict(RunlaneError):
     field: str | None = None  # the field of the request that differs, when known
 
 
+class ApprovalRefused(Conflict):
+    """An approve or reject of a run that is not waiting for approval: it was decided
+    otherwise, expired, has moved on or was never held (HTTP 409); nothing was
+    written. The same decision again is no refusal: it answers the first one."""
+
+    reason_code = "NOT_AWAITING_APPROVAL"
+
+
 class RetryRefused(Conflict):
     """A retry of a task whose newest run has not ended (``TASK_NOT_FINISHED``), or
     that another retry just made (``RETRY_RACE``), or whose runs retention deleted

@@ -13,10 +13,13 @@ from runlane.errors import Forbidden
 
 class Role(StrEnum):
     """``read`` never writes; ``submit`` submits, cancels and retries its tenant's tasks;
-    ``admin`` is the operator: every tenant, the policy, workers and audit."""
+    ``approve`` reads and approves or rejects its tenant's runs held by an approval
+    gate (and submits nothing); ``admin`` is the operator: every tenant, the policy,
+    workers and audit."""
 
     READ = "read"
     SUBMIT = "submit"
+    APPROVE = "approve"
     ADMIN = "admin"
 
 
@@ -35,6 +38,10 @@ class Principal:
     @property
     def can_submit(self) -> bool:
         return self.role in (Role.SUBMIT, Role.ADMIN)
+
+    @property
+    def can_approve(self) -> bool:
+        return self.role in (Role.APPROVE, Role.ADMIN)
 
     @property
     def is_admin(self) -> bool:

@@ -19,7 +19,8 @@ from runlane.errors import redact_credentials
 DEFAULT_MAX_ATTEMPTS = 3
 DAY_SECONDS = 86_400
 
-DecisionKind = Literal["ADMIT", "DENY", "DEFER"]
+# REQUIRE_APPROVAL: the run would be admitted, and an approval gate holds it first.
+DecisionKind = Literal["ADMIT", "DENY", "DEFER", "REQUIRE_APPROVAL"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,10 @@ class AdmissionRequest:
     user: str | None = None
     max_attempts: int | None = None
     requires: Mapping[str, Requirement] = field(default_factory=dict)
+    estimated_cost_usd: float | None = None  # the task's own estimate (approval gates)
+    # False: a run already past its gate (approved, or re-checked at claim or before a
+    # side effect): approval gates do not hold it again, every other check applies.
+    gated: bool = True
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,8 @@ class Decision:
     decision: DecisionKind
     reason_code: str | None
     message: str | None
-    retry_after: float | None  # epoch seconds, DEFER only
+    # epoch seconds: a DEFER's retry-after, a REQUIRE_APPROVAL's expiry
+    retry_after: float | None
     queue: str
     priority: int
     max_attempts: int
@@ -102,7 +108,8 @@ def admit(
     """Decide ADMIT, DENY or DEFER; every decision carries the run's terms for the record.
 
     Checks, first hit decides: rules, unknown tenant, repository blocks agents,
-    risk class, requirements contract, daily budget, queued runs.
+    risk class, requirements contract, daily budget, queued runs; a run they admit
+    is then held by the first approval gate that matches it (``request.gated``).
     ``default_max_attempts`` is the setting used when neither task nor policy says.
     ``now`` None: the caller has not read the time (a submit saves that round trip);
     ADMIT and DENY never depend on it, a DEFER raises ``TimeNeeded``.
@@ -154,6 +161,18 @@ def admit(
             policy_version=policy_version,
         )
 
+    def admitted() -> Decision:
+        gate = policy.approval_gate(tenant, request.repo, queue, request.user, risk,
+                                    request.estimated_cost_usd) if request.gated else None
+        if gate is None:
+            return decide("ADMIT")
+        index, approval = gate
+        label = (f"approval gate {approval.name!r}" if approval.name
+                 else f"approval gate approvals[{index}]")
+        return decide("REQUIRE_APPROVAL", Reason.APPROVAL_REQUIRED,
+                      approval.message or f"held for approval by {label}",
+                      _known(now) + approval.timeout_seconds)
+
     def contract_denied() -> Decision:
         return decide("DENY", Reason.TASK_CONTRACT_INVALID, contract_error)
 
@@ -168,8 +187,9 @@ def admit(
             wait = rule.retry_after_seconds or DEFER_SECONDS
             return decide("DEFER", rule.reason_code or Reason.POLICY_RULE_DEFERRED,
                           rule.message or f"deferred by {label}", _known(now) + wait)
-        # An admit rule skips the policy checks below, never the task's own contract.
-        return contract_denied() if contract_error else decide("ADMIT")
+        # An admit rule skips the policy checks below, never the task's own contract
+        # nor an approval gate.
+        return contract_denied() if contract_error else admitted()
 
     tenant_policy = policy.tenants.get(tenant)
     if tenant_policy is None and not policy.allow_unknown_tenants:
@@ -199,4 +219,4 @@ def admit(
         return decide("DEFER", Reason.TENANT_QUEUE_FULL,
                       f"tenant {tenant!r} has {usage.queued_runs} queued runs "
                       f"(max_queued {max_queued})", _known(now) + DEFER_SECONDS)
-    return decide("ADMIT")
+    return admitted()

@@ -375,6 +375,48 @@ class Rule(_Model):
         return True
 
 
+# --- approval gates (docs/policy.md, "Approval gates") ---------------------------------
+
+# How long a run waits for its approval when the gate does not say: one day.
+APPROVAL_TIMEOUT_SECONDS = 86_400.0
+
+
+class ApprovalWhen(RuleWhen):
+    """A rule's globs, and the task's estimated cost: a gate with
+    ``estimated_cost_usd_above`` holds only runs whose task estimated more (a task that
+    gave no estimate is not held by it)."""
+
+    estimated_cost_usd_above: float | None = Field(default=None, ge=0)
+
+
+class ApprovalGate(_Model):
+    """A run that would be admitted and matches ``when`` waits in AWAITING_APPROVAL
+    until a person approves it (then it is admitted again under the policy in force),
+    rejects it or ``timeout_seconds`` pass (POLICY_DENIED, APPROVAL_REJECTED or
+    APPROVAL_EXPIRED). Gates hold runs at admission only: the checks at claim and
+    before side effects never send a queued or running run back to wait."""
+
+    name: str | None = None
+    when: ApprovalWhen = ApprovalWhen()
+    timeout_seconds: float = Field(default=APPROVAL_TIMEOUT_SECONDS, gt=0, le=366 * 86_400)
+    message: str | None = None
+
+    def matches(self, facts: dict[str, str], estimated_cost_usd: float | None) -> bool:
+        threshold = self.when.estimated_cost_usd_above
+        if threshold is not None and (estimated_cost_usd is None
+                                      or estimated_cost_usd <= threshold):
+            return False
+        for field in RULE_FIELDS:
+            globs: tuple[str, ...] | None = getattr(self.when, field)
+            if globs is not None and not any(fnmatchcase(facts[field], g) for g in globs):
+                return False
+        return True
+
+
+def _no_gates(value: tuple[ApprovalGate, ...]) -> bool:
+    return not value
+
+
 class Policy(_Model):
     allow_unknown_tenants: bool = True
     defaults: Defaults = Defaults()
@@ -383,8 +425,11 @@ class Policy(_Model):
     tenants: dict[Name, TenantPolicy] = {}
     repositories: tuple[RepositoryPolicy, ...] = ()
     rules: tuple[Rule, ...] = ()
+    # Left out of the canonical document when empty: a policy without gates keeps the
+    # digest it had before they existed.
+    approvals: tuple[ApprovalGate, ...] = Field(default=(), exclude_if=_no_gates)
 
-    @field_validator("repositories", "rules", mode="before")
+    @field_validator("repositories", "rules", "approvals", mode="before")
     @classmethod
     def _array(cls, value: Any) -> Any:
         if isinstance(value, list):  # TOML arrays are lists; strict mode wants a tuple
@@ -428,6 +473,18 @@ class Policy(_Model):
         facts = {"tenant": tenant, "repo": repo, "queue": queue, "user": user or "",
                  "risk_class": risk_class}
         return next(((i, r) for i, r in enumerate(self.rules) if r.matches(facts)), None)
+
+    def approval_gate(
+        self, tenant: str, repo: str, queue: str, user: str | None, risk_class: str,
+        estimated_cost_usd: float | None,
+    ) -> tuple[int, ApprovalGate] | None:
+        """The first approval gate that holds this run, if any."""
+        if not self.approvals:
+            return None
+        facts = {"tenant": tenant, "repo": repo, "queue": queue, "user": user or "",
+                 "risk_class": risk_class}
+        return next(((i, g) for i, g in enumerate(self.approvals)
+                     if g.matches(facts, estimated_cost_usd)), None)
 
     def concurrency_limits_for(
         self, tenant: str, repo: str, user: str | None, risk_class: str, queue: str

@@ -50,6 +50,10 @@ class Reason(StrEnum):
     POLICY_RULE_DENIED = "POLICY_RULE_DENIED"
     POLICY_RULE_DEFERRED = "POLICY_RULE_DEFERRED"
     DEPENDENCY_FAILED = "DEPENDENCY_FAILED"
+    # Approval gates (docs/policy.md): why a run waits, and why it ended without one.
+    APPROVAL_REQUIRED = "APPROVAL_REQUIRED"
+    APPROVAL_REJECTED = "APPROVAL_REJECTED"
+    APPROVAL_EXPIRED = "APPROVAL_EXPIRED"
     UNROUTABLE = "UNROUTABLE"
     # Pull-request evidence (docs/reliability.md): a finalize-only attempt found neither
     # the run's pushed branch nor its pull request, so there is nothing to record.
@@ -105,5 +109,8 @@ WORKER_ONLY: frozenset[Reason] = frozenset(
         Reason.LATE_EFFECT_RECORDED,
         Reason.CAMPAIGN_STOPPED,
         Reason.CAMPAIGN_PAUSED,
+        Reason.APPROVAL_REQUIRED,
+        Reason.APPROVAL_REJECTED,
+        Reason.APPROVAL_EXPIRED,
     }
 )

@@ -15,6 +15,8 @@ from enum import StrEnum
 
 class RunStatus(StrEnum):
     ADMITTED = "ADMITTED"
+    # Held for a person's approval (a policy approval gate): no lane, no slot, no claim.
+    AWAITING_APPROVAL = "AWAITING_APPROVAL"
     WAITING_CAPACITY = "WAITING_CAPACITY"
     QUEUED = "QUEUED"
     CLAIMED = "CLAIMED"
@@ -43,7 +45,8 @@ LEASED: frozenset[RunStatus] = frozenset(
 )
 
 # States in which no worker may hold a lease and the run waits to be claimed.
-WAITING: frozenset[RunStatus] = frozenset({S.ADMITTED, S.WAITING_CAPACITY, S.QUEUED})
+WAITING: frozenset[RunStatus] = frozenset(
+    {S.ADMITTED, S.AWAITING_APPROVAL, S.WAITING_CAPACITY, S.QUEUED})
 
 # The stages a worker walks through, in order, while it holds the lease.
 STAGES: tuple[RunStatus, ...] = (
@@ -57,7 +60,7 @@ STAGES: tuple[RunStatus, ...] = (
 
 # Statuses a run may be created in (the "from" of its first event is None).
 INITIAL: frozenset[RunStatus] = frozenset(
-    {S.ADMITTED, S.QUEUED, S.WAITING_CAPACITY, S.POLICY_DENIED}
+    {S.ADMITTED, S.QUEUED, S.WAITING_CAPACITY, S.POLICY_DENIED, S.AWAITING_APPROVAL}
 )
 
 _LEAVE_STAGE = frozenset(
@@ -78,8 +81,13 @@ def _stage_targets(stage: RunStatus) -> frozenset[RunStatus]:
 
 TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
     S.ADMITTED: frozenset({S.QUEUED, S.WAITING_CAPACITY, S.POLICY_DENIED, S.CANCELLED}),
+    # AWAITING_APPROVAL: a deferred run an approval gate holds when it is admitted.
     S.WAITING_CAPACITY: frozenset(
-        {S.ADMITTED, S.QUEUED, S.POLICY_DENIED, S.CANCELLED, S.FAILED}),
+        {S.ADMITTED, S.QUEUED, S.POLICY_DENIED, S.CANCELLED, S.FAILED, S.AWAITING_APPROVAL}),
+    # Approved: admitted again under the policy in force (queued, waiting for its
+    # dependencies or capacity, or denied); rejected or expired: POLICY_DENIED.
+    S.AWAITING_APPROVAL: frozenset(
+        {S.QUEUED, S.ADMITTED, S.WAITING_CAPACITY, S.POLICY_DENIED, S.CANCELLED}),
     S.QUEUED: frozenset({S.CLAIMED, S.WAITING_CAPACITY, S.POLICY_DENIED, S.CANCELLED}),
     **{stage: _stage_targets(stage) for stage in STAGES},
     S.STALE_LEASE: frozenset({S.FAILED_RETRYABLE, S.FAILED, S.CANCELLED}),

@@ -20,6 +20,7 @@ from runlane.http import problems
 from runlane.http.auth import principal
 from runlane.http.routes import (
     activity,
+    approvals,
     audit,
     campaigns,
     events,
@@ -67,7 +68,8 @@ def create_app(lane: Runlane, *, events_poll_seconds: float | None = None,
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(principal)],
                    responses=problems.COMMON)  # type: ignore[arg-type]
-    for module in (tasks, runs, fleet, activity, audit, events, tokens, campaigns):
+    for module in (tasks, runs, fleet, activity, audit, events, tokens, campaigns,
+                   approvals):
         v1.include_router(module.router)
     app.include_router(v1)
     app.include_router(health.router)

@@ -86,6 +86,8 @@ class Attempt(Indexable):
     lease_ended_at: Timestamp | None = None
     heartbeat_at: Timestamp | None = None
     stages: list[Stage] = []
+    # Added by issue 29: when this attempt's cost crossed its run's max_cost_usd.
+    cost_exceeded_at: Timestamp | None = None
 
 
 class Event(Indexable):
@@ -122,6 +124,17 @@ class PullRequest(Indexable):
     url: str | None
     branch: str | None
     adopted: bool = False
+
+
+class ApprovalDecisionView(Indexable):
+    """A run's approval decision: who (``token:<id>``, ``cli:<login>``, the scheduler
+    for an expiry), when, with what note, under which policy version."""
+
+    decision: str
+    actor: str
+    note: str | None
+    policy_version: int
+    decided_at: Timestamp
 
 
 class RunDetail(Indexable):
@@ -167,6 +180,10 @@ class RunDetail(Indexable):
     output_tokens: int = 0
     side_effects: list[SideEffectView] = []
     pull_request: PullRequest | None = None
+    # Added by issue 29: when the run's cost crossed its max_cost_usd; its approval
+    # decision (a run an approval gate held: APPROVED, REJECTED or EXPIRED).
+    cost_exceeded_at: Timestamp | None = None
+    approval: ApprovalDecisionView | None = None
 
 
 class RunRef(Indexable):
@@ -262,7 +279,7 @@ def run_detail(run: dict[str, Any]) -> RunDetail:
         attempts.append(Attempt.model_validate(
             {**a, **{k: timestamp(a.get(k)) for k in (
                 "lease_expires_at", "started_at", "ended_at", "lease_ended_at",
-                "heartbeat_at")}, "stages": stages}))
+                "heartbeat_at", "cost_exceeded_at")}, "stages": stages}))
     effects = [SideEffectView.model_validate(
         {**e, "result": _masked(e["result"]), "created_at": timestamp(e["created_at"]),
          "completed_at": timestamp(e["completed_at"])}) for e in run["side_effects"]]
@@ -274,7 +291,9 @@ def run_detail(run: dict[str, Any]) -> RunDetail:
     return RunDetail.model_validate({
         **{k: run.get(k) for k in RunDetail.model_fields if k in run},
         **{k: timestamp(run.get(k)) for k in ("visible_at", "created_at", "updated_at",
-                                              "ended_at")},
+                                              "ended_at", "cost_exceeded_at")},
+        "approval": None if run.get("approval") is None else {
+            **run["approval"], "decided_at": timestamp(run["approval"]["decided_at"])},
         "prompt": task.get("prompt", ""),
         "idempotency_key": task.get("idempotency_key"),
         "truncated_sections": _decoded(task.get("truncated_sections")) or [],

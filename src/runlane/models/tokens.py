@@ -17,7 +17,7 @@ class TokenInfo(BaseModel):
 
     token_id: str
     tenant: str | None  # None: every tenant (an admin token)
-    role: Literal["read", "submit", "admin"]
+    role: Literal["read", "submit", "approve", "admin"]
     name: str | None
     created_at: Timestamp
     expires_at: Timestamp | None

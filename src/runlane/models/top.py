@@ -87,3 +87,5 @@ class TopSnapshot(_View):
     tenants: list[TopTenant]
     workers: list[TopWorker]
     failures: list[FailureView] = Field(description="Newest first.")
+    awaiting_approval: int = Field(0, description="Runs an approval gate holds "
+                                   "(AWAITING_APPROVAL), up to 10,000.")

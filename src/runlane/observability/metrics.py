@@ -135,7 +135,7 @@ def _build() -> _Metrics:
             "could not be prepared or whose process could not start.", registry=r),
         policy_decisions=Counter(
             "runlane_policy_decisions", "Admission decisions by stage (submit, claim, "
-            "scheduler, side_effect), action and reason code.",
+            "scheduler, side_effect, approval), action and reason code.",
             ["stage", "action", "reason_code"], registry=r),
         cost_usd=Counter(
             "runlane_cost_usd", "Model cost agents reported, in USD, by tenant (tenants "
@@ -241,6 +241,8 @@ def submitted(statuses: Iterable[tuple[str, str | None]]) -> None:
             action = "deny"
         elif status == "WAITING_CAPACITY":
             action = "defer"
+        elif status == "AWAITING_APPROVAL":
+            action = "require_approval"
         else:
             m.admission_accepted.inc()
             action = "admit"

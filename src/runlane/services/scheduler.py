@@ -21,6 +21,7 @@ from typing import Any
 
 from runlane.services.maintenance import MaintenanceService
 from runlane.services.notifications import Notifier
+from runlane.store.approvals import expire_approvals
 from runlane.store.scheduling import SCHEDULE_CHANNEL
 from runlane.store.store import Store
 from runlane.store.wakeup import Listener
@@ -72,7 +73,8 @@ class SchedulerConfig:
 
 
 class Scheduler(MaintenanceService):
-    """Re-admits deferred runs when their retry-after comes; resolves dependencies."""
+    """Re-admits deferred runs when their retry-after comes; resolves dependencies;
+    ends the runs whose approval gate's timeout passed."""
 
     name = "scheduler"
 
@@ -107,6 +109,8 @@ class Scheduler(MaintenanceService):
         self._last = self.store.schedule_pass(page_size=self.config.page_size,
                                               not_yet_due=changed or (first and backlog),
                                               queued_under_older=backlog)
+        # Approval gates whose timeout passed end their runs (APPROVAL_EXPIRED).
+        self._last.update(expire_approvals(self.store, page_size=self.config.page_size))
         # Campaigns: release the batches their rollout allows, dispatch their targets,
         # send their notifications (store/campaigns.py, services/notifications.py).
         self._last.update(self.store.campaign_pass(

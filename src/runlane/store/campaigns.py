@@ -466,7 +466,7 @@ class CampaignMixin:
             for r in conn.execute(self._q(csql.WAITING_RUNS, "statuses"), {
                     "campaign_id": campaign_id,
                     "statuses": [S.QUEUED.value, S.WAITING_CAPACITY.value,
-                                 S.ADMITTED.value]}).all():
+                                 S.ADMITTED.value, S.AWAITING_APPROVAL.value]}).all():
                 self._set_status(conn, run_id=r.run_id, source=S(r.status), path=[S.CANCELLED],
                                  run_token=int(r.fencing_token), actor=actor, now=now,
                                  reason_code=Reason.CAMPAIGN_STOPPED.value,

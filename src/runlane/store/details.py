@@ -33,6 +33,8 @@ FROM side_effects WHERE run_id = :run_id ORDER BY created_at, effect_key
 """
 # The run that retries this one (uq_runs_retry_of: at most one).
 RETRIED_BY = "SELECT run_id FROM runs WHERE retry_of_run_id = :run_id"
+APPROVAL_OF = ("SELECT decision, actor, note, policy_version, decided_at "
+               "FROM run_approvals WHERE run_id = :run_id")
 RUNS_OF_TASK = """
 SELECT run_id, status, attempt_count, max_attempts, reason_code, outcome, cost_usd,
        created_at, ended_at, retry_of_run_id
@@ -123,6 +125,8 @@ def run_detail(store: Store, run_id: str, tenant: str | None) -> dict[str, Any]:
             effect["result"] = _json(effect["result"])
         run["retried_by_run_id"] = conn.execute(store._q(RETRIED_BY),
                                                 {"run_id": run_id}).scalar()
+        approval = conn.execute(store._q(APPROVAL_OF), {"run_id": run_id}).first()
+        run["approval"] = dict(approval._mapping) if approval is not None else None
         return run
 
 

@@ -67,6 +67,7 @@ RUN_NOT_DEPENDED_ON = """
 """
 DELETE_SIDE_EFFECTS = "DELETE FROM side_effects WHERE run_id IN :run_ids"
 DELETE_RUN_EVENTS = "DELETE FROM run_events WHERE run_id IN :run_ids"
+DELETE_APPROVALS = "DELETE FROM run_approvals WHERE run_id IN :run_ids"
 DELETE_ATTEMPTS = "DELETE FROM attempts WHERE run_id IN :run_ids"
 DELETE_RUNS = "DELETE FROM runs WHERE run_id IN :run_ids AND status IN :finished"
 # Of these tasks, those with no run left that no task names (as parent, or, with
@@ -117,7 +118,9 @@ class RetentionStatements:
 
     def __init__(self, store: Store) -> None:
         dialect = store.dialect
-        self.has_dependencies = inspect(store.engine).has_table("task_dependencies")
+        found = inspect(store.engine)
+        self.has_dependencies = found.has_table("task_dependencies")
+        self.has_approvals = found.has_table("run_approvals")  # 0025
 
         def render(statement: str, *expanding: str) -> TextClause:
             clause = text(statement.format(
@@ -128,6 +131,7 @@ class RetentionStatements:
         self.pick = render(PICK_FINISHED)
         self.side_effects = render(DELETE_SIDE_EFFECTS, "run_ids")
         self.run_events = render(DELETE_RUN_EVENTS, "run_ids")
+        self.approvals = render(DELETE_APPROVALS, "run_ids") if self.has_approvals else None
         self.attempts = render(DELETE_ATTEMPTS, "run_ids")
         self.runs = render(DELETE_RUNS, "run_ids", "finished")
         orphans = ORPHAN_TASKS + (NOT_DEPENDED_ON if self.has_dependencies else "")
@@ -174,6 +178,8 @@ def prune_finished(store: Store, *, keep_seconds: float, limit: int = 500,
         by_run: dict[str, Any] = {"run_ids": run_ids}
         side_effects = conn.execute(st.side_effects, by_run).rowcount
         run_events = conn.execute(st.run_events, by_run).rowcount
+        if st.approvals is not None:
+            conn.execute(st.approvals, by_run)
         attempts = conn.execute(st.attempts, by_run).rowcount
         deleted_runs = conn.execute(st.runs, {**by_run, "finished": FINISHED}).rowcount
         tasks = _prune_tasks(conn, st, sorted({r.task_id for r in picked}))

@@ -112,7 +112,8 @@ def _write_retry(store: Store, conn: Connection, task: Any, latest: Any,
         AdmissionRequest(tenant=task.tenant, repo=latest.repo, queue=task.queue,
                          priority=task.priority, user=task.user_id,
                          max_attempts=task.max_attempts,
-                         requires=requirements_from_canonical(task.requires or "")),
+                         requires=requirements_from_canonical(task.requires or ""),
+                         estimated_cost_usd=task.estimated_cost_usd),
         policy, version, usage.get(task.tenant, TenantUsage()), now,
         default_max_attempts=default_max_attempts)
     batch = _SubmitBatch(now=now, actor=actor, policy_version=version)

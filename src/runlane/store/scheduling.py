@@ -42,7 +42,7 @@ from runlane.domain.routing import (
 from runlane.domain.states import RunStatus
 from runlane.errors import PolicyDenied, TransitionRefused
 from runlane.observability import metrics
-from runlane.store import sql
+from runlane.store import approvals_sql, sql
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -287,11 +287,14 @@ class SchedulingMixin:
                 for t in names}
 
     @staticmethod
-    def _request_of(row: Any) -> AdmissionRequest:
+    def _request_of(row: Any, *, gated: bool = False) -> AdmissionRequest:
+        """A stored run as admission reads it. ``gated``: approval gates may hold it
+        (a deferred run not yet approved); a queued or running run is past them."""
         return AdmissionRequest(
             tenant=row.tenant, repo=row.repo, queue=row.queue, priority=row.priority,
             user=row.user_id, max_attempts=row.max_attempts,
-            requires=requirements_from_canonical(row.route_key or ""))
+            requires=requirements_from_canonical(row.route_key or ""),
+            estimated_cost_usd=getattr(row, "estimated_cost_usd", None), gated=gated)
 
     # --- lanes --------------------------------------------------------------------
 
@@ -1159,7 +1162,8 @@ class SchedulingMixin:
         reach, held by claims to the end: the caller passes again).
         """
         counts = {"readmitted": 0, "denied": 0, "deferred": 0, "dependencies_resolved": 0,
-                  "queued_readmitted": 0, "queued_terms_changed": 0, "queued_skipped": 0}
+                  "held_for_approval": 0, "queued_readmitted": 0, "queued_terms_changed": 0,
+                  "queued_skipped": 0}
         for status in (S.WAITING_CAPACITY, S.ADMITTED):
             cursor: tuple[float, str] = (float("-inf"), "")
             while True:
@@ -1187,7 +1191,8 @@ class SchedulingMixin:
             "status": status.value, "now": float("inf") if not_yet_due else now,
             "after_created": after[0],
             "after_id": after[1], "limit": page_size}).all()
-        counts = {"readmitted": 0, "denied": 0, "deferred": 0, "dependencies_resolved": 0}
+        counts = {"readmitted": 0, "denied": 0, "deferred": 0, "dependencies_resolved": 0,
+                  "held_for_approval": 0}
         if not rows:
             return after, counts, 0
         with self._lane_moves_in_order(conn):  # runs of many lanes: lane_id order
@@ -1204,9 +1209,14 @@ class SchedulingMixin:
                 return (rows[-1].created_at, rows[-1].run_id), counts, len(rows)
             version, policy = self._policy(conn)
             usage = self._tenant_usage(conn, {r.tenant for r in rows}, now)
+            # Approval gates hold a deferred run too, unless it was approved already
+            # (deferred after its approval): asked only of a policy that has gates.
+            approved = {a.run_id for a in conn.execute(
+                self._q(approvals_sql.APPROVED_AMONG, "run_ids"),
+                {"run_ids": [r.run_id for r in rows]})} if policy.approvals else set()
             for r in rows:
-                decision = admit(self._request_of(r), policy, version,
-                                 usage.get(r.tenant, TenantUsage()), now)
+                decision = admit(self._request_of(r, gated=r.run_id not in approved),
+                                 policy, version, usage.get(r.tenant, TenantUsage()), now)
                 self._on_commit(conn, functools.partial(
                     metrics.policy_decision, "scheduler", decision.decision,
                     decision.reason_code))
@@ -1220,6 +1230,13 @@ class SchedulingMixin:
                         "reason_code": decision.reason_code, "message": decision.message,
                         "now": now})
                     counts["deferred"] += 1
+                    continue
+                if decision.decision == "REQUIRE_APPROVAL":
+                    counts["held_for_approval"] += self._set_status(
+                        conn, run_id=r.run_id, source=S.WAITING_CAPACITY,
+                        path=[S.AWAITING_APPROVAL], run_token=r.fencing_token,
+                        actor="scheduler", now=now, reason_code=decision.reason_code,
+                        message=decision.message, visible_at=decision.retry_after)
                     continue
                 if decision.decision == "DENY":
                     target, key = S.POLICY_DENIED, "denied"

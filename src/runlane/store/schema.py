@@ -136,6 +136,8 @@ runs = Table(
     # Added by 0019: the run this one retries (``runlane retry``), a finished run of the
     # same task; NULL for a task's first run.
     Column("retry_of_run_id", ID),
+    # Added by 0025: when the run's cost limit (max_cost_usd) was crossed; NULL: never.
+    Column("cost_exceeded_at", Timestamp),
     Index("ix_runs_task_id", "task_id"),
     # The runs listing (migration 0020, store/listing.py): a page is a walk of one of
     # these from its cursor, newest or oldest first, never a sort.
@@ -307,6 +309,8 @@ attempts = Table(
     # Cost reported after the attempt's lease was lost (0017): spent all the same, and
     # counted in its tenant's day, not in the run's cost_usd (Store.report_late_cost).
     Column("late_cost_usd", Float, nullable=False, server_default="0"),
+    # Added by 0025: when this attempt's cost crossed its run's limit; NULL: never.
+    Column("cost_exceeded_at", Timestamp),
     UniqueConstraint("run_id", "fencing_token", name="uq_attempts_run_fencing_token"),
     # Invariant 2: at most one ACTIVE lease per run, enforced by the database.
     Index(
@@ -395,7 +399,7 @@ api_tokens = Table(
     metadata,
     Column("token_id", String(32), primary_key=True),
     Column("tenant", String(128)),  # NULL: every tenant (role admin)
-    Column("role", String(16), nullable=False),  # read, submit, admin
+    Column("role", String(16), nullable=False),  # read, submit, approve, admin
     Column("name", String(255)),
     Column("secret_sha256", String(64), nullable=False),
     Column("created_at", Timestamp, nullable=False),
@@ -501,4 +505,20 @@ campaign_notifications = Table(
     Index("ix_campaign_notifications_due", "next_at",
           postgresql_where=text("delivered_at IS NULL"),
           sqlite_where=text("delivered_at IS NULL")),
+)
+
+# Approval decisions (0025): one row per run held by an approval gate, written when a
+# person approves or rejects it or its gate's timeout passes (decision APPROVED,
+# REJECTED or EXPIRED); the primary key makes a second decision of the same run a
+# no-op. Deleted with the run by retention.
+run_approvals = Table(
+    "run_approvals",
+    metadata,
+    Column("run_id", ID, primary_key=True),  # runs.run_id; no foreign key, as runs'
+    Column("tenant", String(128), nullable=False),
+    Column("decision", String(16), nullable=False),
+    Column("actor", String(255), nullable=False),
+    Column("note", Text),
+    Column("policy_version", Integer, nullable=False),  # the version in force then
+    Column("decided_at", Timestamp, nullable=False),
 )

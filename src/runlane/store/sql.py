@@ -1327,7 +1327,7 @@ WHERE d.task_id = :task_id
 DUE_WAITING = """
 SELECT r.run_id, r.task_id, r.status, r.fencing_token, r.tenant, r.repo, r.queue,
        r.priority, r.user_id, r.route_key, r.max_attempts, r.created_at, r.lane_id,
-       r.policy_version, r.admission
+       r.policy_version, r.admission, r.estimated_cost_usd
 FROM runs r
 WHERE r.status = :status
   AND r.visible_at <= {now}
@@ -1716,6 +1716,15 @@ ADD_RUN_COST = """
 UPDATE runs SET cost_usd = cost_usd + :usd, updated_at = {now}
 WHERE run_id = :run_id AND fencing_token = :token
 RETURNING cost_usd, {now} AS now
+"""
+# A run's cost limit (max_cost_usd, or a model-token limit) was crossed: when, on the
+# run and on the attempt that crossed it; the first crossing stays (issue 29).
+MARK_COST_EXCEEDED_RUN = """
+UPDATE runs SET cost_exceeded_at = COALESCE(cost_exceeded_at, {now}) WHERE run_id = :run_id
+"""
+MARK_COST_EXCEEDED_ATTEMPT = """
+UPDATE attempts SET cost_exceeded_at = COALESCE(cost_exceeded_at, {now})
+WHERE run_id = :run_id AND fencing_token = :token
 """
 # The model tokens of a run, all its attempts (its token limits count them like cost).
 RUN_TOKENS = """

@@ -285,7 +285,7 @@ def _admission_request_key(spec: TaskSpec, repo: str) -> tuple[Any, ...] | None:
     except (TypeError, ValueError):
         return None
     return (spec.tenant, repo, spec.queue, spec.priority, spec.user, spec.max_attempts,
-            requires)
+            requires, spec.estimated_cost_usd)
 
 
 def _key_conflict(spec: TaskSpec, task_id: str | None, field: str | None) -> Conflict:
@@ -300,6 +300,9 @@ def _key_conflict(spec: TaskSpec, task_id: str | None, field: str | None) -> Con
     conflict.field = field
     return conflict
 
+
+# The statuses a new run's visible_at is its decision's retry_after in.
+_VISIBLE_LATER = frozenset({S.WAITING_CAPACITY, S.AWAITING_APPROVAL})
 
 # Claims one call may make when a candidate got no slot (Store.claim).
 CLAIM_ROUNDS = 3
@@ -329,8 +332,8 @@ class _SubmitBatch:
     statuses: list[RunStatus] = field(default_factory=list)  # a decision's new run's
 
     def add_decision(self, d: Decision) -> int:
-        status = {"DENY": S.POLICY_DENIED, "DEFER": S.WAITING_CAPACITY}.get(
-            d.decision, S.QUEUED)
+        status = {"DENY": S.POLICY_DENIED, "DEFER": S.WAITING_CAPACITY,
+                  "REQUIRE_APPROVAL": S.AWAITING_APPROVAL}.get(d.decision, S.QUEUED)
         assert is_allowed(None, status) and is_allowed(None, S.ADMITTED)
         self.statuses.append(status)
         self.decisions.append(d)
@@ -340,7 +343,8 @@ class _SubmitBatch:
             "policy_version": d.policy_version, "reason_code": d.reason_code,
             "message": d.message, "weight": d.weight, "admission": d.to_json(),
             "limits": d.limits, "status": status.value,
-            "visible_at": d.retry_after if status is S.WAITING_CAPACITY else None,
+            # A DEFER's retry-after; an approval's expiry (Store.expire_approvals).
+            "visible_at": d.retry_after if status in _VISIBLE_LATER else None,
             "event_message": f"admitted under policy v{d.policy_version}"
             if d.decision == "ADMIT"
             else f"{d.decision} under policy v{d.policy_version}: {d.message}"})
@@ -404,7 +408,7 @@ class _SubmitBatch:
                 **record, "run_id": item["run_id"], "task_id": item["task_id"],
                 "tenant": item["tenant"], "repo": item.get("repo_key", item["repo"]),
                 "user_id": item.get("user_id"), "status": status.value,
-                "visible_at": record["visible_at"] if status is S.WAITING_CAPACITY
+                "visible_at": record["visible_at"] if status in _VISIBLE_LATER
                 and record["visible_at"] is not None else self.now,
                 "ended_at": self.now if status is S.POLICY_DENIED else None,
                 "estimated_cost_usd": item.get("estimated_cost_usd")})
@@ -912,7 +916,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                         tenant=spec.tenant, repo=repo, queue=spec.queue,
                         priority=spec.priority, user=spec.user,
                         max_attempts=spec.max_attempts,
-                        requires=parse_requirements(spec.requires)),
+                        requires=parse_requirements(spec.requires),
+                        estimated_cost_usd=spec.estimated_cost_usd),
                     policy, version, tenant_usage, now,
                     default_max_attempts=default_max_attempts)
                 if needs_usage and decision.decision == "ADMIT":
@@ -1316,17 +1321,28 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                 return None
             row = conn.execute(self._q(sql.ADD_RUN_COST), params).one()
             self._add_tenant_spend(conn, lease.tenant, usd, float(row.now))
+            if maximum is not None and float(row.cost_usd) > float(maximum):
+                self._mark_cost_exceeded(conn, lease, float(row.now))
             return float(row.cost_usd)
 
+        maximum = lease.limits.get("max_cost_usd")
         total = self._transaction(work)
         if total is None:
             raise LeaseLost(f"run {lease.run_id}: lease with token {lease.fencing_token} "
                             "is no longer live; its cost was recorded as late cost")
-        maximum = lease.limits.get("max_cost_usd")
         if maximum is not None and total > float(maximum):
             raise CostLimitExceeded(
                 f"max_cost_usd {maximum} exceeded: run {lease.run_id} has cost ${total:.4f}")
         self._check_token_limits(lease)
+
+    def _mark_cost_exceeded(self, conn: Connection, lease: Lease, now: float | None) -> None:
+        """``cost_exceeded_at`` on the run and on this attempt: the first crossing, one
+        time for both (read first when unknown: the database clock moves between two
+        statements)."""
+        params = {"run_id": lease.run_id, "token": lease.fencing_token,
+                  "now": self._now(conn) if now is None else now}
+        conn.execute(self._q(sql.MARK_COST_EXCEEDED_RUN), params)
+        conn.execute(self._q(sql.MARK_COST_EXCEEDED_ATTEMPT), params)
 
     def _check_token_limits(self, lease: Lease) -> None:
         """The run's model tokens against its limits: like its cost, summed over all its
@@ -1340,6 +1356,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         for kind, maximum in limits.items():
             total = int(getattr(used, f"{kind}_tokens"))
             if maximum is not None and total > int(maximum):
+                self._transaction(lambda conn: self._mark_cost_exceeded(
+                    conn, lease, self.clock.now()))
                 raise CostLimitExceeded(f"max_model_{kind}_tokens {maximum} exceeded: run "
                                         f"{lease.run_id} has used {total} {kind} tokens")
 

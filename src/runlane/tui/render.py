@@ -167,7 +167,9 @@ def header(snap: TopSnapshot, *, interval: float | None, stale: Stale | None,
     text = Text.assemble(
         ("runlane top", "bold"), f"  {snap.source}  {_clock(snap.taken_at)} UTC  ",
         ("" if interval is None else f"every {interval:g}s, q quits", "dim"), "\n",
-        f"queued {queued}  active {active}  claims/min {_rate(claims)}  "
+        f"queued {queued}  "
+        + (f"awaiting approval {snap.awaiting_approval}  " if snap.awaiting_approval else "")
+        + f"active {active}  claims/min {_rate(claims)}  "
         f"workers {len(snap.workers)}",
         no_wrap=True, overflow="ellipsis")
     if stale is not None:

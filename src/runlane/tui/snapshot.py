@@ -52,7 +52,7 @@ class Source(Protocol):
 
 def assemble(source: str, *, queues: list[QueueView], tenants: list[TenantView],
              workers: list[WorkerView], claims: ClaimRates, failures: list[FailureView],
-             taken_at: datetime | None = None) -> TopSnapshot:
+             taken_at: datetime | None = None, awaiting_approval: int = 0) -> TopSnapshot:
     """The frame made of the views. A queue that only claims show (its runs all ended
     since) is listed too, with its claim rate and nothing queued."""
     rates = {c.queue: c.per_minute for c in claims.queues}
@@ -78,7 +78,7 @@ def assemble(source: str, *, queues: list[QueueView], tenants: list[TenantView],
             draining=w.status == "DRAINING" or (w.drain_requested_at is not None
                                                 and w.status not in ("STOPPED", "DEAD")))
             for w in workers],
-        failures=failures)
+        failures=failures, awaiting_approval=awaiting_approval)
 
 
 class FacadeSource:
@@ -98,7 +98,8 @@ class FacadeSource:
         return assemble(
             self.name, queues=lane.queues(), tenants=lane.tenants(), workers=lane.workers(),
             claims=lane.claim_rates(window_seconds=self.claim_window),
-            failures=lane.failures(limit=self.failures))
+            failures=lane.failures(limit=self.failures),
+            awaiting_approval=len(lane.approvals(limit=APPROVALS_COUNTED)))
 
     def close(self) -> None:
         """The lane is its caller's."""
@@ -109,11 +110,15 @@ _TENANTS = TypeAdapter(list[TenantView])
 _WORKERS = TypeAdapter(list[WorkerView])
 _CLAIMS = TypeAdapter(ClaimRates)
 _FAILURES = TypeAdapter(list[FailureView])
+_APPROVALS = TypeAdapter(list[dict[str, Any]])
+# Runs awaiting approval that top counts at most (a listing of them, bounded).
+APPROVALS_COUNTED = 10_000
 
 
 class HttpSource:
     """The HTTP API (``runlane serve``): ``GET /v1/queues``, ``/v1/tenants``,
-    ``/v1/workers``, ``/v1/claim-rates`` and ``/v1/failures`` with a bearer token."""
+    ``/v1/workers``, ``/v1/claim-rates``, ``/v1/failures`` and ``/v1/approvals`` with a
+    bearer token."""
 
     def __init__(self, url: str, token: str, *, failures: int, claim_window: float,
                  timeout: float = 10.0,
@@ -134,7 +139,9 @@ class HttpSource:
             workers=self._get("/v1/workers", _WORKERS),
             claims=self._get("/v1/claim-rates", _CLAIMS,
                              window_seconds=self.claim_window),
-            failures=self._get("/v1/failures", _FAILURES, limit=self.failures))
+            failures=self._get("/v1/failures", _FAILURES, limit=self.failures),
+            awaiting_approval=len(self._get("/v1/approvals", _APPROVALS,
+                                            limit=APPROVALS_COUNTED)))
 
     def _get(self, path: str, model: TypeAdapter[T], **params: Any) -> T:
         where = f"{self.name}{path}"

@@ -42,6 +42,8 @@ PAGE_SIZES = (25, 50, 100)
 NOTICES = {
     "cancel": "Cancellation requested.",
     "retry": "Retry submitted: a new run of the same task.",
+    "approve": "Approved: the run was admitted again under the policy in force.",
+    "reject": "Rejected: the run ended POLICY_DENIED (APPROVAL_REJECTED).",
     "drain": "Drain requested: the worker stops claiming at its next heartbeat.",
     "signed-out": "Signed out.",
     "expired": "Your session ended (the token was revoked or expired): sign in again.",
@@ -304,7 +306,8 @@ def run_page(request: Request, run_id: str) -> Response:
         return page("run.html", **_context(
             request, who, token, run=detail, logs=logs, events_start=start,
             can_cancel=who.can_submit and not terminal,
-            can_retry=who.can_submit and terminal))
+            can_retry=who.can_submit and terminal,
+            can_decide=who.can_approve and detail.status == "AWAITING_APPROVAL"))
     return _view(request, build)
 
 
@@ -327,6 +330,26 @@ def retry(request: Request, run_id: str,
         detail = lane.run(run_id, principal=who)
         submission = lane.retry(detail.task_id, principal=who)
         return f"/runs/{submission.run_id}?notice=retry"
+    return _form(request, csrf, act)
+
+
+@router.post("/runs/{run_id}/approve")
+def approve(request: Request, run_id: str,
+            csrf: Annotated[str | None, Form(max_length=200)] = None,
+            note: Annotated[str | None, Form(max_length=2000)] = None) -> Response:
+    def act(who: Principal) -> str:
+        done = _lane(request).approve(run_id, note=note or None, principal=who)
+        return f"/runs/{done.run_id}?notice=approve"
+    return _form(request, csrf, act)
+
+
+@router.post("/runs/{run_id}/reject")
+def reject(request: Request, run_id: str,
+           csrf: Annotated[str | None, Form(max_length=200)] = None,
+           note: Annotated[str | None, Form(max_length=2000)] = None) -> Response:
+    def act(who: Principal) -> str:
+        done = _lane(request).reject(run_id, note=note or None, principal=who)
+        return f"/runs/{done.run_id}?notice=reject"
     return _form(request, csrf, act)
 
 

@@ -104,7 +104,8 @@ def status_class(value: Any) -> str:
         return "bad"
     if status in ("CANCELLED", "CANCEL_REQUESTED", "CANCELLING"):
         return "off"
-    if status in ("QUEUED", "ADMITTED", "WAITING_CAPACITY", "FAILED_RETRYABLE"):
+    if status in ("QUEUED", "ADMITTED", "AWAITING_APPROVAL", "WAITING_CAPACITY",
+                  "FAILED_RETRYABLE"):
         return "wait"
     return "run"
 

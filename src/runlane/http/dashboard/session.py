@@ -45,7 +45,7 @@ MAX_TOKEN_CHARS = 512
 
 # auto_error=False: a missing header is our own 401 problem, not FastAPI's 403.
 bearer = HTTPBearer(auto_error=False, description="A runlane token "
-                    "(`runlane tokens create --tenant T --role read|submit|admin`).")
+                    "(`runlane tokens create --tenant T --role read|submit|approve|admin`).")
 
 
 def session_token(request: Request) -> str | None:

@@ -18,7 +18,7 @@ router = APIRouter(tags=["tokens"])
 class TokenRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["read", "submit", "admin"]
+    role: Literal["read", "submit", "approve", "admin"]
     tenant: str | None = Field(None, description="The tenant of a read or submit token; "
                                "none for admin.")
     expires_at: datetime | None = None
