@@ -187,7 +187,7 @@ class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin):
                 "DATABASE_URL goes through a transaction pooler: a schema upgrade needs a "
                 "session of its own; set LISTEN_DATABASE_URL (the server itself) or run "
                 "`runlane db upgrade` with the server's URL")
-        engine = build_engine(direct, pool_size=1, bounded=True)
+        engine = build_engine(direct, pool_size=2, bounded=True)  # the lock, the work
         try:
             return run(engine)
         finally:

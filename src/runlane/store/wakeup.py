@@ -46,6 +46,9 @@ from runlane.store.store import CANCEL_CHANNEL, WAKEUP_CHANNEL
 
 log = structlog.get_logger("runlane.wakeup")
 
+# The application_name of a listener's session (the pool's are "runlane"): what
+# pg_stat_activity shows for the one LISTEN connection of each process.
+LISTEN_APPLICATION = "runlane-listen"
 RECONNECTED = "__reconnected__"
 CHANGED = "__changed__"  # SQLite: another connection committed (PRAGMA data_version)
 
@@ -177,7 +180,8 @@ class Listener:
         first = True
         while not self._stop.is_set():
             try:
-                with psycopg.connect(libpq_url(self.url), autocommit=True) as conn:
+                with psycopg.connect(libpq_url(self.url), autocommit=True,
+                                     application_name=LISTEN_APPLICATION) as conn:
                     for channel in self.channels:
                         conn.execute(f"LISTEN {channel}")
                     self.backend_pid = conn.info.backend_pid
