@@ -35,6 +35,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from runlane.chaos import agent as agent_module
 from runlane.chaos.agent import DWELL_ENV
 from runlane.chaos.hooks import PLANT_ENV, PR_CRASH_ENV, PR_CRASH_MARK
+from runlane.chaos.pgbouncer import PgBouncer
+from runlane.chaos.pgbouncer import start as start_pgbouncer
 from runlane.chaos.pgcluster import PrivateCluster
 from runlane.chaos.profiles import ChaosConfig
 from runlane.chaos.workload import CampaignPlan, TaskPlan, build_workload, split_campaigns
@@ -181,6 +183,9 @@ class Harness:
         self.active = self.ended = 0  # runs not ended / ended, as of the last poll
         self.withdrawals = 0  # runs due a withdrawal, as of the last poll
         self.cluster: PrivateCluster | None = None
+        self.bouncer: PgBouncer | None = None
+        # The URL the workers and maintenance are given (--pgbouncer: PgBouncer's).
+        self.process_url = ""
         self.store: Store | None = None
         self.reader: Engine | None = None
         self.db_down_until = 0.0
@@ -203,6 +208,8 @@ class Harness:
             self.store.close()
         if self.reader is not None:
             self.reader.dispose()
+        if self.bouncer is not None:
+            self.bouncer.stop()
         if self.cluster is not None:
             self.cluster.destroy()
 
@@ -227,6 +234,13 @@ class Harness:
             self.cluster = PrivateCluster()
             self.url = self.cluster.start()
             self.database = f"private cluster on port {self.cluster.port}"
+        self.process_url = self.url
+        if c.pgbouncer:  # the harness's own connections stay direct
+            self._role_settings()
+            self.bouncer = start_pgbouncer(self.url)
+            self.process_url = self.bouncer.url_for(self.url)
+            self.database += (f", workers and maintenance through PgBouncer (transaction "
+                              f"pooling) on port {self.bouncer.port}")
         engine = build_engine(self.url)
         try:
             upgrade(engine)
@@ -237,6 +251,22 @@ class Harness:
         self.store = Store(self.url, engine=self._engine(), rng=random.Random(c.seed),
                            retry_policy=RetryPolicy(base_seconds=0.1, max_seconds=0.2))
         self.reader = self._engine(read_only=True)
+
+    def _role_settings(self) -> None:
+        """Through a transaction pooler runlane sends no session settings: the
+        database carries them, as docs/running.md tells a deployment (the idle-in-
+        transaction timeout as the profile's, half the lease)."""
+        timeout = f"{self.c.lease_ttl / 2 * 1000:.0f}ms"
+        engine = build_engine(self.url)
+        try:
+            with engine.begin() as conn:
+                name = conn.exec_driver_sql("SELECT current_database()").scalar()
+                for setting, value in (("jit", "off"), ("random_page_cost", "1.1"),
+                                       ("idle_in_transaction_session_timeout", timeout)):
+                    conn.exec_driver_sql(
+                        f'ALTER DATABASE "{name}" SET {setting} = \'{value}\'')
+        finally:
+            engine.dispose()
 
     def _engine(self, read_only: bool = False) -> Engine:
         """The harness's own connections: named, so no fault terminates them; on
@@ -260,7 +290,7 @@ class Harness:
         hooked = (self.c.plant is not None or "cancel" in self.c.faults
                   or "pr_crash" in self.c.faults)
         module = "runlane.chaos.hooks" if hooked else "runlane"
-        base = [sys.executable, "-m", module, "--database-url", self.url]
+        base = [sys.executable, "-m", module, "--database-url", self.process_url]
         if role == "maintainer":
             return [*base, "maintain"]
         script = shlex.quote(agent_module.__file__ or "agent.py")
@@ -286,6 +316,8 @@ class Harness:
             SUPERVISOR_ENV: str(os.getpid()),  # they drain if the harness dies
             DWELL_ENV: self._dwell(),
         })
+        if self.bouncer is not None:  # LISTEN cannot go through a transaction pooler
+            env["RUNLANE_LISTEN_DATABASE_URL"] = self.url
         if self.c.plant:
             env[PLANT_ENV] = self.c.plant
         if "pr_crash" in self.c.faults:
