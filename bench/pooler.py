@@ -2,8 +2,8 @@
 claim of one run at a time (the idle worker's case), with psycopg preparing statements
 (``prepare_threshold`` 2, runlane's direct default), with them off (what a
 ``?pooler=transaction`` URL turns off), and through a PgBouncer in transaction pooling
-mode (started here; needs Debian's pgbouncer). Rounds interleave the three modes on one
-database, emptied before each cell.
+mode (started here; needs Debian's pgbouncer). Rounds interleave the three modes (A B C,
+B C A, ...) on one database, emptied before each cell; one pooled connection each.
 
     PYTHONPATH=src .venv/bin/python bench/pooler.py [--runs 400] [--rounds 3]
 
@@ -99,7 +99,9 @@ def main() -> None:
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     try:
         for round_ in range(args.rounds):
-            for name, (url, prepare) in modes.items():
+            names = list(modes)
+            for name in names[round_ % 3:] + names[:round_ % 3]:  # A B C, B C A, ...
+                url, prepare = modes[name]
                 empty(direct)
                 times = cell(url, prepare=prepare, runs=args.runs)
                 for op, values in times.items():
