@@ -35,7 +35,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from runlane.chaos import agent as agent_module
 from runlane.chaos.agent import DWELL_ENV
 from runlane.chaos.hooks import PLANT_ENV, PR_CRASH_ENV, PR_CRASH_MARK
-from runlane.chaos.pgbouncer import PgBouncer
+from runlane.chaos.pgbouncer import PgBouncer, database_settings
 from runlane.chaos.pgbouncer import start as start_pgbouncer
 from runlane.chaos.pgcluster import PrivateCluster
 from runlane.chaos.profiles import ChaosConfig
@@ -236,7 +236,7 @@ class Harness:
             self.database = f"private cluster on port {self.cluster.port}"
         self.process_url = self.url
         if c.pgbouncer:  # the harness's own connections stay direct
-            self._role_settings()
+            database_settings(self.url, idle_in_transaction_seconds=c.lease_ttl / 2)
             self.bouncer = start_pgbouncer(self.url)
             self.process_url = self.bouncer.url_for(self.url)
             self.database += (f", workers and maintenance through PgBouncer (transaction "
@@ -251,22 +251,6 @@ class Harness:
         self.store = Store(self.url, engine=self._engine(), rng=random.Random(c.seed),
                            retry_policy=RetryPolicy(base_seconds=0.1, max_seconds=0.2))
         self.reader = self._engine(read_only=True)
-
-    def _role_settings(self) -> None:
-        """Through a transaction pooler runlane sends no session settings: the
-        database carries them, as docs/running.md tells a deployment (the idle-in-
-        transaction timeout as the profile's, half the lease)."""
-        timeout = f"{self.c.lease_ttl / 2 * 1000:.0f}ms"
-        engine = build_engine(self.url)
-        try:
-            with engine.begin() as conn:
-                name = conn.exec_driver_sql("SELECT current_database()").scalar()
-                for setting, value in (("jit", "off"), ("random_page_cost", "1.1"),
-                                       ("idle_in_transaction_session_timeout", timeout)):
-                    conn.exec_driver_sql(
-                        f'ALTER DATABASE "{name}" SET {setting} = \'{value}\'')
-        finally:
-            engine.dispose()
 
     def _engine(self, read_only: bool = False) -> Engine:
         """The harness's own connections: named, so no fault terminates them; on

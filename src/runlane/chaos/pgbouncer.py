@@ -24,6 +24,7 @@ from sqlalchemy.engine import make_url
 
 from runlane.errors import RunlaneError
 from runlane.extras import require
+from runlane.store.engine import build_engine
 
 CONFIG = """\
 [databases]
@@ -131,3 +132,18 @@ def start(server_url: str, *, pool_size: int = 20) -> PgBouncer:
     tail = bouncer.log_tail() if bouncer is not None else ""
     shutil.rmtree(directory, ignore_errors=True)
     raise PgBouncerError(f"pgbouncer did not start: {tail.strip().splitlines()[-1:] or '?'}")
+
+
+def database_settings(server_url: str, *, idle_in_transaction_seconds: float) -> None:
+    """Through a transaction pooler runlane sends no session settings: the database
+    carries them (every new server session), as docs/running.md tells a deployment."""
+    timeout = f"{idle_in_transaction_seconds * 1000:.0f}ms"
+    engine = build_engine(server_url)
+    try:
+        with engine.begin() as conn:
+            name = conn.exec_driver_sql("SELECT current_database()").scalar()
+            for setting, value in (("jit", "off"), ("random_page_cost", "1.1"),
+                                   ("idle_in_transaction_session_timeout", timeout)):
+                conn.exec_driver_sql(f'ALTER DATABASE "{name}" SET {setting} = \'{value}\'')
+    finally:
+        engine.dispose()
