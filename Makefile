@@ -9,11 +9,12 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum |
 # Debian packages the tests drive, as command=package: bubblewrap (agents run in it,
 # docs/sandbox.md), chromium (the dashboard's browser tests; Playwright's own browser
 # cannot be downloaded here), promtool from prometheus (the alert rules in
-# deploy/prometheus; its server is not started) and tmux (`runlane top` in a real
-# terminal). What is missing is installed after one apt-get update when root (the
+# deploy/prometheus; its server is not started), tmux (`runlane top` in a real
+# terminal) and pgbouncer (the suites run through it in transaction pooling mode; each
+# test process starts its own, tests/pgbouncer.py). What is missing is installed after one apt-get update when root (the
 # prometheus package without its recommends: only promtool is used), else the command
 # to run is printed.
-TEST_TOOLS := bwrap=bubblewrap chromium=chromium promtool=prometheus tmux=tmux
+TEST_TOOLS := bwrap=bubblewrap chromium=chromium promtool=prometheus tmux=tmux pgbouncer=pgbouncer
 
 define install_missing
 	@missing=""; for pair in $(1); do \

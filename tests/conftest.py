@@ -1,7 +1,9 @@
 """Real-database fixtures: every lifecycle test runs on SQLite and on PostgreSQL.
 
 PostgreSQL: one database per xdist worker (``runlane_test_<worker>``), migrated
-once, truncated before each test. When no server answers, PostgreSQL tests skip
+once, truncated before each test. The lifecycle and worker suites run a third time
+through PgBouncer in transaction pooling mode (``postgresql-pgbouncer``: that database
+through the tests' own PgBouncer, tests/pgbouncer.py). When no server answers, PostgreSQL tests skip
 with a loud reason, unless RUNLANE_REQUIRE_POSTGRES=1 (CI), where they fail.
 """
 
@@ -26,6 +28,8 @@ from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
 from runlane.store.store import Store
 
+from . import pgbouncer as pgbouncer_support
+
 hypothesis_settings.register_profile("ci", max_examples=100, deadline=None)
 hypothesis_settings.register_profile("dev", max_examples=60, deadline=None)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
@@ -41,7 +45,9 @@ T0 = 1_800_000_000.0  # a pinned "now" for tests on the manual clock
 
 
 def _libpq(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    """libpq's form of a test URL (runlane's ``?pooler=`` is not libpq's)."""
+    return make_url(url).set(drivername="postgresql").difference_update_query(
+        ["pooler"]).render_as_string(hide_password=False)
 
 
 def create_pg_database(name: str) -> str:
@@ -117,9 +123,31 @@ def truncate_pg(url: str) -> None:
         conn.execute(f"TRUNCATE {TABLES} RESTART IDENTITY CASCADE")
 
 
+@pytest.fixture(scope="session")
+def pgbouncer() -> Iterator[pgbouncer_support.PgBouncer]:
+    """The tests' PgBouncer (transaction pooling) before the test server, once per
+    test process."""
+    if pgbouncer_support.binary() is None:
+        reason = "pgbouncer is not installed (apt-get install pgbouncer; make test does)"
+        if REQUIRE_POSTGRES:
+            pytest.fail(f"RUNLANE_REQUIRE_POSTGRES=1 but {reason}")
+        pytest.skip(f"SKIPPING PgBouncer tests: {reason}")
+    yield from pgbouncer_support.session(ADMIN_URL)
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A migrated, empty database of each kind."""
+    return empty_database(request, request.param, tmp_path)
+
+
+# The kinds of the lifecycle and worker suites: each kind of database, and PostgreSQL
+# through PgBouncer in transaction pooling mode (those modules' own ``db_url``).
+WITH_PGBOUNCER = ["sqlite", "postgresql", "postgresql-pgbouncer"]
+
+
+def db_url_with_pgbouncer(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """``db_url`` over WITH_PGBOUNCER (``request.param``)."""
     return empty_database(request, request.param, tmp_path)
 
 
@@ -133,11 +161,14 @@ def migrated_sqlite(path: Path) -> str:
 
 
 def empty_database(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> str:
-    """A migrated, empty database: ``kind`` is "sqlite" or "postgresql"."""
+    """A migrated, empty database: ``kind`` is "sqlite", "postgresql" or
+    "postgresql-pgbouncer" (the PostgreSQL one through the tests' PgBouncer)."""
     if kind == "sqlite":
         return migrated_sqlite(tmp_path / "runlane.db")
     url = str(request.getfixturevalue("pg_url"))
     truncate_pg(url)
+    if kind == "postgresql-pgbouncer":
+        return request.getfixturevalue("pgbouncer").url_for(url)  # type: ignore[no-any-return]
     return url
 
 

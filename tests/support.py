@@ -19,6 +19,8 @@ from runlane.settings import Settings
 from runlane.store.store import Store, Submission
 from runlane.store.wakeup import libpq_url
 
+from . import pgbouncer
+
 
 def spec(**fields: Any) -> TaskSpec:
     raw = {"tenant": "acme", "repo": "/srv/git/app.git", "prompt": "fix the flaky test"}
@@ -162,6 +164,6 @@ def fast_lane(db_url: str, tmp_path: Path) -> Iterator[Runlane]:
     settings = Settings(database_url=db_url, workspace_dir=tmp_path / "workspaces",
                         artifacts_dir=tmp_path / "artifacts", heartbeat_seconds=0.2,
                         agent_term_grace_seconds=0.5, retry_base_seconds=0.05,
-                        retry_max_seconds=0.1)
+                        retry_max_seconds=0.1, listen_database_url=pgbouncer.listen_url(db_url))
     with Runlane(settings=settings) as lane:
         yield lane

@@ -286,6 +286,7 @@ def test_every_check_is_named_sql_returning_run_and_detail() -> None:
     (["--database-url", "postgresql://nobody@127.0.0.1:1/x", "--faults", "restart"],
      "restarts only its private cluster"),
     (["--profile", "medium"], "medium"),
+    (["--engine", "sqlite", "--pgbouncer"], "--pgbouncer needs PostgreSQL"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path: Path, args: list[str], message: str) -> None:
     code, document, err = chaos(*args, timeout=60, cwd=tmp_path)
@@ -298,6 +299,8 @@ def test_the_replay_command_names_what_differs_from_the_profile() -> None:
     assert replay_command(config) == ("runlane chaos --profile short --seed 42 --runs 50 "
                                       "--faults kill,stop --plant no_fencing")
     assert replay_command(build_config("long", seed=3)) == "runlane chaos --profile long --seed 3"
+    assert replay_command(build_config("short", seed=3, pgbouncer=True)) == (
+        "runlane chaos --profile short --seed 3 --pgbouncer")
     given = build_config("short", seed=1, database_url="postgresql://x@127.0.0.1/y")
     assert "restart" not in given.faults and given.notes
 
@@ -356,6 +359,28 @@ def test_short_profile_every_fault_on_postgresql(tmp_path: Path) -> None:
     # between opening its pull request and completing keeps the one it opened.
     assert report["pull_requests"] >= report["outcomes"]["pull_request"]
     assert elapsed < 180, f"the CI profile took {elapsed:.0f}s"
+
+
+# The PgBouncer variant: the short profile's faults with fewer runs (CI time: the whole
+# profile through PgBouncer took about as long as the direct one, and CI runs both).
+PGBOUNCER_RUNS = "150"
+
+
+@pytest.mark.chaos
+def test_short_profile_through_pgbouncer_in_transaction_pooling_mode(tmp_path: Path) -> None:
+    """The workers and maintenance reach PostgreSQL through PgBouncer (transaction
+    pooling; LISTEN directly): every fault, every invariant."""
+    code, report, err = chaos("--profile", "short", "--seed", SHORT_SEED, "--pgbouncer",
+                              "--runs", PGBOUNCER_RUNS, timeout=240, cwd=tmp_path)
+    assert report["violations"] == [], (report["violations"][:20], err[-2000:])
+    assert code == 0
+    assert "PgBouncer" in report["database"]
+    assert report["summary"] == {"lost": 0, "doubled": 0, "stuck": 0, "other": 0}
+    for fault in ("kill", "stop", "terminate", "restart", "duplicate_submit", "cancel"):
+        assert report["faults"].get(fault, 0) > 0, fault
+    assert "WORKER_LOST" in report["attempts_by_reason"]
+    reclaim = report["reclaim"]
+    assert reclaim["samples"] >= 3 and reclaim["p99"] <= reclaim["budget"]
 
 
 @pytest.mark.chaos

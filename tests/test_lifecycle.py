@@ -15,8 +15,11 @@ from runlane.domain.tasks import TaskInvalid
 from runlane.errors import CancelRequested, Conflict, LeaseLost, NotFound
 from runlane.store.store import Store
 
-from .conftest import T0
+from .conftest import T0, WITH_PGBOUNCER, db_url_with_pgbouncer
 from .support import attempts_of, events_of, execute, run_row, spec, submit
+
+# This suite runs through PgBouncer (transaction pooling) too.
+db_url = pytest.fixture(params=WITH_PGBOUNCER)(db_url_with_pgbouncer)
 
 S = RunStatus
 TTL = 30.0

@@ -26,7 +26,12 @@ from runlane.codehost.local_forge import LocalForge
 from runlane.domain.retry import RetryPolicy
 from runlane.store.store import Store
 
+from . import pgbouncer
+from .conftest import WITH_PGBOUNCER, db_url_with_pgbouncer
 from .support import attempts_of, bare_remote, fast_lane, processes_in, run_row, spec
+
+# This suite runs through PgBouncer (transaction pooling) too.
+db_url = pytest.fixture(params=WITH_PGBOUNCER)(db_url_with_pgbouncer)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,6 +86,7 @@ class WorkerProcess:
             "RUNLANE_RETRY_BASE_SECONDS": "0.1",
             "RUNLANE_RETRY_MAX_SECONDS": "0.2",
             "RUNLANE_AGENT_TERM_GRACE_SECONDS": "0.5",
+            **pgbouncer.listen_env(db_url),
             **(env or {}),
         })
         self.process = subprocess.Popen(

@@ -19,6 +19,7 @@ from runlane.codehost.local_forge import LocalForge
 
 from .test_worker import (  # noqa: F401 - fixtures
     agent_branches,
+    db_url,
     forge_dir,
     lane,
     pstore,

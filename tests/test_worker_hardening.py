@@ -17,7 +17,11 @@ from runlane.api import Runlane
 from runlane.codehost.local_forge import LocalForge
 from runlane.settings import Settings, SettingsInvalid, default_workspace_dir
 
+from .conftest import WITH_PGBOUNCER, db_url_with_pgbouncer
 from .support import bare_remote, cli_env, one_line_error
+
+# This suite runs through PgBouncer (transaction pooling) too.
+db_url = pytest.fixture(params=WITH_PGBOUNCER)(db_url_with_pgbouncer)
 
 
 def git(*args: str) -> str:

@@ -14,7 +14,7 @@ from urllib.parse import unquote
 
 import structlog
 from prometheus_client import CollectorRegistry
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from runlane.agents.base import AttemptLimits
@@ -56,7 +56,7 @@ from runlane.services.scheduler import Scheduler, SchedulerConfig
 from runlane.settings import Settings, default_database_url, load_settings
 from runlane.store import details, migrate, tokens
 from runlane.store import events as events_store
-from runlane.store.engine import build_engine
+from runlane.store.engine import build_engine, pooler_of
 from runlane.store.engine import sqlite_file as _sqlite_file
 from runlane.store.retry import retry_task
 from runlane.store.store import CancelResult, Store, Violation
@@ -129,7 +129,10 @@ class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin, ApprovalsMixin):
     """
 
     def __init__(self, database_url: str | None = None, *, settings: Settings | None = None,
-                 clock: Clock | None = None, rng: random.Random | None = None) -> None:
+                 clock: Clock | None = None, rng: random.Random | None = None,
+                 connections: int | None = None) -> None:
+        """``connections``: at most this many pooled PostgreSQL connections (a worker
+        process: 1); None sizes the pool to the machine."""
         self.settings = settings or load_settings(database_url=database_url)
         metrics.set_enabled(self.settings.metrics)
         self._metrics_registry: CollectorRegistry | None = None
@@ -141,8 +144,10 @@ class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin, ApprovalsMixin):
             rng=rng,
             max_uncharged_releases=self.settings.max_uncharged_releases,
             engine=build_engine(
-                self.settings.database_url,
+                self.settings.database_url, pool_size=connections,
+                bounded=connections is not None,
                 idle_in_transaction_timeout=self.settings.idle_in_transaction_timeout_seconds),
+            listen_url=self.settings.listen_database_url,
         )
         # Checked on first use (every call that reads or writes runs): a database never
         # upgraded otherwise fails with "no such table" deep in the first query.
@@ -166,9 +171,28 @@ class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin, ApprovalsMixin):
             # The default's directory (the user's state directory); a path given is
             # used as it is (a typo in it is refused, not created).
             path.parent.mkdir(parents=True, exist_ok=True)
-        before_after = migrate.upgrade(self.store.engine)
+        before_after = self._migrate_directly(migrate.upgrade)
         self._schema_checked = before_after[1] == migrate.head_revision()
         return before_after
+
+    def _migrate_directly(self, run: Callable[[Engine], tuple[str | None, str | None]]
+                          ) -> tuple[str | None, str | None]:
+        """A migration holds a session-level lock and builds indexes outside a
+        transaction: through a transaction pooler it runs on LISTEN_DATABASE_URL (the
+        server itself), and without that is refused."""
+        if pooler_of(self.settings.database_url) is None:
+            return run(self.store.engine)
+        direct = self.settings.listen_database_url
+        if direct is None:
+            raise InvalidArgument(
+                "DATABASE_URL goes through a transaction pooler: a schema upgrade needs a "
+                "session of its own; set LISTEN_DATABASE_URL (the server itself) or run "
+                "`runlane db upgrade` with the server's URL")
+        engine = build_engine(direct, pool_size=2, bounded=True)  # the lock, the work
+        try:
+            return run(engine)
+        finally:
+            engine.dispose()
 
     def check_schema(self) -> None:
         """Refuse to work on a database that is missing or behind, with the fix. Every

@@ -165,8 +165,15 @@ def runs_app() -> None:
     """Inspect runs."""
 
 
-def _lane(check_schema: bool = True) -> Runlane:
-    lane = Runlane(settings=load_settings(database_url=state.database_url, **state.settings))
+# Pooled PostgreSQL connections of `maintain`'s (and `up`'s) maintenance services: four
+# threads, each pass a few short transactions; the scheduler's LISTEN is one more.
+MAINTENANCE_CONNECTIONS = 2
+
+
+def _lane(check_schema: bool = True, connections: int | None = None) -> Runlane:
+    """The facade over the settings given; ``connections`` bounds its pool (Runlane)."""
+    lane = Runlane(settings=load_settings(database_url=state.database_url, **state.settings),
+                   connections=connections)
     if check_schema:
         lane.check_schema()
     return lane
@@ -357,7 +364,7 @@ def maintain(once: bool, metrics_port: int, as_json: bool) -> None:
     if as_json and not once:
         # Only one pass has counts to print: without --once nothing would ever be.
         raise click.UsageError("--json needs --once (one pass, then its counts)")
-    with _lane() as lane:
+    with _lane(connections=MAINTENANCE_CONNECTIONS) as lane:
         if once:
             counts = lane.maintain_once()
             if as_json:

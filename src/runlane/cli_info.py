@@ -48,6 +48,8 @@ def _shown(value: Any) -> Any:
 def info_command(as_json: bool) -> None:
     """Version, database and schema, every setting and its source, the sandbox and
     the code hosts: what the other commands would use, run from here."""
+    from sqlalchemy.engine import make_url
+
     from runlane.api import Runlane, shown_url
     from runlane.codehost.factory import configured_hosts
     from runlane.settings import load_settings
@@ -82,7 +84,9 @@ def info_command(as_json: bool) -> None:
         "version": __version__,
         "database": url,
         "schema": schema,
-        "settings": {name: {"value": _shown(value) if name != "database_url" else url,
+        "settings": {name: {"value": url if name == "database_url" else
+                            shown_url(make_url(value)) if name == "listen_database_url"
+                            and value else _shown(value),
                             "source": sources[name]}
                      for name, value in settings.model_dump().items()},
         "sandbox": sandbox,

@@ -13,13 +13,24 @@ from typing import Any, TypeVar
 import click
 
 from runlane.api import MAX_CONCURRENCY, Runlane
-from runlane.cli import _join, _lane, _start_maintenance, _stop_on_sigterm, out, state
+from runlane.cli import (
+    MAINTENANCE_CONNECTIONS,
+    _join,
+    _lane,
+    _start_maintenance,
+    _stop_on_sigterm,
+    out,
+    state,
+)
 from runlane.cli_serve import host_port_options, metrics_port_option
 from runlane.domain.policy import MAX_COUNT
 from runlane.domain.routing import canonical_capabilities, parse_capabilities
 from runlane.domain.tasks import TaskInvalid, valid_name
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# Pooled PostgreSQL connections of one worker process (its LISTEN is one more).
+WORKER_CONNECTIONS = 1
 
 
 def _capabilities(values: tuple[str, ...]) -> dict[str, Any]:
@@ -111,7 +122,9 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
     crash_point("worker_start")  # a worker that dies as it starts (up's crash-loop test)
     from runlane.services.supervisor import follow_supervisor
 
-    with _lane() as lane:
+    # One pooled connection whatever --concurrency (and one LISTEN): a fleet's count
+    # stays two per worker process (docs/running.md).
+    with _lane(connections=WORKER_CONNECTIONS) as lane:
         runner = lane.worker(
             agent_command=agent_command, verify_command=verify_command,
             queues=list(queues) or ["default"], concurrency=concurrency,
@@ -167,7 +180,10 @@ def up(workers: int, agent_command: str, verify_command: str | None, queues: tup
     _capabilities(capabilities)  # bad input is refused here, not by each worker's restart
     # Served metrics are every process's: the workers count in files that this process
     # sums (prometheus_client's multiprocess mode, in a private directory).
-    with counting_across_processes(bool(metrics_port or serve)), _lane() as lane:
+    # Without --serve, this process's pool serves only maintenance: bounded as
+    # `maintain`'s (with it, the HTTP API's requests share the pool: the machine's size).
+    with counting_across_processes(bool(metrics_port or serve)), \
+            _lane(connections=None if serve else MAINTENANCE_CONNECTIONS) as lane:
         # Refused here, once, rather than by every worker.
         _check_sandbox(lane)
         args = ["--agent-command", agent_command, "--concurrency", str(concurrency)]

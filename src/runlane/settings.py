@@ -18,7 +18,12 @@ from pydantic_settings import (
 
 from runlane.domain.retry import DEFAULT_MAX_UNCHARGED_RELEASES, RetryPolicy
 from runlane.errors import RunlaneError
-from runlane.store.engine import IDLE_IN_TRANSACTION_TIMEOUT_SECONDS
+from runlane.store.engine import (
+    IDLE_IN_TRANSACTION_TIMEOUT_SECONDS,
+    DatabaseUrlInvalid,
+    dialect_of,
+    pooler_of,
+)
 
 CONFIG_FILE = "runlane.toml"
 
@@ -82,6 +87,10 @@ class Settings(BaseSettings):
     )
 
     database_url: str = Field(default_factory=default_database_url)
+    # PostgreSQL: where LISTEN connects when DATABASE_URL goes through a transaction
+    # pooler (`?pooler=transaction`), which cannot keep a session listening: the server
+    # itself. Unset there, workers and the scheduler poll (one warning). store/wakeup.py
+    listen_database_url: str | None = None
     lease_ttl_seconds: float = Field(60.0, gt=0, le=MAX_SECONDS)
     heartbeat_seconds: float = Field(10.0, gt=0, le=MAX_SECONDS)
     retry_base_seconds: float = Field(30.0, ge=0, le=MAX_SECONDS)
@@ -133,6 +142,21 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute_database(cls, value: str) -> str:
         return absolute_sqlite_url(value)
+
+    @field_validator("listen_database_url")
+    @classmethod
+    def _direct_postgres(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        try:
+            dialect = dialect_of(value)
+        except DatabaseUrlInvalid:
+            dialect = None
+        if dialect != "postgresql":
+            raise ValueError("must be a postgresql:// URL (LISTEN is PostgreSQL's)")
+        if pooler_of(value) is not None:
+            raise ValueError("must reach PostgreSQL directly, not through a pooler")
+        return value
 
     @field_validator("workspace_dir", "artifacts_dir")
     @classmethod

@@ -145,6 +145,8 @@ def replay_command(c: ChaosConfig) -> str:
             parts += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     if c.faults != base.faults:
         parts += ["--faults", ",".join(sorted(c.faults)) or "none"]
+    if c.pgbouncer:
+        parts.append("--pgbouncer")
     if c.plant:
         parts += ["--plant", c.plant]
     if c.agent_sleep is not None:

@@ -76,6 +76,9 @@ class _Progress:
               help="Default: the profile's; postgresql means a private throw-away cluster.")
 @click.option("--database-url", default=None,
               help="Use this (empty) database instead; no PostgreSQL restarts then.")
+@click.option("--pgbouncer", is_flag=True,
+              help="Workers and maintenance reach PostgreSQL through a PgBouncer in "
+              "transaction pooling mode (LISTEN directly); needs Debian's pgbouncer.")
 @click.option("--runs", type=click.IntRange(min=1), default=None,
               help="Runs the workload submits (default: the profile's).")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
@@ -110,7 +113,7 @@ class _Progress:
 @click.option("--json", "as_json", is_flag=True,
               help="Print exactly one JSON document on stdout.")
 def chaos_command(profile: str, seed: int | None, engine: str | None,
-                  database_url: str | None, runs: int | None, workers: int | None,
+                  database_url: str | None, pgbouncer: bool, runs: int | None, workers: int | None,
                   concurrency: int | None, faults: str | None, kill_every: float | None,
                   stop_every: float | None, terminate_every: float | None,
                   restarts: int | None, lease_ttl: float | None, max_seconds: float | None,
@@ -130,7 +133,8 @@ def chaos_command(profile: str, seed: int | None, engine: str | None,
         runs=runs, workers=workers, concurrency=concurrency, kill_every=kill_every,
         stop_every=stop_every, terminate_every=terminate_every, restarts=restarts,
         lease_ttl=lease_ttl, max_seconds=max_seconds, stall_seconds=stall_seconds,
-        directory=directory, keep=keep, plant=plant, agent_sleep=agent_sleep)
+        directory=directory, keep=keep, plant=plant, agent_sleep=agent_sleep,
+        pgbouncer=pgbouncer or None)
     progress = _Progress(quiet)
     harness = Harness(config, progress)
     report: Report | None = None

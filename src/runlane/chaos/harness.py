@@ -35,6 +35,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from runlane.chaos import agent as agent_module
 from runlane.chaos.agent import DWELL_ENV
 from runlane.chaos.hooks import PLANT_ENV, PR_CRASH_ENV, PR_CRASH_MARK
+from runlane.chaos.pgbouncer import PgBouncer, database_settings
+from runlane.chaos.pgbouncer import start as start_pgbouncer
 from runlane.chaos.pgcluster import PrivateCluster
 from runlane.chaos.profiles import ChaosConfig
 from runlane.chaos.workload import CampaignPlan, TaskPlan, build_workload, split_campaigns
@@ -181,6 +183,9 @@ class Harness:
         self.active = self.ended = 0  # runs not ended / ended, as of the last poll
         self.withdrawals = 0  # runs due a withdrawal, as of the last poll
         self.cluster: PrivateCluster | None = None
+        self.bouncer: PgBouncer | None = None
+        # The URL the workers and maintenance are given (--pgbouncer: PgBouncer's).
+        self.process_url = ""
         self.store: Store | None = None
         self.reader: Engine | None = None
         self.db_down_until = 0.0
@@ -203,6 +208,8 @@ class Harness:
             self.store.close()
         if self.reader is not None:
             self.reader.dispose()
+        if self.bouncer is not None:
+            self.bouncer.stop()
         if self.cluster is not None:
             self.cluster.destroy()
 
@@ -227,6 +234,13 @@ class Harness:
             self.cluster = PrivateCluster()
             self.url = self.cluster.start()
             self.database = f"private cluster on port {self.cluster.port}"
+        self.process_url = self.url
+        if c.pgbouncer:  # the harness's own connections stay direct
+            database_settings(self.url, idle_in_transaction_seconds=c.lease_ttl / 2)
+            self.bouncer = start_pgbouncer(self.url)
+            self.process_url = self.bouncer.url_for(self.url)
+            self.database += (f", workers and maintenance through PgBouncer (transaction "
+                              f"pooling) on port {self.bouncer.port}")
         engine = build_engine(self.url)
         try:
             upgrade(engine)
@@ -260,7 +274,7 @@ class Harness:
         hooked = (self.c.plant is not None or "cancel" in self.c.faults
                   or "pr_crash" in self.c.faults)
         module = "runlane.chaos.hooks" if hooked else "runlane"
-        base = [sys.executable, "-m", module, "--database-url", self.url]
+        base = [sys.executable, "-m", module, "--database-url", self.process_url]
         if role == "maintainer":
             return [*base, "maintain"]
         script = shlex.quote(agent_module.__file__ or "agent.py")
@@ -286,6 +300,8 @@ class Harness:
             SUPERVISOR_ENV: str(os.getpid()),  # they drain if the harness dies
             DWELL_ENV: self._dwell(),
         })
+        if self.bouncer is not None:  # LISTEN cannot go through a transaction pooler
+            env["RUNLANE_LISTEN_DATABASE_URL"] = self.url
         if self.c.plant:
             env[PLANT_ENV] = self.c.plant
         if "pr_crash" in self.c.faults:

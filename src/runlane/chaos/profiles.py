@@ -48,6 +48,9 @@ class ChaosConfig:
     plant: str | None = None
     agent_sleep: float | None = None  # every agent works this long (the planted-bug tests)
     repos: int = 4
+    # Workers and maintenance reach PostgreSQL through a PgBouncer in transaction
+    # pooling mode (their LISTEN directly, LISTEN_DATABASE_URL).
+    pgbouncer: bool = False
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -154,6 +157,8 @@ def build_config(profile: str, *, seed: int, engine: str | None = None,
 
 
 def _validate(c: ChaosConfig) -> None:
+    if c.pgbouncer and c.engine != "postgresql":
+        raise ChaosInvalid("--pgbouncer needs PostgreSQL")
     if c.runs < 1 or c.workers < 1 or c.concurrency < 1:
         raise ChaosInvalid("--runs, --workers and --concurrency must be at least 1")
     if c.heartbeat * 3 > c.lease_ttl:

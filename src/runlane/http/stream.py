@@ -54,7 +54,8 @@ class EventHub:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listener = Listener(lane.settings.database_url, channels=(EVENTS_CHANNEL,),
-                                  change_poll_seconds=lane.settings.change_poll_seconds)
+                                  change_poll_seconds=lane.settings.change_poll_seconds,
+                                  listen_database_url=lane.settings.listen_database_url)
 
     @property
     def postgres(self) -> bool:

@@ -133,7 +133,8 @@ class Scheduler(MaintenanceService):
         if not self.store.is_postgres:
             super().run_forever(stop)
             return
-        with Listener(self.store.url, channels=(SCHEDULE_CHANNEL,)).start() as listener:
+        with Listener(self.store.url, channels=(SCHEDULE_CHANNEL,),
+                      listen_database_url=self.store.listen_url).start() as listener:
             # LISTEN before the first pass reads the version in force: a policy applied
             # in between was notified to nobody and waited for the periodic pass.
             listener.wait_connected()

@@ -11,6 +11,14 @@ SIGSTOP, a VM pause); the server ends it and its row locks go with it, instead o
 every claim, heartbeat and reaper pass waiting until the process wakes up. The
 process sees the error on its next statement, SQLAlchemy discards the connection,
 and its loops retry (an attempt whose write it was is abandoned to the reaper).
+
+Through a pooler in transaction mode (PgBouncer's ``pool_mode = transaction``, named by
+the URL's ``pooler=transaction``) each transaction may run on another server session:
+nothing may rest on a session's state. psycopg's server-side prepared statements are
+off (a prepared ``_pg3_0`` of one client is another client's "already exists"), and
+the session settings above are not sent (PgBouncer refuses the ``options`` startup
+parameter): set them on the role instead (docs/running.md). LISTEN needs a session of
+its own: it goes to ``LISTEN_DATABASE_URL`` (store/wakeup.py).
 """
 
 from __future__ import annotations
@@ -47,8 +55,32 @@ IDLE_IN_TRANSACTION_TIMEOUT_SECONDS = 5.0
 PLANNER_OPTIONS = "-c jit=off -c random_page_cost=1.1"
 
 
+# The URL query parameter that says a pooler stands between runlane and PostgreSQL,
+# and its mode; runlane reads it and never passes it on to libpq.
+POOLER_PARAMETER = "pooler"
+POOLER_MODES = ("transaction",)
+
+
 class DatabaseUrlInvalid(RunlaneError):
     exit_code = 2
+
+
+def pooler_of(url: str) -> str | None:
+    """The pooler mode a PostgreSQL URL names (``?pooler=transaction``), or None."""
+    try:
+        parsed = make_url(url)
+    except Exception:  # normalize_url says why
+        return None
+    mode = parsed.query.get(POOLER_PARAMETER)
+    if mode is None:
+        return None
+    if isinstance(mode, tuple) or mode not in POOLER_MODES:
+        raise DatabaseUrlInvalid(
+            f"DATABASE_URL: {POOLER_PARAMETER}={mode!r} is not a pooler mode runlane knows "
+            f"(one of: {', '.join(POOLER_MODES)})")
+    if parsed.get_backend_name() != "postgresql":
+        raise DatabaseUrlInvalid(f"DATABASE_URL: {POOLER_PARAMETER}= is for PostgreSQL URLs")
+    return str(mode)
 
 
 def normalize_url(url: str) -> str:
@@ -59,7 +91,8 @@ def normalize_url(url: str) -> str:
         raise DatabaseUrlInvalid(f"DATABASE_URL {url!r} is not a database URL") from exc
     backend = parsed.get_backend_name()
     if backend == "postgresql":
-        return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+        return parsed.set(drivername="postgresql+psycopg").difference_update_query(
+            [POOLER_PARAMETER]).render_as_string(hide_password=False)
     if backend == "sqlite":
         return url
     raise DatabaseUrlInvalid(
@@ -72,8 +105,12 @@ def dialect_of(url: str) -> str:
 
 
 def build_engine(url: str, pool_size: int | None = None, *,
-                 idle_in_transaction_timeout: float = IDLE_IN_TRANSACTION_TIMEOUT_SECONDS
-                 ) -> Engine:
+                 idle_in_transaction_timeout: float = IDLE_IN_TRANSACTION_TIMEOUT_SECONDS,
+                 bounded: bool = False) -> Engine:
+    """An engine for ``url``. ``bounded``: the pool never opens more than ``pool_size``
+    connections (a worker process: one, whatever its concurrency; its threads take
+    turns, each transaction a few milliseconds); otherwise as many again in overflow."""
+    pooler = pooler_of(url)
     url = normalize_url(url)
     if dialect_of(url) == "sqlite":
         return _sqlite_engine(url)
@@ -81,10 +118,15 @@ def build_engine(url: str, pool_size: int | None = None, *,
     # hint (runlane.extras), not SQLAlchemy's ImportError from inside create_engine.
     require("psycopg", "A PostgreSQL DATABASE_URL")
     size = pool_size or max(4, (os.cpu_count() or 2) * 2)
+    session: dict[str, Any] = {"prepare_threshold": 2, "options": (
+        f"{PLANNER_OPTIONS} -c idle_in_transaction_session_timeout="
+        f"{_milliseconds(idle_in_transaction_timeout)}")}
+    if pooler == "transaction":
+        session = {"prepare_threshold": None}
     engine = create_engine(
         url,
         pool_size=size,
-        max_overflow=size,
+        max_overflow=0 if bounded else size,
         # No pre-ping: it cost a round trip per transaction (one in five of a batched
         # completion). A pooled session that died meanwhile fails on its transaction's
         # first statement and Store._transaction runs the transaction again on a fresh
@@ -92,15 +134,14 @@ def build_engine(url: str, pool_size: int | None = None, *,
         # keepalives and tcp_user_timeout surface a silent partition within seconds.
         # pool_recycle bounds a session's age (server-side state, memory).
         pool_recycle=1800,
-        # psycopg 3 prepares statements after this many executions of the same text.
+        # psycopg 3 prepares statements after this many executions of the same text
+        # (session: never through a transaction pooler, module docstring).
         # TCP keepalives and a user timeout: a silent network partition surfaces as an
         # error within seconds instead of a call that never returns.
-        connect_args={"prepare_threshold": 2, "application_name": "runlane",
+        connect_args={"application_name": "runlane",
                       "connect_timeout": 10, "keepalives": 1, "keepalives_idle": 5,
                       "keepalives_interval": 2, "keepalives_count": 3,
-                      "tcp_user_timeout": 15000,
-                      "options": f"{PLANNER_OPTIONS} -c idle_in_transaction_session_timeout="
-                                 f"{_milliseconds(idle_in_transaction_timeout)}"},
+                      "tcp_user_timeout": 15000, **session},
     )
     event.listen(engine, "connect", _fast_arrays)
     return engine

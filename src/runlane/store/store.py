@@ -426,10 +426,14 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         engine: Engine | None = None,
         rng: random.Random | None = None,
         max_uncharged_releases: int = DEFAULT_MAX_UNCHARGED_RELEASES,
+        listen_url: str | None = None,
     ) -> None:
         if max_uncharged_releases < 0:
             raise ValueError(f"max_uncharged_releases must be >= 0, not {max_uncharged_releases}")
         self.url = url
+        # Where this store's processes LISTEN (LISTEN_DATABASE_URL; None: the
+        # database's URL, unless that is a transaction pooler's: store/wakeup.py).
+        self.listen_url = listen_url
         self.max_uncharged_releases = max_uncharged_releases
         self.dialect = dialect_of(url)
         self.engine = engine or build_engine(url)

@@ -1,7 +1,11 @@
 """Wake-ups: LISTEN/NOTIFY on PostgreSQL, ``PRAGMA data_version`` on SQLite, and a
 poll interval everywhere.
 
-PostgreSQL: a listener thread holds one dedicated connection. When that connection
+PostgreSQL: a listener thread holds one dedicated connection, to ``LISTEN_DATABASE_URL``
+when given, else to the database's URL. A transaction pooler (``?pooler=transaction``)
+hands each transaction to any server session, so a LISTEN through it hears nothing: with
+such a URL and no ``LISTEN_DATABASE_URL`` there is no listener, the waiter polls, and
+the process logs one warning (``listen_unavailable``). When that connection
 dies (a restart, ``pg_terminate_backend``) it reconnects with backoff and then wakes
 its waiters once, because notifications sent while it was away are lost: the waiter
 polls the database, which is the truth, and misses nothing.
@@ -37,11 +41,14 @@ import structlog
 from sqlalchemy.engine import make_url
 
 from runlane.extras import require
-from runlane.store.engine import dialect_of, normalize_url, sqlite_file
+from runlane.store.engine import dialect_of, normalize_url, pooler_of, sqlite_file
 from runlane.store.store import CANCEL_CHANNEL, WAKEUP_CHANNEL
 
 log = structlog.get_logger("runlane.wakeup")
 
+# The application_name of a listener's session (the pool's are "runlane"): what
+# pg_stat_activity shows for the one LISTEN connection of each process.
+LISTEN_APPLICATION = "runlane-listen"
 RECONNECTED = "__reconnected__"
 CHANGED = "__changed__"  # SQLite: another connection committed (PRAGMA data_version)
 
@@ -66,18 +73,47 @@ def libpq_url(url: str) -> str:
     )
 
 
+_warned_unavailable = False
+
+
+def listen_url(url: str, listen_database_url: str | None = None) -> str | None:
+    """Where a process LISTENs for a database at ``url``: ``listen_database_url`` if
+    given, else ``url`` itself unless a transaction pooler stands in front of it
+    (None: no LISTEN, poll). Not PostgreSQL: None."""
+    if dialect_of(url) != "postgresql":
+        return None
+    if listen_database_url:
+        return listen_database_url
+    return None if pooler_of(url) == "transaction" else url
+
+
+def _warn_unavailable() -> None:
+    """Once per process: each listener without a LISTEN would say the same."""
+    global _warned_unavailable
+    if not _warned_unavailable:
+        _warned_unavailable = True
+        log.warning("listen_unavailable",
+                    message="DATABASE_URL goes through a transaction pooler and "
+                            "LISTEN_DATABASE_URL is not set: no LISTEN/NOTIFY, polling")
+
+
 class Listener:
     """Blocks a caller until a notification arrives or a timeout passes."""
 
     def __init__(self, url: str, channels: tuple[str, ...] = (WAKEUP_CHANNEL, CANCEL_CHANNEL),
                  reconnect_seconds: float = 0.2,
-                 change_poll_seconds: float = CHANGE_POLL_SECONDS) -> None:
-        self.url = url
+                 change_poll_seconds: float = CHANGE_POLL_SECONDS,
+                 listen_database_url: str | None = None) -> None:
         self.channels = channels
         self.reconnect_seconds = reconnect_seconds
         self.change_poll_seconds = change_poll_seconds
         dialect = dialect_of(url)
-        self.enabled = dialect == "postgresql"  # LISTEN/NOTIFY
+        target = listen_url(url, listen_database_url)
+        # Where LISTEN connects (the pooler's URL is never it).
+        self.url = target or url
+        self.enabled = target is not None  # LISTEN/NOTIFY
+        if dialect == "postgresql" and not self.enabled:
+            _warn_unavailable()
         # SQLite: the file whose commits the watcher notices (None: in memory).
         self.database_file = sqlite_file(url) if dialect == "sqlite" else None
         self.changes_seen = 0
@@ -144,7 +180,8 @@ class Listener:
         first = True
         while not self._stop.is_set():
             try:
-                with psycopg.connect(libpq_url(self.url), autocommit=True) as conn:
+                with psycopg.connect(libpq_url(self.url), autocommit=True,
+                                     application_name=LISTEN_APPLICATION) as conn:
                     for channel in self.channels:
                         conn.execute(f"LISTEN {channel}")
                     self.backend_pid = conn.info.backend_pid

@@ -76,7 +76,8 @@ class Worker:
         self.driver = driver
         self.config = config
         self.worker_id = worker_id or new_worker_id()
-        self.listener = Listener(store.url, change_poll_seconds=config.change_poll_seconds)
+        self.listener = Listener(store.url, change_poll_seconds=config.change_poll_seconds,
+                                 listen_database_url=store.listen_url)
         self.gate = ClaimGate(store.url)
         self.draining = threading.Event()
         self._stopped = threading.Event()
