@@ -56,6 +56,9 @@ class Decision:
     concurrency: dict[str, int]
     weight: float
     policy_version: int
+    # The retry rules in force for this run (Policy.retry_rules_for): what its failed
+    # attempts are retried under, over the settings' retry policy.
+    retry: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         # What dataclasses.asdict returns (its values are scalars and flat dicts of
@@ -64,12 +67,14 @@ class Decision:
         data = {name: getattr(self, name) for name in _DECISION_FIELDS}
         data["limits"] = dict(self.limits)
         data["concurrency"] = dict(self.concurrency)
+        data["retry"] = dict(self.retry)
         return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Decision:
         return cls(**{**data, "limits": dict(data["limits"]),
-                      "concurrency": dict(data["concurrency"])})
+                      "concurrency": dict(data["concurrency"]),
+                      "retry": dict(data.get("retry") or {})})
 
 
 _DECISION_FIELDS = tuple(f.name for f in fields(Decision))
@@ -152,6 +157,7 @@ def admit(
                                                       risk, queue),
             weight=policy.tenant_weight(tenant),
             policy_version=policy_version,
+            retry=policy.retry_rules_for(tenant, queue),
         )
 
     def contract_denied() -> Decision:

@@ -1260,6 +1260,9 @@ POLICY_VERSION = "SELECT MAX(version) FROM policy_versions"
 # What a submit needs first, in one round trip: the time and the policy version in force.
 SUBMIT_CONTEXT = "SELECT {now} AS now, (SELECT MAX(version) FROM policy_versions) AS version"
 POLICY_BY_VERSION = "SELECT document FROM policy_versions WHERE version = :version"
+# A run's admission record, read when one of its attempts failed: the retry rules it
+# was admitted with (``admission.retry``).
+RUN_ADMISSION = "SELECT admission FROM runs WHERE run_id = :run_id"
 # PostgreSQL: a policy change first waits for every transaction that wrote attempts
 # (claims in flight) and holds new ones until it commits (invariant 9). A claim under
 # the old policy counts no slot in a scope the new one limits; the counter the next

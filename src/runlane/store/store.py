@@ -1445,10 +1445,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             # taken on from where it stands: from FAILED_RETRYABLE the next hop.
             recovered = lease_status in ("EXPIRED", "REVOKED") and status in LEASED
             prefix = [S.STALE_LEASE] if recovered else []
-            # The settings' retry policy with the policy file's [retry] section over
-            # it (that section was validated, stored, and then never used).
-            _, policy = self._policy(conn)
-            retry_policy = policy.retry_policy(self.retry_policy)
+            retry_policy = self._run_retry_policy(conn, snap.run_id)
             decision = None if snap.finalize_only_after is not None else decide(
                 reason,
                 RunBudget(snap.charged_attempts, snap.max_attempts, now - snap.created_at,
@@ -1508,6 +1505,18 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                      status=path[-1].value)
             return path[-1]
         return status
+
+    def _run_retry_policy(self, conn: Connection, run_id: str) -> RetryPolicy:
+        """The settings' retry policy with the run's recorded retry rules over it (the
+        policy's ``[retry]`` layers for its tenant and queue, as admitted). A run
+        admitted before rules were recorded: the policy in force's ``[retry]``."""
+        record = conn.execute(self._q(sql.RUN_ADMISSION), {"run_id": run_id}).scalar()
+        if isinstance(record, str):
+            record = json.loads(record)
+        if isinstance(record, dict) and isinstance(record.get("retry"), dict):
+            return self.retry_policy.with_rules(record["retry"])
+        _, policy = self._policy(conn)
+        return policy.retry_policy(self.retry_policy)
 
     def _finalize_only_decision(self, conn: Connection, snap: _Snapshot, reason: str,
                                 policy: RetryPolicy, retry_after: float | None
