@@ -31,6 +31,7 @@ class AdmissionRequest:
     user: str | None = None
     max_attempts: int | None = None
     requires: Mapping[str, Requirement] = field(default_factory=dict)
+    provider: str | None = None  # None: the queue's provider in the policy, if any
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class Decision:
     # The retry rules in force for this run (Policy.retry_rules_for): what its failed
     # attempts are retried under, over the settings' retry policy.
     retry: dict[str, Any] = field(default_factory=dict)
+    # The model provider the run uses (the task's, else its queue's in the policy).
+    provider: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         # What dataclasses.asdict returns (its values are scalars and flat dicts of
@@ -117,6 +120,7 @@ def admit(
     defaults = policy.defaults
     risk = (repo_rule.risk_class if repo_rule else None) or defaults.risk_class
     queue = request.queue or (repo_rule.queue if repo_rule else None) or defaults.queue
+    provider = request.provider or policy.queue_providers.get(queue)
     priority = request.priority if request.priority is not None else defaults.priority
     max_attempts = next(n for n in (request.max_attempts, defaults.max_attempts,
                                     default_max_attempts) if n is not None)
@@ -154,10 +158,11 @@ def admit(
             requires=requires,
             limits=dict(limits),
             concurrency=policy.concurrency_limits_for(tenant, request.repo, request.user,
-                                                      risk, queue),
+                                                      risk, queue, provider),
             weight=policy.tenant_weight(tenant),
             policy_version=policy_version,
             retry=policy.retry_rules_for(tenant, queue),
+            provider=provider,
         )
 
     def contract_denied() -> Decision:

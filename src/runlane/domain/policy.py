@@ -351,6 +351,14 @@ class Retry(RetryRules):
         return rules
 
 
+class ProviderPolicy(_Model):
+    """``[providers.NAME]``: the capacity of one model provider, shared by every tenant.
+    ``max_active``: its runs active at once (the scope ``provider:NAME``, counted in the
+    claim with the other limits, all or nothing)."""
+
+    max_active: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+
+
 class TenantPolicy(_Model):
     weight: float = Field(default=1.0, gt=0)
     max_active: int | None = Field(default=None, ge=0, le=MAX_COUNT)
@@ -457,6 +465,10 @@ class Policy(_Model):
     tenants: dict[Name, TenantPolicy] = {}
     repositories: tuple[RepositoryPolicy, ...] = ()
     rules: tuple[Rule, ...] = ()
+    # Provider capacity (docs/policy.md): limits per model provider, and the provider of
+    # a queue's runs that name none. Left out of the canonical document when empty.
+    providers: dict[Name, ProviderPolicy] = Field(default={}, exclude_if=_empty_is_absent)
+    queue_providers: dict[Name, Name] = Field(default={}, exclude_if=_empty_is_absent)
 
     @field_validator("repositories", "rules", mode="before")
     @classmethod
@@ -464,6 +476,14 @@ class Policy(_Model):
         if isinstance(value, list):  # TOML arrays are lists; strict mode wants a tuple
             return tuple(value)
         return value
+
+    @model_validator(mode="after")
+    def _known_providers(self) -> Policy:
+        for queue, provider in self.queue_providers.items():
+            if provider not in self.providers:
+                raise ValueError(f"queue_providers.{queue}: provider {provider!r} has no "
+                                 "[providers.NAME] table")
+        return self
 
     @classmethod
     def default(cls) -> Policy:
@@ -504,7 +524,8 @@ class Policy(_Model):
         return next(((i, r) for i, r in enumerate(self.rules) if r.matches(facts)), None)
 
     def concurrency_limits_for(
-        self, tenant: str, repo: str, user: str | None, risk_class: str, queue: str
+        self, tenant: str, repo: str, user: str | None, risk_class: str, queue: str,
+        provider: str | None = None,
     ) -> dict[str, int]:
         """Scope key -> max active runs, only for the scopes that have a limit."""
         c = self.concurrency
@@ -518,6 +539,8 @@ class Policy(_Model):
             f"risk:{risk_class}": c.per_risk_class_max_active.get(risk_class),
             f"queue:{queue}": c.per_queue_max_active.get(queue),
         }
+        if provider is not None and provider in self.providers:
+            candidates[f"provider:{provider}"] = self.providers[provider].max_active
         return {k: v for k, v in candidates.items() if v is not None}
 
     def retry_rules_for(self, tenant: str, queue: str) -> dict[str, Any]:
@@ -618,7 +641,7 @@ def policy_digest(policy: Policy) -> str:
 
 
 def run_scopes(tenant: str, repo: str, user: str | None, risk_class: str,
-               queue: str) -> list[str]:
+               queue: str, provider: str | None = None) -> list[str]:
     """Every concurrency scope a run is in, limited or not, sorted. An attempt holds a
     slot in each (``attempts.limit_scopes``): a limit applied while it runs then counts
     it (a new counter starts at the attempts that hold its scope) and its end gives
@@ -629,4 +652,6 @@ def run_scopes(tenant: str, repo: str, user: str | None, risk_class: str,
               f"queue:{queue}"]
     if user is not None:
         scopes.append(f"user:{user}")
+    if provider is not None:
+        scopes.append(f"provider:{provider}")
     return sorted(scopes)

@@ -291,7 +291,8 @@ class SchedulingMixin:
         return AdmissionRequest(
             tenant=row.tenant, repo=row.repo, queue=row.queue, priority=row.priority,
             user=row.user_id, max_attempts=row.max_attempts,
-            requires=requirements_from_canonical(row.route_key or ""))
+            requires=requirements_from_canonical(row.route_key or ""),
+            provider=row.provider)
 
     # --- lanes --------------------------------------------------------------------
 
@@ -960,7 +961,7 @@ class SchedulingMixin:
             spent = usage.get(c.tenant)
             spent_usd = spent.spent_today_usd if spent else 0.0
             key = (c.tenant, c.repo, c.queue, c.priority, c.user_id, c.max_attempts,
-                   c.route_key, spent_usd)
+                   c.route_key, spent_usd, c.provider)
             if key not in decisions:  # runs of one tenant, repo, user... decide alike
                 decisions[key] = admit(self._request_of(c), policy, version,
                                        TenantUsage(0, spent_usd), now)
@@ -1034,7 +1035,8 @@ class SchedulingMixin:
         slots = Counter(s for _, d in passed for s in d.concurrency)
         maxima = {s: limit for _, d in passed for s, limit in d.concurrency.items()}
         run_ids = [c.run_id for c, _ in passed]
-        scopes = [json.dumps(run_scopes(c.tenant, c.repo, c.user_id, c.risk_class, c.queue))
+        scopes = [json.dumps(run_scopes(c.tenant, c.repo, c.user_id, c.risk_class, c.queue,
+                                        c.provider))
                   for c, _ in passed]  # every scope: a limit applied later counts it
         per_lane = Counter(c.lane_id for c, _ in passed)
         left = Counter({lane: -n for lane, n in (gone or {}).items()

@@ -133,6 +133,10 @@ runs = Table(
     # worker is due to close the pull request of a run that ended without success.
     Column("finalize_only_after", Integer),
     Column("close_due_at", Timestamp),
+    # Added by 0026 (provider capacity): the model provider the run uses, as admission
+    # resolved it (the task's own, else its queue's default in the policy); NULL: none.
+    # An attempt holds a slot in the scope ``provider:NAME`` (domain.policy.run_scopes).
+    Column("provider", String(128)),
     # Added by 0019: the run this one retries (``runlane retry``), a finished run of the
     # same task; NULL for a task's first run.
     Column("retry_of_run_id", ID),

@@ -154,7 +154,7 @@ PICK_LANES = {
 _LANE_WALK = """
 SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.user_id,
        r.risk_class, r.route_key, r.lane_id, r.created_at, r.max_attempts, r.limits,
-       r.policy_version, r.estimated_cost_usd, r.fencing_token,{extra}
+       r.policy_version, r.estimated_cost_usd, r.fencing_token, r.provider,{extra}
        (SELECT CASE WHEN t.cancel_requested_at IS NULL THEN 0 ELSE 1 END
         FROM tasks t WHERE t.task_id = r.task_id) AS task_cancelled
 FROM runs r
@@ -164,6 +164,7 @@ WHERE r.lane_id = {lane}
   AND 'repo:' || r.repo NOT IN (SELECT scope FROM full_scopes)
   AND 'user:' || COALESCE(r.user_id, '') NOT IN (SELECT scope FROM full_scopes)
   AND 'risk:' || r.risk_class NOT IN (SELECT scope FROM full_scopes)
+  AND 'provider:' || COALESCE(r.provider, '') NOT IN (SELECT scope FROM full_scopes)
   AND (r.created_at, r.run_id) > ({after_created}, {after_id})
 ORDER BY r.created_at, r.run_id
 LIMIT {limit}
@@ -321,7 +322,7 @@ LEFT JOIN LATERAL (""" + _LANE_WALK.format(
 RUN_CANDIDATE = _CLAIM_CTX + """
 SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.user_id,
        r.risk_class, r.route_key, r.lane_id, r.created_at, r.max_attempts, r.limits,
-       r.policy_version, r.estimated_cost_usd, r.fencing_token,
+       r.policy_version, r.estimated_cost_usd, r.fencing_token, r.provider,
        (SELECT CASE WHEN t.cancel_requested_at IS NULL THEN 0 ELSE 1 END
         FROM tasks t WHERE t.task_id = r.task_id) AS task_cancelled,
        ctx.version, ctx.now
@@ -686,7 +687,7 @@ RUN_SCOPES = """(
     SELECT CAST(json_agg(s.scope ORDER BY s.scope COLLATE "C") AS text)
     FROM unnest(ARRAY['global', 'tenant:' || {run}.tenant, 'repo:' || {run}.repo,
                       'risk:' || {run}.risk_class, 'queue:' || {run}.queue,
-                      'user:' || {run}.user_id]) AS s(scope)
+                      'user:' || {run}.user_id, 'provider:' || {run}.provider]) AS s(scope)
     WHERE s.scope IS NOT NULL)"""
 
 # PostgreSQL: a whole claim in one statement and one round trip, autocommit (issue 5's
@@ -1037,14 +1038,14 @@ decisions AS MATERIALIZED (
     SELECT CAST(d.n AS integer) - 1 AS decision_no,
            x.queue, x.priority, x.max_attempts, x.risk_class, x.route_key,
            x.policy_version, x.reason_code, x.message, x.weight, x.event_message,
-           x.status, x.visible_at,
+           x.status, x.visible_at, x.provider,
            d.value -> 'admission' AS admission, d.value -> 'limits' AS limits
     FROM json_array_elements(CAST(:decisions AS json)) WITH ORDINALITY AS d(value, n)
     CROSS JOIN LATERAL json_to_record(d.value) AS x(
         queue text, priority integer, max_attempts integer, risk_class text,
         route_key text, policy_version integer, reason_code text, message text,
         weight double precision, event_message text, status text,
-        visible_at double precision)),
+        visible_at double precision, provider text)),
 new_runs AS (
     -- The run's repository is its canonical form (domain/repos.py), the task's as
     -- written (it is cloned): the item has repo_key only where the two differ.
@@ -1054,7 +1055,7 @@ new_runs AS (
            CAST(NULL AS double precision) AS ended_at,  -- a DENY's: the time (below)
            i.estimated_cost_usd, d.decision_no, d.queue, d.priority, d.max_attempts,
            d.risk_class, d.route_key, d.policy_version, d.reason_code, d.message,
-           d.weight, d.event_message, d.admission, d.limits
+           d.weight, d.event_message, d.admission, d.limits, d.provider
     FROM items i
     JOIN inserted_tasks t ON t.task_id = i.task_id
     JOIN decisions d ON d.decision_no = i.decision_no),
@@ -1089,13 +1090,13 @@ inserted_runs AS (
                       attempt_count, max_attempts, fencing_token, visible_at, created_at,
                       updated_at, ended_at, reason_code, message, cost_usd, user_id,
                       risk_class, route_key, lane_id, policy_version, admission, limits,
-                      estimated_cost_usd)
+                      estimated_cost_usd, provider)
     SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.status,
            0, r.max_attempts, 0, COALESCE(r.visible_at, c.now), c.now, c.now,
            COALESCE(r.ended_at, CASE WHEN r.status = 'POLICY_DENIED' THEN c.now END),
            r.reason_code, r.message, 0,
            r.user_id, r.risk_class, r.route_key, l.lane_id, r.policy_version,
-           r.admission, r.limits, r.estimated_cost_usd
+           r.admission, r.limits, r.estimated_cost_usd, r.provider
     FROM new_runs r CROSS JOIN clock c
     JOIN lane_ids l ON l.queue = r.queue AND l.route_key = r.route_key
                    AND l.priority = r.priority AND l.tenant = r.tenant
@@ -1282,7 +1283,8 @@ INSERT INTO policy_versions (version, digest, document, source, created_at)
 VALUES (:version, :digest, :document, :source, :now)
 """
 RUN_FOR_POLICY = """
-SELECT run_id, tenant, repo, queue, priority, user_id, max_attempts, route_key, policy_version
+SELECT run_id, tenant, repo, queue, priority, user_id, max_attempts, route_key, policy_version,
+       provider
 FROM runs WHERE run_id = :run_id
 """
 TENANT_QUEUED = """
@@ -1330,7 +1332,7 @@ WHERE d.task_id = :task_id
 DUE_WAITING = """
 SELECT r.run_id, r.task_id, r.status, r.fencing_token, r.tenant, r.repo, r.queue,
        r.priority, r.user_id, r.route_key, r.max_attempts, r.created_at, r.lane_id,
-       r.policy_version, r.admission
+       r.policy_version, r.admission, r.provider
 FROM runs r
 WHERE r.status = :status
   AND r.visible_at <= {now}
@@ -1369,7 +1371,7 @@ LIMIT :scan
 _QUEUED_UNDER_OTHER_POLICY = """
 SELECT r.run_id, r.task_id, r.fencing_token, r.tenant, r.repo, r.queue, r.priority,
        r.user_id, r.route_key, r.max_attempts, r.risk_class, r.limits, r.lane_id,
-       r.policy_version, r.admission,
+       r.policy_version, r.admission, r.provider,
        (SELECT CASE WHEN t.cancel_requested_at IS NULL THEN 0 ELSE 1 END
         FROM tasks t WHERE t.task_id = r.task_id) AS task_cancelled
 FROM runs r

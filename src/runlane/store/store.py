@@ -267,7 +267,7 @@ class _Snapshot:
 _RUN_COLUMNS = ("run_id", "task_id", "tenant", "repo", "queue", "priority", "status",
                 "max_attempts", "visible_at", "ended_at", "reason_code", "message",
                 "user_id", "risk_class", "route_key", "policy_version", "admission",
-                "limits", "estimated_cost_usd")
+                "limits", "estimated_cost_usd", "provider")
 
 
 def _count_completions(durations: list[float]) -> None:
@@ -285,7 +285,7 @@ def _admission_request_key(spec: TaskSpec, repo: str) -> tuple[Any, ...] | None:
     except (TypeError, ValueError):
         return None
     return (spec.tenant, repo, spec.queue, spec.priority, spec.user, spec.max_attempts,
-            requires)
+            requires, spec.provider)
 
 
 def _key_conflict(spec: TaskSpec, task_id: str | None, field: str | None) -> Conflict:
@@ -339,7 +339,7 @@ class _SubmitBatch:
             "risk_class": d.risk_class, "route_key": d.requires,
             "policy_version": d.policy_version, "reason_code": d.reason_code,
             "message": d.message, "weight": d.weight, "admission": d.to_json(),
-            "limits": d.limits, "status": status.value,
+            "limits": d.limits, "status": status.value, "provider": d.provider,
             "visible_at": d.retry_after if status is S.WAITING_CAPACITY else None,
             "event_message": f"admitted under policy v{d.policy_version}"
             if d.decision == "ADMIT"
@@ -912,7 +912,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                         tenant=spec.tenant, repo=repo, queue=spec.queue,
                         priority=spec.priority, user=spec.user,
                         max_attempts=spec.max_attempts,
-                        requires=parse_requirements(spec.requires)),
+                        requires=parse_requirements(spec.requires), provider=spec.provider),
                     policy, version, tenant_usage, now,
                     default_max_attempts=default_max_attempts)
                 if needs_usage and decision.decision == "ADMIT":
