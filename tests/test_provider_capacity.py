@@ -237,3 +237,43 @@ def test_a_worker_claims_no_more_than_its_sandbox_slots(db_url: str) -> None:
                            sandbox_slots=3).config.concurrency == 1
         with pytest.raises(InvalidArgument, match="sandbox_slots"):
             lane.worker(agent_command="true", concurrency=2, sandbox_slots=0)
+
+
+def test_a_rate_limited_provider_pauses_its_runs_for_every_tenant(url: str) -> None:
+    """One 429 with a retry-after of 5 s: every queued run of that provider, any
+    tenant's, waits 5 s (one pause row); another provider's runs do not."""
+    from runlane.clock import ManualClock
+    from runlane.domain.reasons import Reason
+
+    from .conftest import T0
+
+    clock = ManualClock(T0)
+    store = Store(url, clock=clock)
+    store.apply_policy(parse_policy(PROVIDERS), source="test")
+    [limited] = store.submit([task("t1", 0, provider="openai")])
+    [lease] = store.claim("w1", run_id=limited.run_id, lease_ttl=TTL)
+    store.fail(lease, Reason.PROVIDER_RATE_LIMIT, retry_after_seconds=5)
+    waiting = store.submit([task("t1", 1, provider="openai"), task("t2", 2, provider="openai"),
+                            task("t2", 3, provider="anthropic"), task("t3", 4)])
+    provider_runs = {s.run_id for s in waiting[:2]}
+    # A store that has not read the policy yet (its first claim) and one that has.
+    fresh = Store(url, clock=clock)
+    for claimer in (fresh, store):
+        taken = claimer.claim("w2", limit=10, lease_ttl=TTL)
+        assert {str(provider_of(store, t.run_id)) for t in taken} <= {"anthropic", "None"}
+        for t in taken:
+            claimer.complete(t)
+    clock.advance(4.9)
+    assert store.claim("w2", limit=10, lease_ttl=TTL) == []
+    assert fresh.claim("w2", limit=10, lease_ttl=TTL) == []
+    clock.advance(0.1)
+    taken = store.claim("w2", limit=10, lease_ttl=TTL)
+    # Both tenants' runs now (the limit of 2 holds); the failed run itself waits for
+    # its own retry delay (at least the retry-after).
+    assert {t.run_id for t in taken} == provider_runs
+    with store.engine.connect() as conn:
+        assert conn.execute(text("SELECT COUNT(*) FROM provider_pauses")).scalar() == 1
+    for t in taken:
+        store.complete(t)
+    fresh.close()
+    store.close()

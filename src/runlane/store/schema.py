@@ -133,13 +133,13 @@ runs = Table(
     # worker is due to close the pull request of a run that ended without success.
     Column("finalize_only_after", Integer),
     Column("close_due_at", Timestamp),
+    # Added by 0019: the run this one retries (``runlane retry``), a finished run of the
+    # same task; NULL for a task's first run.
+    Column("retry_of_run_id", ID),
     # Added by 0026 (provider capacity): the model provider the run uses, as admission
     # resolved it (the task's own, else its queue's default in the policy); NULL: none.
     # An attempt holds a slot in the scope ``provider:NAME`` (domain.policy.run_scopes).
     Column("provider", String(128)),
-    # Added by 0019: the run this one retries (``runlane retry``), a finished run of the
-    # same task; NULL for a task's first run.
-    Column("retry_of_run_id", ID),
     Index("ix_runs_task_id", "task_id"),
     # The runs listing (migration 0020, store/listing.py): a page is a walk of one of
     # these from its cursor, newest or oldest first, never a sort.
@@ -263,6 +263,18 @@ routes = Table(
 )
 
 # The scheduling policy, one row per distinct version (by digest).
+# Added by 0026: a model provider paused by its rate limit (PROVIDER_RATE_LIMIT with a
+# retry-after) until ``paused_until``; one row per provider, whatever its runs. Claims
+# skip the provider's runs meanwhile, for every tenant (sql.with_provider_pauses).
+provider_pauses = Table(
+    "provider_pauses",
+    metadata,
+    Column("provider", String(128), primary_key=True),
+    Column("paused_until", Float, nullable=False),
+    Column("run_id", String(36)),  # the run whose attempt was answered 429
+    Column("updated_at", Float, nullable=False),
+)
+
 policy_versions = Table(
     "policy_versions",
     metadata,

@@ -12,6 +12,7 @@ from the transition table by the store, never written by hand.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -170,10 +171,39 @@ ORDER BY r.created_at, r.run_id
 LIMIT {limit}
 {{lock_r_skip}}
 """
+_FULL_SCOPES_CTE = "full_scopes AS (" + FULL_SCOPES + ")"
 _CLAIM_CTX = """
 WITH ctx AS (SELECT {now} AS now, (SELECT MAX(version) FROM policy_versions) AS version),
-     full_scopes AS (""" + FULL_SCOPES + """)
+     """ + _FULL_SCOPES_CTE + """
 """
+# Provider pauses (a provider that answered PROVIDER_RATE_LIMIT with a retry-after:
+# one row per provider, store.provider_pauses): the claim's walk skips a paused
+# provider's runs as it skips those of a full scope. Only when the policy in force
+# declares providers (``[providers.NAME]``): otherwise the claim's statements are the
+# ones above, unchanged.
+_FULL_OR_PAUSED_CTE = "full_scopes AS (" + FULL_SCOPES + """    UNION ALL
+    SELECT 'provider:' || provider FROM provider_pauses
+    WHERE paused_until > (SELECT now FROM ctx))"""
+
+
+@functools.cache
+def with_provider_pauses(statement: str) -> str:
+    """A claim statement (one with ``_CLAIM_CTX``) whose walk also skips the runs of
+    paused providers."""
+    assert _FULL_SCOPES_CTE in statement
+    return statement.replace(_FULL_SCOPES_CTE, _FULL_OR_PAUSED_CTE)
+
+
+# A provider paused until ``:until`` (now + its retry-after); a longer pause kept.
+PROVIDER_PAUSE = """
+INSERT INTO provider_pauses (provider, paused_until, run_id, updated_at)
+VALUES (:provider, :until, :run_id, :now)
+ON CONFLICT (provider) DO UPDATE
+SET paused_until = excluded.paused_until, run_id = excluded.run_id,
+    updated_at = excluded.updated_at
+WHERE provider_pauses.paused_until < excluded.paused_until
+"""
+PAUSED_PROVIDERS = "SELECT provider FROM provider_pauses WHERE paused_until > :now"
 LANE_RUNS = {
     # Every lane of the page in one statement: (lane, share, cursor) arrays, each lane
     # walked by the same index scan.
@@ -1263,7 +1293,7 @@ SUBMIT_CONTEXT = "SELECT {now} AS now, (SELECT MAX(version) FROM policy_versions
 POLICY_BY_VERSION = "SELECT document FROM policy_versions WHERE version = :version"
 # A run's admission record, read when one of its attempts failed: the retry rules it
 # was admitted with (``admission.retry``).
-RUN_ADMISSION = "SELECT admission FROM runs WHERE run_id = :run_id"
+RUN_ADMISSION = "SELECT admission, provider FROM runs WHERE run_id = :run_id"
 # PostgreSQL: a policy change first waits for every transaction that wrote attempts
 # (claims in flight) and holds new ones until it commits (invariant 9). A claim under
 # the old policy counts no slot in a scope the new one limits; the counter the next

@@ -441,6 +441,9 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         # The policy version in force as this store's claims last saw it, and whether a
         # claim may then be one statement (PostgreSQL: SchedulingMixin._claim_in_one_trip).
         self._one_trip_policy: tuple[int, bool] | None = None
+        # Whether claims skip paused providers' runs: the policy in force, as this store
+        # last read it, declares providers (SchedulingMixin._walk).
+        self._walk_pauses = False
         # (claims left to run as transactions, one-statement claims fallen back in a row)
         self._one_trip_skips: tuple[int, int] = (0, 0)
         # The policy version in force at this store's last submit write (PostgreSQL):
@@ -1445,7 +1448,14 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             # taken on from where it stands: from FAILED_RETRYABLE the next hop.
             recovered = lease_status in ("EXPIRED", "REVOKED") and status in LEASED
             prefix = [S.STALE_LEASE] if recovered else []
-            retry_policy = self._run_retry_policy(conn, snap.run_id)
+            retry_policy, provider = self._run_retry_policy(conn, snap.run_id)
+            if (reason == Reason.PROVIDER_RATE_LIMIT and retry_after is not None
+                    and provider is not None):
+                # One pause for the provider, not one per run: every tenant's runs of
+                # it wait (claims skip them) until the retry-after is over.
+                conn.execute(self._q(sql.PROVIDER_PAUSE), {
+                    "provider": provider, "until": now + float(retry_after),
+                    "run_id": snap.run_id, "now": now})
             decision = None if snap.finalize_only_after is not None else decide(
                 reason,
                 RunBudget(snap.charged_attempts, snap.max_attempts, now - snap.created_at,
@@ -1506,17 +1516,19 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             return path[-1]
         return status
 
-    def _run_retry_policy(self, conn: Connection, run_id: str) -> RetryPolicy:
+    def _run_retry_policy(self, conn: Connection, run_id: str
+                          ) -> tuple[RetryPolicy, str | None]:
         """The settings' retry policy with the run's recorded retry rules over it (the
-        policy's ``[retry]`` layers for its tenant and queue, as admitted). A run
-        admitted before rules were recorded: the policy in force's ``[retry]``."""
-        record = conn.execute(self._q(sql.RUN_ADMISSION), {"run_id": run_id}).scalar()
-        if isinstance(record, str):
-            record = json.loads(record)
+        policy's ``[retry]`` layers for its tenant and queue, as admitted), and the
+        run's provider. A run admitted before rules were recorded: the policy in
+        force's ``[retry]``."""
+        row = conn.execute(self._q(sql.RUN_ADMISSION), {"run_id": run_id}).one()
+        record = json.loads(row.admission) if isinstance(row.admission, str) \
+            else row.admission
         if isinstance(record, dict) and isinstance(record.get("retry"), dict):
-            return self.retry_policy.with_rules(record["retry"])
+            return self.retry_policy.with_rules(record["retry"]), row.provider
         _, policy = self._policy(conn)
-        return policy.retry_policy(self.retry_policy)
+        return policy.retry_policy(self.retry_policy), row.provider
 
     def _finalize_only_decision(self, conn: Connection, snap: _Snapshot, reason: str,
                                 policy: RetryPolicy, retry_after: float | None
