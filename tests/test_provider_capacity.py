@@ -277,3 +277,38 @@ def test_a_rate_limited_provider_pauses_its_runs_for_every_tenant(url: str) -> N
         store.complete(t)
     fresh.close()
     store.close()
+
+
+def test_a_provider_token_budget_pauses_it_until_the_minute_ends(url: str) -> None:
+    """``tokens_per_minute``: the cost report that brings the provider's minute to its
+    budget pauses its runs (every tenant's) until that minute ends."""
+    from runlane.clock import ManualClock
+
+    from .conftest import T0
+
+    clock = ManualClock(T0 - T0 % 60 + 10)  # 10 s into a clock minute
+    store = Store(url, clock=clock)
+    store.apply_policy(parse_policy(
+        "[providers.openai]\ntokens_per_minute = 1000\n[providers.anthropic]\n"),
+        source="test")
+    runs = store.submit([task("t1", 0, provider="openai"), task("t2", 1, provider="openai"),
+                         task("t2", 2, provider="openai"), task("t1", 3, provider="anthropic")])
+    [first] = store.claim("w1", run_id=runs[0].run_id, lease_ttl=TTL)
+    store.report_cost(first, 0.01, input_tokens=300, output_tokens=100)  # 400: room left
+    [second] = store.claim("w1", run_id=runs[1].run_id, lease_ttl=TTL)
+    store.report_cost(second, 0.01, input_tokens=500, output_tokens=100)  # 1,000: paused
+    taken = store.claim("w1", limit=10, lease_ttl=TTL)
+    assert [t.run_id for t in taken] == [runs[3].run_id]  # anthropic only
+    clock.advance(49.9)
+    assert store.claim("w1", limit=10, lease_ttl=TTL) == []
+    clock.advance(0.1)  # the next minute: a new window
+    [third] = store.claim("w1", limit=10, lease_ttl=TTL)
+    assert third.run_id == runs[2].run_id
+    store.report_cost(third, 0.01, input_tokens=10)
+    with store.engine.connect() as conn:
+        row = conn.execute(text("SELECT window_tokens, paused_until FROM provider_pauses "
+                                "WHERE provider = 'openai'")).one()
+    assert (row.window_tokens, row.paused_until) == (10, clock.now())
+    for lease in (first, second, *taken, third):
+        store.complete(lease)
+    store.close()

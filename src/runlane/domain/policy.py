@@ -357,6 +357,9 @@ class ProviderPolicy(_Model):
     claim with the other limits, all or nothing)."""
 
     max_active: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    # Model tokens (input + output) its runs may report per clock minute, all tenants
+    # together: the report that reaches it pauses the provider until the minute ends.
+    tokens_per_minute: int | None = Field(default=None, ge=1, le=2**62)
 
 
 class TenantPolicy(_Model):
@@ -489,6 +492,12 @@ class Policy(_Model):
     def default(cls) -> Policy:
         """The policy in force before any was applied: everything admitted, no limits."""
         return cls()
+
+    @cached_property
+    def provider_token_budgets(self) -> dict[str, int]:
+        """Provider -> tokens per minute, for the providers that have a budget."""
+        return {name: p.tokens_per_minute for name, p in self.providers.items()
+                if p.tokens_per_minute is not None}
 
     @cached_property
     def has_budgets(self) -> bool:

@@ -176,6 +176,7 @@ class SchedulingMixin:
         _one_trip_policy: tuple[int, bool] | None
         _one_trip_skips: tuple[int, int]
         _walk_pauses: bool
+        _token_budgets: dict[str, int]
 
         def _q(self, statement: str, *expanding: str) -> Any: ...
         def _driver_rows(self, conn: Connection, statement: str,
@@ -615,6 +616,12 @@ class SchedulingMixin:
 
     # --- the claim ------------------------------------------------------------------
 
+    def _note_providers(self, policy: Policy) -> None:
+        """What the claims (pauses) and cost reports (token budgets) of this store need
+        of the policy's providers, from the version a claim just read."""
+        self._walk_pauses = bool(policy.providers)
+        self._token_budgets = policy.provider_token_budgets
+
     def _walk(self, statement: str) -> str:
         """A claim statement, made to skip paused providers' runs when the policy in
         force (as this store last read it) declares providers; else as it is."""
@@ -745,7 +752,7 @@ class SchedulingMixin:
             if self._one_trip_policy is None:  # once per store and policy change
                 version, policy = self._policy(conn)
                 self._one_trip_policy = (version, not has_budgets(policy))
-                self._walk_pauses = bool(policy.providers)
+                self._note_providers(policy)
             version, one_trip = self._one_trip_policy
             if not one_trip:
                 return None
@@ -943,7 +950,7 @@ class SchedulingMixin:
             return []
         policy = self._policy_version(conn, version)
         self._one_trip_policy = (version, not has_budgets(policy))  # _claim_in_one_trip
-        self._walk_pauses = bool(policy.providers)
+        self._note_providers(policy)
         if policy.providers and not conn.info.get(PAUSES_WALKED):
             # Walked before this store knew the policy declares providers (its first
             # claim since): the paused providers' runs are left out here instead.

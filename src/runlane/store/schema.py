@@ -273,6 +273,10 @@ provider_pauses = Table(
     Column("paused_until", Float, nullable=False),
     Column("run_id", String(36)),  # the run whose attempt was answered 429
     Column("updated_at", Float, nullable=False),
+    # Its tokens per minute (the policy's tokens_per_minute): the tokens its runs
+    # reported in the clock minute that began at window_start.
+    Column("window_start", Float),
+    Column("window_tokens", BigInteger, nullable=False, server_default="0"),
 )
 
 policy_versions = Table(

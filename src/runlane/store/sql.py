@@ -204,6 +204,31 @@ SET paused_until = excluded.paused_until, run_id = excluded.run_id,
 WHERE provider_pauses.paused_until < excluded.paused_until
 """
 PAUSED_PROVIDERS = "SELECT provider FROM provider_pauses WHERE paused_until > :now"
+# A provider's tokens per minute (``[providers.NAME] tokens_per_minute``), fed by its
+# runs' cost reports: counted in a window of one clock minute (window_start) on the
+# provider's one row; the report that brings the window to the budget pauses the
+# provider until the window's end. Every SET reads the row as it was.
+_TOKENS_IN_WINDOW = """CASE WHEN provider_pauses.window_start = excluded.window_start
+        THEN provider_pauses.window_tokens + excluded.window_tokens
+        ELSE excluded.window_tokens END"""
+_PROVIDER_TOKENS = """
+INSERT INTO provider_pauses (provider, paused_until, run_id, updated_at, window_start,
+                             window_tokens)
+VALUES (:provider,
+        CASE WHEN CAST(:tokens AS bigint) >= CAST(:budget AS bigint)
+             THEN CAST(:window_end AS double precision) ELSE 0 END,
+        :run_id, :now, :window_start, :tokens)
+ON CONFLICT (provider) DO UPDATE
+SET window_tokens = """ + _TOKENS_IN_WINDOW + """,
+    window_start = excluded.window_start,
+    paused_until = CASE WHEN """ + _TOKENS_IN_WINDOW + """ >= CAST(:budget AS bigint)
+                        THEN {greatest}(provider_pauses.paused_until,
+                                        CAST(:window_end AS double precision))
+                        ELSE provider_pauses.paused_until END,
+    updated_at = excluded.updated_at
+"""
+PROVIDER_TOKENS = {dialect: _PROVIDER_TOKENS.format(greatest=greatest)
+                   for dialect, greatest in GREATEST.items()}
 LANE_RUNS = {
     # Every lane of the page in one statement: (lane, share, cursor) arrays, each lane
     # walked by the same index scan.
@@ -1750,7 +1775,7 @@ WHERE run_id = :run_id
 ADD_RUN_COST = """
 UPDATE runs SET cost_usd = cost_usd + :usd, updated_at = {now}
 WHERE run_id = :run_id AND fencing_token = :token
-RETURNING cost_usd, {now} AS now
+RETURNING cost_usd, {now} AS now, provider
 """
 # The model tokens of a run, all its attempts (its token limits count them like cost).
 RUN_TOKENS = """

@@ -444,6 +444,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         # Whether claims skip paused providers' runs: the policy in force, as this store
         # last read it, declares providers (SchedulingMixin._walk).
         self._walk_pauses = False
+        # The providers' tokens per minute, as the last claim read them (report_cost).
+        self._token_budgets: dict[str, int] = {}
         # (claims left to run as transactions, one-statement claims fallen back in a row)
         self._one_trip_skips: tuple[int, int] = (0, 0)
         # The policy version in force at this store's last submit write (PostgreSQL):
@@ -1319,6 +1321,10 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                 return None
             row = conn.execute(self._q(sql.ADD_RUN_COST), params).one()
             self._add_tenant_spend(conn, lease.tenant, usd, float(row.now))
+            budget = self._token_budgets.get(row.provider) if row.provider else None
+            if budget is not None and input_tokens + output_tokens > 0:
+                self._count_provider_tokens(conn, lease, row.provider, budget,
+                                            input_tokens + output_tokens, float(row.now))
             return float(row.cost_usd)
 
         total = self._transaction(work)
@@ -1330,6 +1336,16 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             raise CostLimitExceeded(
                 f"max_cost_usd {maximum} exceeded: run {lease.run_id} has cost ${total:.4f}")
         self._check_token_limits(lease)
+
+    def _count_provider_tokens(self, conn: Connection, lease: Lease, provider: str,
+                               budget: int, tokens: int, now: float) -> None:
+        """Count a report's tokens in its provider's minute; the report that reaches the
+        provider's tokens per minute pauses it until that minute ends (claims skip its
+        runs, every tenant's: sql.with_provider_pauses)."""
+        window = float(int(now // 60) * 60)
+        conn.execute(self._q(sql.PROVIDER_TOKENS[self.dialect]), {
+            "provider": provider, "tokens": tokens, "budget": budget, "now": now,
+            "window_start": window, "window_end": window + 60.0, "run_id": lease.run_id})
 
     def _check_token_limits(self, lease: Lease) -> None:
         """The run's model tokens against its limits: like its cost, summed over all its

@@ -23,6 +23,8 @@ def upgrade() -> None:
         sa.Column("paused_until", sa.Float, nullable=False),
         sa.Column("run_id", sa.String(36)),
         sa.Column("updated_at", sa.Float, nullable=False),
+        sa.Column("window_start", sa.Float),
+        sa.Column("window_tokens", sa.BigInteger, nullable=False, server_default="0"),
     )
 
 
