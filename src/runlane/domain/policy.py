@@ -24,6 +24,7 @@ from pydantic import (
     PlainSerializer,
     PlainValidator,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -480,13 +481,15 @@ class Policy(_Model):
             return tuple(value)
         return value
 
-    @model_validator(mode="after")
-    def _known_providers(self) -> Policy:
-        for queue, provider in self.queue_providers.items():
-            if provider not in self.providers:
-                raise ValueError(f"queue_providers.{queue}: provider {provider!r} has no "
-                                 "[providers.NAME] table")
-        return self
+    @field_validator("queue_providers", mode="after")
+    @classmethod
+    def _known_providers(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        declared = info.data.get("providers", {})
+        for queue, provider in value.items():
+            if provider not in declared:
+                raise ValueError(f"{queue}: provider {provider!r} has no "
+                                 f"[providers.{provider}] table")
+        return value
 
     @classmethod
     def default(cls) -> Policy:
