@@ -384,7 +384,8 @@ def test_to_json_round_trips() -> None:
     data = json.loads(json.dumps(d.to_json()))
     assert set(data) == {"decision", "reason_code", "message", "retry_after", "queue",
                          "priority", "max_attempts", "risk_class", "requires", "limits",
-                         "concurrency", "weight", "policy_version"}
+                         "concurrency", "weight", "policy_version", "retry",
+                         "provider"}
     assert Decision.from_json(data) == d
 
 

@@ -527,15 +527,16 @@ def test_0016_a_run_queued_under_a_spelling_is_admitted_again_under_the_canonica
     # Today's store writes columns that came after 0015 (0019's request digest, 0022's
     # traceparent): give it them for the submit, then take them away, leaving the rows
     # 0015 knows.
-    later = ("request_digest", "traceparent")
+    # And 0026's runs.provider.
+    later = (("tasks", "request_digest"), ("tasks", "traceparent"), ("runs", "provider"))
     with engine.begin() as conn:
-        for column in later:
-            conn.execute(text(f"ALTER TABLE tasks ADD COLUMN {column} VARCHAR(64)"))
+        for table, column in later:
+            conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} VARCHAR(64)"))
     Store(fresh_url, engine=engine).submit(
         [parse_task({"tenant": "acme", "repo": written, "prompt": "p"})])
     with engine.begin() as conn:
-        for column in later:
-            conn.execute(text(f"ALTER TABLE tasks DROP COLUMN {column}"))
+        for table, column in later:
+            conn.execute(text(f"ALTER TABLE {table} DROP COLUMN {column}"))
     rule = {"when": {"repo": ["git@github.com:acme/secret.git"]}, "action": "deny"}
     with engine.begin() as conn:  # as an older runlane left it: admitted under v1
         conn.execute(text(

@@ -525,15 +525,23 @@ class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin, ApprovalsMixin):
                queues: list[str] | None = None, concurrency: int = 1,
                capabilities: dict[str, Any] | None = None, exit_when_idle: bool = False,
                limits: AttemptLimits | None = None, keep_failed_workspaces: bool = False,
-               code_host_for: Callable[[str], CodeHost] | None = None) -> Worker:
+               code_host_for: Callable[[str], CodeHost] | None = None,
+               sandbox_slots: int | None = None) -> Worker:
         """A worker over this database; ``agent`` (an in-process runner) or
-        ``agent_command`` (the agent-command protocol) does the work."""
+        ``agent_command`` (the agent-command protocol) does the work. ``sandbox_slots``
+        (else the setting): the sandboxes it may have at once; it claims no more runs
+        than min(concurrency, sandbox_slots), one sandbox per attempt."""
         from runlane.agents.command import CommandRunner
         from runlane.codehost.factory import code_host_for as default_code_host_for
         from runlane.sandbox.guard import start as start_guard
 
         _check_worker_arguments(queues, concurrency)
         s = self.settings
+        slots = sandbox_slots if sandbox_slots is not None else s.sandbox_slots
+        if slots is not None:
+            if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+                raise InvalidArgument(f"sandbox_slots {slots!r} is not an integer >= 1")
+            concurrency = min(concurrency, slots)
         if agent is None and (not agent_command or not agent_command.strip()):
             raise InvalidArgument("a worker needs an agent command (--agent-command)")
         attempts = AttemptSettings(workspace_root=s.workspace_dir, artifacts_root=s.artifacts_dir,

@@ -48,6 +48,8 @@ class SubmitDenied(RunlaneError):
 @click.option("--parent", "parent_task_id", help="Task this one follows up on.")
 @click.option("--user", help="Who asked (for per-user limits).")
 @click.option("--estimated-cost", "estimated_cost_usd", help="Expected model cost in USD.")
+@click.option("--provider", help="Model provider the agent uses (for the policy's provider "
+              "limits; default: the queue's provider in the policy).")
 @click.option("--context", type=click.Path(path_type=Path),
               help="JSON object of optional context sections (summary, history, comments, "
               "diff, ci_failures).")
@@ -62,7 +64,8 @@ def submit(tenant: str | None, repo: str | None, prompt: str | None,
            prompt_file: Path | None, queue: str | None, priority: str | None,
            idempotency_key: str | None, max_attempts: str | None, requires: tuple[str, ...],
            depends_on: tuple[str, ...], parent_task_id: str | None, user: str | None,
-           estimated_cost_usd: str | None, context: Path | None, batch: Path | None,
+           estimated_cost_usd: str | None, provider: str | None, context: Path | None,
+           batch: Path | None,
            no_repo_check: bool, as_json: bool) -> None:
     """Submit a task (or a batch); the same tenant and idempotency key returns the same run.
 
@@ -71,7 +74,8 @@ def submit(tenant: str | None, repo: str | None, prompt: str | None,
     if batch is not None:
         if any(v is not None for v in (tenant, repo, prompt, prompt_file, queue, priority,
                                        idempotency_key, max_attempts, context,
-                                       parent_task_id, user, estimated_cost_usd)) \
+                                       parent_task_id, user, estimated_cost_usd,
+                                       provider)) \
                 or requires or depends_on:
             raise TaskInvalid("--batch", "cannot be combined with per-task flags")
         rows = _read_jsonl(batch)
@@ -103,7 +107,8 @@ def submit(tenant: str | None, repo: str | None, prompt: str | None,
     raw: dict[str, Any] = {"tenant": tenant, "repo": repo, "prompt": prompt, "queue": queue,
                            "priority": priority, "idempotency_key": idempotency_key,
                            "max_attempts": max_attempts, "parent_task_id": parent_task_id,
-                           "user": user, "estimated_cost_usd": estimated_cost_usd}
+                           "user": user, "estimated_cost_usd": estimated_cost_usd,
+                           "provider": provider}
     if requires:
         try:
             raw["requires"] = requirements_to_mapping(parse_requirements(list(requires)))

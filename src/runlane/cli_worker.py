@@ -84,6 +84,10 @@ def worker_options(fn: F) -> F:
         click.option("--concurrency", type=click.IntRange(min=1, max=MAX_CONCURRENCY),
                      default=1, show_default=True,
                      help="Attempts one worker process runs at once."),
+        click.option("--sandbox-slots", type=click.IntRange(min=1, max=1000),
+                     help="Sandboxes this worker process may have at once (default: the "
+                     "SANDBOX_SLOTS setting, else no bound): it runs at most "
+                     "min(--concurrency, --sandbox-slots) attempts."),
         click.option("--capability", "capabilities", multiple=True,
                      help="KEY=VALUE the worker declares (repeatable): runs that --require "
                      "it are served."),
@@ -110,7 +114,8 @@ def worker_options(fn: F) -> F:
 @worker_options
 @metrics_port_option
 def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ...],
-           concurrency: int, capabilities: tuple[str, ...], exit_when_idle: bool,
+           concurrency: int, sandbox_slots: int | None, capabilities: tuple[str, ...],
+           exit_when_idle: bool,
            timeout_seconds: float | None, max_changed_files: int | None,
            max_diff_lines: int | None, keep_failed_workspaces: bool, metrics_port: int) -> None:
     """A long-running worker; SIGTERM drains it."""
@@ -130,7 +135,7 @@ def worker(agent_command: str, verify_command: str | None, queues: tuple[str, ..
             queues=list(queues) or ["default"], concurrency=concurrency,
             capabilities=_capabilities(capabilities), exit_when_idle=exit_when_idle,
             limits=AttemptLimits(timeout_seconds, max_changed_files, max_diff_lines),
-            keep_failed_workspaces=keep_failed_workspaces)
+            keep_failed_workspaces=keep_failed_workspaces, sandbox_slots=sandbox_slots)
         _warn_if_unsandboxed(lane)
         if metrics_port:  # this process's counts; the database's gauges: serve, maintain
             lane.serve_metrics(metrics_port, database_gauges=False)
@@ -167,7 +172,8 @@ def _say_what_is_left(lane: Runlane, queues: list[str], capabilities: dict[str, 
 @host_port_options
 @metrics_port_option
 def up(workers: int, agent_command: str, verify_command: str | None, queues: tuple[str, ...],
-       concurrency: int, capabilities: tuple[str, ...], exit_when_idle: bool,
+       concurrency: int, sandbox_slots: int | None, capabilities: tuple[str, ...],
+       exit_when_idle: bool,
        timeout_seconds: float | None, max_changed_files: int | None,
        max_diff_lines: int | None, keep_failed_workspaces: bool, serve: bool,
        restart_backoff_seconds: float, crash_loop_limit: int, host: str,
@@ -188,6 +194,7 @@ def up(workers: int, agent_command: str, verify_command: str | None, queues: tup
         _check_sandbox(lane)
         args = ["--agent-command", agent_command, "--concurrency", str(concurrency)]
         for flag, value in (("--verify-command", verify_command),
+                            ("--sandbox-slots", sandbox_slots),
                             ("--timeout-seconds", timeout_seconds),
                             ("--max-changed-files", max_changed_files),
                             ("--max-diff-lines", max_diff_lines)):

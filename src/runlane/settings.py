@@ -107,6 +107,10 @@ class Settings(BaseSettings):
     workspace_dir: Path = Field(default_factory=default_workspace_dir)
     artifacts_dir: Path = Field(default_factory=default_artifacts_dir)
     drain_grace_seconds: float = Field(30.0, ge=0, le=MAX_SECONDS)
+    # Sandboxes one worker process may have at once (its host's capacity): the worker
+    # runs at most min(concurrency, sandbox_slots) attempts, each in its sandbox.
+    # Unset: no bound beyond --concurrency.
+    sandbox_slots: int | None = Field(None, ge=1, le=1000)
     agent_term_grace_seconds: float = Field(10.0, ge=0, le=MAX_SECONDS)
     # PostgreSQL ends a session idle inside a transaction this long (a frozen process
     # holding row locks); 0 never does. See store/engine.py.

@@ -36,6 +36,7 @@ class AdmissionRequest:
     # False: a run already past its gate (approved, or re-checked at claim or before a
     # side effect): approval gates do not hold it again, every other check applies.
     gated: bool = True
+    provider: str | None = None  # None: the queue's provider in the policy, if any
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,11 @@ class Decision:
     concurrency: dict[str, int]
     weight: float
     policy_version: int
+    # The retry rules in force for this run (Policy.retry_rules_for): what its failed
+    # attempts are retried under, over the settings' retry policy.
+    retry: dict[str, Any] = field(default_factory=dict)
+    # The model provider the run uses (the task's, else its queue's in the policy).
+    provider: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         # What dataclasses.asdict returns (its values are scalars and flat dicts of
@@ -70,12 +76,14 @@ class Decision:
         data = {name: getattr(self, name) for name in _DECISION_FIELDS}
         data["limits"] = dict(self.limits)
         data["concurrency"] = dict(self.concurrency)
+        data["retry"] = dict(self.retry)
         return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Decision:
         return cls(**{**data, "limits": dict(data["limits"]),
-                      "concurrency": dict(data["concurrency"])})
+                      "concurrency": dict(data["concurrency"]),
+                      "retry": dict(data.get("retry") or {})})
 
 
 _DECISION_FIELDS = tuple(f.name for f in fields(Decision))
@@ -119,6 +127,7 @@ def admit(
     defaults = policy.defaults
     risk = (repo_rule.risk_class if repo_rule else None) or defaults.risk_class
     queue = request.queue or (repo_rule.queue if repo_rule else None) or defaults.queue
+    provider = request.provider or policy.queue_providers.get(queue)
     priority = request.priority if request.priority is not None else defaults.priority
     max_attempts = next(n for n in (request.max_attempts, defaults.max_attempts,
                                     default_max_attempts) if n is not None)
@@ -156,9 +165,11 @@ def admit(
             requires=requires,
             limits=dict(limits),
             concurrency=policy.concurrency_limits_for(tenant, request.repo, request.user,
-                                                      risk, queue),
+                                                      risk, queue, provider),
             weight=policy.tenant_weight(tenant),
             policy_version=policy_version,
+            retry=policy.retry_rules_for(tenant, queue),
+            provider=provider,
         )
 
     def admitted() -> Decision:

@@ -24,10 +24,12 @@ from pydantic import (
     PlainSerializer,
     PlainValidator,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from runlane.domain.reasons import Reason
 from runlane.domain.repos import canonical_pattern
 from runlane.domain.retry import RetryPolicy
 from runlane.domain.routing import (
@@ -261,20 +263,104 @@ class Concurrency(_Model):
     per_queue_max_active: dict[Name, Annotated[int, Field(ge=0, le=MAX_COUNT)]] = {}
 
 
-class Retry(_Model):
-    """Overrides of the retry policy; absent fields keep the settings' values."""
+def _empty_is_absent(value: Any) -> bool:
+    return not value
+
+
+def _retryable_code(value: str) -> str:
+    if value not in Reason.__members__:
+        raise ValueError(f"{value!r} is not a runlane reason code")
+    return value
+
+
+class RetryRules(_Model):
+    """One layer of retry rules (``[retry]``, ``[retry.tenants.NAME]``,
+    ``[retry.queues.NAME]``); an absent field keeps the layer below's value.
+
+    The delay after a failed attempt is either exponential (``base_seconds`` doubled
+    per attempt up to ``max_seconds``, plus jitter) or the table ``delays_seconds``
+    (entry n after attempt n, the last repeated, exactly): one layer gives one or the
+    other. New fields are left out of the canonical document when unset, so that a
+    policy without them keeps its digest."""
 
     base_seconds: float | None = Field(default=None, gt=0)
     max_seconds: float | None = Field(default=None, gt=0)
     max_total_run_seconds: float | None = Field(default=None, gt=0)
     max_cost_usd: float | None = Field(default=None, ge=0)
+    delays_seconds: tuple[Annotated[float, Field(ge=0, le=MAX_MB)], ...] | None = Field(
+        default=None, min_length=1, max_length=100, exclude_if=_unset_is_absent)
+    retryable: tuple[Annotated[str, AfterValidator(_retryable_code)], ...] | None = Field(
+        default=None, exclude_if=_unset_is_absent)
+
+    @field_validator("delays_seconds", "retryable", mode="before")
+    @classmethod
+    def _array(cls, value: Any) -> Any:
+        if isinstance(value, list):  # TOML arrays are lists; strict mode wants a tuple
+            return tuple(float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+                         for v in value)
+        return value
+
+    @field_validator("retryable", mode="after")
+    @classmethod
+    def _code_set(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        return None if value is None else tuple(sorted(set(value)))  # a set: one digest
 
     @model_validator(mode="after")
-    def _order(self) -> Retry:
+    def _order(self) -> RetryRules:
+        if self.delays_seconds is not None and (self.base_seconds is not None
+                                                or self.max_seconds is not None):
+            raise ValueError("give either delays_seconds (a table) or base_seconds/"
+                             "max_seconds (exponential), not both")
         if (self.base_seconds is not None and self.max_seconds is not None
                 and self.max_seconds < self.base_seconds):
             raise ValueError("max_seconds must be at least base_seconds")
         return self
+
+    def rules(self) -> dict[str, Any]:
+        """The fields this layer sets, as JSON (what a run's admission records)."""
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in self.model_dump(exclude={"tenants", "queues"}).items()
+                if v is not None}
+
+
+def overlay_retry_rules(below: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+    """``layer``'s rules over ``below``'s: a layer that gives a delay table drops the
+    exponential parameters below it, and one that gives either parameter drops a table."""
+    out = dict(below)
+    if "delays_seconds" in layer:
+        out.pop("base_seconds", None)
+        out.pop("max_seconds", None)
+    elif "base_seconds" in layer or "max_seconds" in layer:
+        out.pop("delays_seconds", None)
+    out.update(layer)
+    return out
+
+
+class Retry(RetryRules):
+    """``[retry]``: the global layer, with per-tenant and per-queue layers over it
+    (precedence: queue over tenant over global over the settings)."""
+
+    tenants: dict[Name, RetryRules] = Field(default={}, exclude_if=_empty_is_absent)
+    queues: dict[Name, RetryRules] = Field(default={}, exclude_if=_empty_is_absent)
+
+    def rules_for(self, tenant: str, queue: str) -> dict[str, Any]:
+        """The rules in force for a run of ``tenant`` in ``queue`` (over the settings)."""
+        rules = self.rules()
+        for layer in (self.tenants.get(tenant), self.queues.get(queue)):
+            if layer is not None:
+                rules = overlay_retry_rules(rules, layer.rules())
+        return rules
+
+
+class ProviderPolicy(_Model):
+    """``[providers.NAME]``: the capacity of one model provider, shared by every tenant.
+    ``max_active``: its runs active at once (the scope ``provider:NAME``, counted in the
+    claim with the other limits, all or nothing)."""
+
+    max_active: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    # Model tokens (input + output) its runs may report per clock minute, all tenants
+    # together: the report that reaches it pauses the provider until the minute ends.
+    tokens_per_minute: int | None = Field(default=None, ge=1, le=2**62)
 
 
 class TenantPolicy(_Model):
@@ -428,6 +514,10 @@ class Policy(_Model):
     # Left out of the canonical document when empty: a policy without gates keeps the
     # digest it had before they existed.
     approvals: tuple[ApprovalGate, ...] = Field(default=(), exclude_if=_no_gates)
+    # Provider capacity (docs/policy.md): limits per model provider, and the provider of
+    # a queue's runs that name none. Left out of the canonical document when empty.
+    providers: dict[Name, ProviderPolicy] = Field(default={}, exclude_if=_empty_is_absent)
+    queue_providers: dict[Name, Name] = Field(default={}, exclude_if=_empty_is_absent)
 
     @field_validator("repositories", "rules", "approvals", mode="before")
     @classmethod
@@ -436,10 +526,26 @@ class Policy(_Model):
             return tuple(value)
         return value
 
+    @field_validator("queue_providers", mode="after")
+    @classmethod
+    def _known_providers(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        declared = info.data.get("providers", {})
+        for queue, provider in value.items():
+            if provider not in declared:
+                raise ValueError(f"{queue}: provider {provider!r} has no "
+                                 f"[providers.{provider}] table")
+        return value
+
     @classmethod
     def default(cls) -> Policy:
         """The policy in force before any was applied: everything admitted, no limits."""
         return cls()
+
+    @cached_property
+    def provider_token_budgets(self) -> dict[str, int]:
+        """Provider -> tokens per minute, for the providers that have a budget."""
+        return {name: p.tokens_per_minute for name, p in self.providers.items()
+                if p.tokens_per_minute is not None}
 
     @cached_property
     def has_budgets(self) -> bool:
@@ -487,7 +593,8 @@ class Policy(_Model):
                      if g.matches(facts, estimated_cost_usd)), None)
 
     def concurrency_limits_for(
-        self, tenant: str, repo: str, user: str | None, risk_class: str, queue: str
+        self, tenant: str, repo: str, user: str | None, risk_class: str, queue: str,
+        provider: str | None = None,
     ) -> dict[str, int]:
         """Scope key -> max active runs, only for the scopes that have a limit."""
         c = self.concurrency
@@ -501,15 +608,29 @@ class Policy(_Model):
             f"risk:{risk_class}": c.per_risk_class_max_active.get(risk_class),
             f"queue:{queue}": c.per_queue_max_active.get(queue),
         }
+        if provider is not None and provider in self.providers:
+            candidates[f"provider:{provider}"] = self.providers[provider].max_active
         return {k: v for k, v in candidates.items() if v is not None}
 
+    def retry_rules_for(self, tenant: str, queue: str) -> dict[str, Any]:
+        """The retry rules a run of ``tenant`` in ``queue`` is admitted with (JSON,
+        recorded in its admission); the same dict for every run when no layer is
+        per tenant or per queue (asked once per run of a submit)."""
+        if not self.retry.tenants and not self.retry.queues:
+            return self._global_retry_rules
+        return self.retry.rules_for(tenant, queue)
+
+    @cached_property
+    def _global_retry_rules(self) -> dict[str, Any]:
+        return self.retry.rules()
+
     def retry_policy(self, base: RetryPolicy | None = None) -> RetryPolicy:
-        """``base`` (from the settings) with this policy's retry overrides applied."""
-        base = base or RetryPolicy()
-        overrides = {k: v for k, v in self.retry.model_dump().items() if v is not None}
+        """``base`` (from the settings) with this policy's global retry overrides
+        applied (a run admitted before retry rules were recorded fails under these)."""
+        policy = (base or RetryPolicy()).with_rules(self.retry.rules())
         if self.defaults.max_attempts is not None:
-            overrides["max_attempts"] = self.defaults.max_attempts
-        return replace(base, **overrides)
+            policy = replace(policy, max_attempts=self.defaults.max_attempts)
+        return policy
 
 
 # --- loading ---------------------------------------------------------------------------
@@ -589,7 +710,7 @@ def policy_digest(policy: Policy) -> str:
 
 
 def run_scopes(tenant: str, repo: str, user: str | None, risk_class: str,
-               queue: str) -> list[str]:
+               queue: str, provider: str | None = None) -> list[str]:
     """Every concurrency scope a run is in, limited or not, sorted. An attempt holds a
     slot in each (``attempts.limit_scopes``): a limit applied while it runs then counts
     it (a new counter starts at the attempts that hold its scope) and its end gives
@@ -600,4 +721,6 @@ def run_scopes(tenant: str, repo: str, user: str | None, risk_class: str,
               f"queue:{queue}"]
     if user is not None:
         scopes.append(f"user:{user}")
+    if provider is not None:
+        scopes.append(f"provider:{provider}")
     return sorted(scopes)

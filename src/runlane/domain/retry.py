@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from runlane.domain.reasons import DEFAULT_RETRYABLE, Reason
 
@@ -23,6 +25,37 @@ class RetryPolicy:
     max_total_run_seconds: float | None = None
     max_cost_usd: float | None = None
     retryable: frozenset[str] = field(default_factory=lambda: frozenset(DEFAULT_RETRYABLE))
+    # An explicit delay table (the policy's ``delays_seconds``): the delay after
+    # attempt n is entry n (1-based), the last one repeated, exactly (no jitter: the
+    # table is what the operator wrote). None: exponential from base_seconds.
+    delays_seconds: tuple[float, ...] | None = None
+
+    def delay(self, attempt_no: int, rng: random.Random | None = None) -> float:
+        """The delay after attempt ``attempt_no`` (1-based): the table's entry, or
+        the exponential backoff with jitter."""
+        if self.delays_seconds:
+            index = min(max(attempt_no, 1), len(self.delays_seconds)) - 1
+            return float(self.delays_seconds[index])
+        return backoff_delay(attempt_no, self.base_seconds, self.max_seconds, rng)
+
+    def with_rules(self, rules: Mapping[str, Any]) -> RetryPolicy:
+        """This policy (the settings') with a run's recorded retry rules over it
+        (``Policy.retry_rules_for``: JSON, as stored in the run's admission)."""
+        if not rules:
+            return self
+        changes: dict[str, Any] = {k: rules[k] for k in _SCALAR_RULES if k in rules}
+        if "retryable" in rules:
+            # A drained worker's lease given back is never the run's failure: retried
+            # whatever the list says (a policy cannot end runs by draining workers).
+            changes["retryable"] = frozenset(rules["retryable"]) | {Reason.LEASE_RELEASED}
+        if "delays_seconds" in rules:
+            changes["delays_seconds"] = tuple(float(d) for d in rules["delays_seconds"])
+        elif "base_seconds" in rules or "max_seconds" in rules:
+            changes["delays_seconds"] = None
+        return replace(self, **changes)
+
+
+_SCALAR_RULES = ("base_seconds", "max_seconds", "max_total_run_seconds", "max_cost_usd")
 
 
 @dataclass(frozen=True)
@@ -76,7 +109,7 @@ def decide(
         and budget.elapsed_seconds >= policy.max_total_run_seconds
     ) or (policy.max_cost_usd is not None and budget.cost_usd >= policy.max_cost_usd):
         return RetryDecision(retry=False, final_reason=Reason.RETRY_BUDGET_EXHAUSTED)
-    delay = backoff_delay(budget.attempt_count, policy.base_seconds, policy.max_seconds, rng)
+    delay = policy.delay(budget.attempt_count, rng)
     if reason == Reason.LEASE_RELEASED:
         # A drained worker gave the run back on purpose: no penalty delay.
         delay = 0.0
@@ -114,7 +147,7 @@ def decide_finalize_only(
         return RetryDecision(retry=True, delay_seconds=0.0)
     if finalize_attempts >= cap:
         return RetryDecision(retry=False, final_reason=reason)
-    delay = backoff_delay(finalize_attempts + 1, policy.base_seconds, policy.max_seconds, rng)
+    delay = policy.delay(finalize_attempts + 1, rng)
     if retry_after_seconds is not None:
         delay = max(delay, float(retry_after_seconds))
     return RetryDecision(retry=True, delay_seconds=delay)

@@ -123,8 +123,11 @@ class TaskSpec(BaseModel):
     parent_task_id: str | None = None
     user: str | None = None
     estimated_cost_usd: float | None = Field(default=None, ge=0)
+    # The model provider the task's agent uses (its capacity: the policy's providers);
+    # unset: its queue's default in the policy, else none.
+    provider: str | None = None
 
-    @field_validator("tenant", "queue", "user")
+    @field_validator("tenant", "queue", "user", "provider")
     @classmethod
     def _name(cls, value: str | None) -> str | None:
         if value is None:
@@ -304,6 +307,8 @@ def task_digest(spec: TaskSpec) -> str:
     route key (sets sorted), mapping keys are sorted; a field left unset is null (so an
     unset queue differs from ``--queue default``: the first lets the policy choose)."""
     fields = spec.model_dump()
+    if fields.get("provider") is None:  # added later: unset, the digest it always had
+        fields.pop("provider", None)
     # A requirement's set is a set whatever its order ("git,maven" = "maven,git").
     fields["requires"] = canonical_requirements(parse_requirements(spec.requires))
     text = json.dumps(_normal(fields), sort_keys=True, separators=(",", ":"),

@@ -47,7 +47,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 OTHER_TENANT = "_other"
 # The concurrency scopes' prefixes (domain.policy.run_scopes) and their dimension.
 DIMENSIONS = {"global": "global", "tenant": "tenant", "repo": "repository",
-              "user": "user", "risk": "risk", "queue": "queue"}
+              "user": "user", "risk": "risk", "queue": "queue", "provider": "provider"}
 # A side effect's kind: the ledger's keys are the kind itself (push_branch,
 # pull_request, close_pull_request) or ``agent:<the agent's own key>`` (unbounded).
 _EFFECT_KINDS = frozenset({"push_branch", "pull_request", "close_pull_request"})

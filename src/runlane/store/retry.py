@@ -43,7 +43,7 @@ S = RunStatus
 TASK_FOR_RETRY = "SELECT * FROM tasks WHERE task_id = :task_id {lock_for_update}"
 # The task's newest run: the one no run retries (uq_runs_retry_of serves the check).
 LATEST_RUN = """
-SELECT r.run_id, r.status, r.repo, r.tenant FROM runs r
+SELECT r.run_id, r.status, r.repo, r.tenant, r.provider FROM runs r
 WHERE r.task_id = :task_id
   AND NOT EXISTS (SELECT 1 FROM runs n WHERE n.retry_of_run_id = r.run_id)
 ORDER BY r.created_at DESC, r.run_id DESC
@@ -113,7 +113,8 @@ def _write_retry(store: Store, conn: Connection, task: Any, latest: Any,
                          priority=task.priority, user=task.user_id,
                          max_attempts=task.max_attempts,
                          requires=requirements_from_canonical(task.requires or ""),
-                         estimated_cost_usd=task.estimated_cost_usd),
+                         estimated_cost_usd=task.estimated_cost_usd,
+                         provider=latest.provider),
         policy, version, usage.get(task.tenant, TenantUsage()), now,
         default_max_attempts=default_max_attempts)
     batch = _SubmitBatch(now=now, actor=actor, policy_version=version)

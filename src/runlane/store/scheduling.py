@@ -55,6 +55,8 @@ T = TypeVar("T")
 ROUTES_TTL_SECONDS = 2.0
 SCHEDULE_CHANNEL = "runlane_schedule"  # payload: the new policy version
 LANE_PAGE = 16  # lanes read per page of a claim
+# conn.info key: whether the claim's walk skipped paused providers' runs.
+PAUSES_WALKED = "runlane_pauses_walked"
 # A lane that gains work joins this far ahead of the head of its (queue, priority),
 # far below one stride (1 / weight; weights are at most 1,000).
 JOIN_AHEAD = 1e-6
@@ -173,6 +175,8 @@ class SchedulingMixin:
         _routes_cache: dict[str, tuple[float, frozenset[str]]]
         _one_trip_policy: tuple[int, bool] | None
         _one_trip_skips: tuple[int, int]
+        _walk_pauses: bool
+        _token_budgets: dict[str, int]
 
         def _q(self, statement: str, *expanding: str) -> Any: ...
         def _driver_rows(self, conn: Connection, statement: str,
@@ -294,7 +298,8 @@ class SchedulingMixin:
             tenant=row.tenant, repo=row.repo, queue=row.queue, priority=row.priority,
             user=row.user_id, max_attempts=row.max_attempts,
             requires=requirements_from_canonical(row.route_key or ""),
-            estimated_cost_usd=getattr(row, "estimated_cost_usd", None), gated=gated)
+            estimated_cost_usd=getattr(row, "estimated_cost_usd", None), gated=gated,
+            provider=row.provider)
 
     # --- lanes --------------------------------------------------------------------
 
@@ -614,6 +619,17 @@ class SchedulingMixin:
 
     # --- the claim ------------------------------------------------------------------
 
+    def _note_providers(self, policy: Policy) -> None:
+        """What the claims (pauses) and cost reports (token budgets) of this store need
+        of the policy's providers, from the version a claim just read."""
+        self._walk_pauses = bool(policy.providers)
+        self._token_budgets = policy.provider_token_budgets
+
+    def _walk(self, statement: str) -> str:
+        """A claim statement, made to skip paused providers' runs when the policy in
+        force (as this store last read it) declares providers; else as it is."""
+        return sql.with_provider_pauses(statement) if self._walk_pauses else statement
+
     def _claim_candidates(self, conn: Connection, queue: str, limit: int,
                           capabilities: dict[str, Any] | None, run_id: str | None, *,
                           check_due: bool = True) -> tuple[list[Any], set[int]]:
@@ -629,8 +645,10 @@ class SchedulingMixin:
         at all (candidates to sleep: ``_lane_upkeep``)."""
         now = self.clock.now()
         empty: set[int] = set()
+        # Whether this walk skips paused providers' runs (_admit_candidates checks).
+        conn.info[PAUSES_WALKED] = self._walk_pauses
         if run_id is not None:
-            return list(conn.execute(self._q(sql.RUN_CANDIDATE),
+            return list(conn.execute(self._q(self._walk(sql.RUN_CANDIDATE)),
                                      {"run_id": run_id, "now": now})), empty
         routes = sorted(self._servable_routes(conn, capabilities))
         candidates: list[Any] = []
@@ -737,11 +755,14 @@ class SchedulingMixin:
             if self._one_trip_policy is None:  # once per store and policy change
                 version, policy = self._policy(conn)
                 self._one_trip_policy = (version, not has_budgets(policy))
+                self._note_providers(policy)
             version, one_trip = self._one_trip_policy
             if not one_trip:
                 return None
             routes = sorted(self._servable_routes(conn, capabilities))
-            rows = self._driver_rows(conn, sql.CLAIM_ONE_TRIP_PG, {
+            # The pauses walked are those of the policy of ``version``: the statement
+            # claims nothing under another.
+            rows = self._driver_rows(conn, self._walk(sql.CLAIM_ONE_TRIP_PG), {
                 "queue": queue, "routes": routes, "limit": max(limit, LANE_PAGE),
                 "wanted": limit, "after_priority": -(2**31), "after_pass": float("-inf"),
                 "after_lane": -1, "version": version, "worker_id": worker_id,
@@ -882,7 +903,8 @@ class SchedulingMixin:
         lanes: dict[int, tuple[LaneState, bool]] = {}
         walked: dict[int, list[Any]] = {}
         due = False
-        for r in conn.execute(self._q(sql.PICK_AND_WALK_PG), {**params, "wanted": wanted}):
+        for r in conn.execute(self._q(self._walk(sql.PICK_AND_WALK_PG)),
+                              {**params, "wanted": wanted}):
             due = due or bool(r.lanes_due)
             lanes[r.page_lane_id] = (LaneState(r.page_lane_id, r.page_priority, r.weight,
                                                r.pass_, r.queued_count, r.page_tenant),
@@ -900,7 +922,7 @@ class SchedulingMixin:
         """Each lane's next ``share`` runnable runs after its cursor, SKIP LOCKED."""
         start = (float("-inf"), "")
         if self.dialect == "postgresql":
-            rows = conn.execute(self._q(sql.LANE_RUNS["postgresql"]), {
+            rows = conn.execute(self._q(self._walk(sql.LANE_RUNS["postgresql"])), {
                 "lane_ids": [lane for lane, _ in shares],
                 "shares": [n for _, n in shares],
                 "after_created": [cursors.get(lane, start)[0] for lane, _ in shares],
@@ -908,7 +930,7 @@ class SchedulingMixin:
                 "now": now}).all()
         else:
             rows = [row for lane, n in shares for row in conn.execute(
-                self._q(sql.LANE_RUNS["sqlite"]),
+                self._q(self._walk(sql.LANE_RUNS["sqlite"])),
                 {"lane_id": lane, "share": n, "after_created": cursors.get(lane, start)[0],
                  "after_id": cursors.get(lane, start)[1], "now": now})]
         by_lane: dict[int, list[Any]] = {}
@@ -931,6 +953,15 @@ class SchedulingMixin:
             return []
         policy = self._policy_version(conn, version)
         self._one_trip_policy = (version, not has_budgets(policy))  # _claim_in_one_trip
+        self._note_providers(policy)
+        if policy.providers and not conn.info.get(PAUSES_WALKED):
+            # Walked before this store knew the policy declares providers (its first
+            # claim since): the paused providers' runs are left out here instead.
+            paused = set(conn.execute(self._q(sql.PAUSED_PROVIDERS),
+                                      {"now": now}).scalars())
+            candidates = [c for c in candidates if c.provider not in paused]
+            if not candidates:
+                return []
         return [(c, d) for c, d in self._admit_queued_again(
             conn, candidates, version, policy, now, actor=actor, where="at claim")
             if d.decision == "ADMIT"]
@@ -963,7 +994,7 @@ class SchedulingMixin:
             spent = usage.get(c.tenant)
             spent_usd = spent.spent_today_usd if spent else 0.0
             key = (c.tenant, c.repo, c.queue, c.priority, c.user_id, c.max_attempts,
-                   c.route_key, spent_usd)
+                   c.route_key, spent_usd, c.provider)
             if key not in decisions:  # runs of one tenant, repo, user... decide alike
                 decisions[key] = admit(self._request_of(c), policy, version,
                                        TenantUsage(0, spent_usd), now)
@@ -1037,7 +1068,8 @@ class SchedulingMixin:
         slots = Counter(s for _, d in passed for s in d.concurrency)
         maxima = {s: limit for _, d in passed for s, limit in d.concurrency.items()}
         run_ids = [c.run_id for c, _ in passed]
-        scopes = [json.dumps(run_scopes(c.tenant, c.repo, c.user_id, c.risk_class, c.queue))
+        scopes = [json.dumps(run_scopes(c.tenant, c.repo, c.user_id, c.risk_class, c.queue,
+                                        c.provider))
                   for c, _ in passed]  # every scope: a limit applied later counts it
         per_lane = Counter(c.lane_id for c, _ in passed)
         left = Counter({lane: -n for lane, n in (gone or {}).items()

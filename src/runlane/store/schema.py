@@ -138,6 +138,10 @@ runs = Table(
     Column("retry_of_run_id", ID),
     # Added by 0025: when the run's cost limit (max_cost_usd) was crossed; NULL: never.
     Column("cost_exceeded_at", Timestamp),
+    # Added by 0026 (provider capacity): the model provider the run uses, as admission
+    # resolved it (the task's own, else its queue's default in the policy); NULL: none.
+    # An attempt holds a slot in the scope ``provider:NAME`` (domain.policy.run_scopes).
+    Column("provider", String(128)),
     Index("ix_runs_task_id", "task_id"),
     # The runs listing (migration 0020, store/listing.py): a page is a walk of one of
     # these from its cursor, newest or oldest first, never a sort.
@@ -261,6 +265,22 @@ routes = Table(
 )
 
 # The scheduling policy, one row per distinct version (by digest).
+# Added by 0026: a model provider paused by its rate limit (PROVIDER_RATE_LIMIT with a
+# retry-after) until ``paused_until``; one row per provider, whatever its runs. Claims
+# skip the provider's runs meanwhile, for every tenant (sql.with_provider_pauses).
+provider_pauses = Table(
+    "provider_pauses",
+    metadata,
+    Column("provider", String(128), primary_key=True),
+    Column("paused_until", Float, nullable=False),
+    Column("run_id", String(36)),  # the run whose attempt was answered 429
+    Column("updated_at", Float, nullable=False),
+    # Its tokens per minute (the policy's tokens_per_minute): the tokens its runs
+    # reported in the clock minute that began at window_start.
+    Column("window_start", Float),
+    Column("window_tokens", BigInteger, nullable=False, server_default="0"),
+)
+
 policy_versions = Table(
     "policy_versions",
     metadata,

@@ -12,6 +12,7 @@ from the transition table by the store, never written by hand.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -154,7 +155,7 @@ PICK_LANES = {
 _LANE_WALK = """
 SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.user_id,
        r.risk_class, r.route_key, r.lane_id, r.created_at, r.max_attempts, r.limits,
-       r.policy_version, r.estimated_cost_usd, r.fencing_token,{extra}
+       r.policy_version, r.estimated_cost_usd, r.fencing_token, r.provider,{extra}
        (SELECT CASE WHEN t.cancel_requested_at IS NULL THEN 0 ELSE 1 END
         FROM tasks t WHERE t.task_id = r.task_id) AS task_cancelled
 FROM runs r
@@ -164,15 +165,70 @@ WHERE r.lane_id = {lane}
   AND 'repo:' || r.repo NOT IN (SELECT scope FROM full_scopes)
   AND 'user:' || COALESCE(r.user_id, '') NOT IN (SELECT scope FROM full_scopes)
   AND 'risk:' || r.risk_class NOT IN (SELECT scope FROM full_scopes)
+  AND 'provider:' || COALESCE(r.provider, '') NOT IN (SELECT scope FROM full_scopes)
   AND (r.created_at, r.run_id) > ({after_created}, {after_id})
 ORDER BY r.created_at, r.run_id
 LIMIT {limit}
 {{lock_r_skip}}
 """
+_FULL_SCOPES_CTE = "full_scopes AS (" + FULL_SCOPES + ")"
 _CLAIM_CTX = """
 WITH ctx AS (SELECT {now} AS now, (SELECT MAX(version) FROM policy_versions) AS version),
-     full_scopes AS (""" + FULL_SCOPES + """)
+     """ + _FULL_SCOPES_CTE + """
 """
+# Provider pauses (a provider that answered PROVIDER_RATE_LIMIT with a retry-after:
+# one row per provider, store.provider_pauses): the claim's walk skips a paused
+# provider's runs as it skips those of a full scope. Only when the policy in force
+# declares providers (``[providers.NAME]``): otherwise the claim's statements are the
+# ones above, unchanged.
+_FULL_OR_PAUSED_CTE = "full_scopes AS (" + FULL_SCOPES + """    UNION ALL
+    SELECT 'provider:' || provider FROM provider_pauses
+    WHERE paused_until > (SELECT now FROM ctx))"""
+
+
+@functools.cache
+def with_provider_pauses(statement: str) -> str:
+    """A claim statement (one with ``_CLAIM_CTX``) whose walk also skips the runs of
+    paused providers."""
+    assert _FULL_SCOPES_CTE in statement
+    return statement.replace(_FULL_SCOPES_CTE, _FULL_OR_PAUSED_CTE)
+
+
+# A provider paused until ``:until`` (now + its retry-after); a longer pause kept.
+PROVIDER_PAUSE = """
+INSERT INTO provider_pauses (provider, paused_until, run_id, updated_at)
+VALUES (:provider, :until, :run_id, :now)
+ON CONFLICT (provider) DO UPDATE
+SET paused_until = excluded.paused_until, run_id = excluded.run_id,
+    updated_at = excluded.updated_at
+WHERE provider_pauses.paused_until < excluded.paused_until
+"""
+PAUSED_PROVIDERS = "SELECT provider FROM provider_pauses WHERE paused_until > :now"
+# A provider's tokens per minute (``[providers.NAME] tokens_per_minute``), fed by its
+# runs' cost reports: counted in a window of one clock minute (window_start) on the
+# provider's one row; the report that brings the window to the budget pauses the
+# provider until the window's end. Every SET reads the row as it was.
+_TOKENS_IN_WINDOW = """CASE WHEN provider_pauses.window_start = excluded.window_start
+        THEN provider_pauses.window_tokens + excluded.window_tokens
+        ELSE excluded.window_tokens END"""
+_PROVIDER_TOKENS = """
+INSERT INTO provider_pauses (provider, paused_until, run_id, updated_at, window_start,
+                             window_tokens)
+VALUES (:provider,
+        CASE WHEN CAST(:tokens AS bigint) >= CAST(:budget AS bigint)
+             THEN CAST(:window_end AS double precision) ELSE 0 END,
+        :run_id, :now, :window_start, :tokens)
+ON CONFLICT (provider) DO UPDATE
+SET window_tokens = """ + _TOKENS_IN_WINDOW + """,
+    window_start = excluded.window_start,
+    paused_until = CASE WHEN """ + _TOKENS_IN_WINDOW + """ >= CAST(:budget AS bigint)
+                        THEN {greatest}(provider_pauses.paused_until,
+                                        CAST(:window_end AS double precision))
+                        ELSE provider_pauses.paused_until END,
+    updated_at = excluded.updated_at
+"""
+PROVIDER_TOKENS = {dialect: _PROVIDER_TOKENS.format(greatest=greatest)
+                   for dialect, greatest in GREATEST.items()}
 LANE_RUNS = {
     # Every lane of the page in one statement: (lane, share, cursor) arrays, each lane
     # walked by the same index scan.
@@ -321,7 +377,7 @@ LEFT JOIN LATERAL (""" + _LANE_WALK.format(
 RUN_CANDIDATE = _CLAIM_CTX + """
 SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.user_id,
        r.risk_class, r.route_key, r.lane_id, r.created_at, r.max_attempts, r.limits,
-       r.policy_version, r.estimated_cost_usd, r.fencing_token,
+       r.policy_version, r.estimated_cost_usd, r.fencing_token, r.provider,
        (SELECT CASE WHEN t.cancel_requested_at IS NULL THEN 0 ELSE 1 END
         FROM tasks t WHERE t.task_id = r.task_id) AS task_cancelled,
        ctx.version, ctx.now
@@ -686,7 +742,7 @@ RUN_SCOPES = """(
     SELECT CAST(json_agg(s.scope ORDER BY s.scope COLLATE "C") AS text)
     FROM unnest(ARRAY['global', 'tenant:' || {run}.tenant, 'repo:' || {run}.repo,
                       'risk:' || {run}.risk_class, 'queue:' || {run}.queue,
-                      'user:' || {run}.user_id]) AS s(scope)
+                      'user:' || {run}.user_id, 'provider:' || {run}.provider]) AS s(scope)
     WHERE s.scope IS NOT NULL)"""
 
 # PostgreSQL: a whole claim in one statement and one round trip, autocommit (issue 5's
@@ -1037,14 +1093,14 @@ decisions AS MATERIALIZED (
     SELECT CAST(d.n AS integer) - 1 AS decision_no,
            x.queue, x.priority, x.max_attempts, x.risk_class, x.route_key,
            x.policy_version, x.reason_code, x.message, x.weight, x.event_message,
-           x.status, x.visible_at,
+           x.status, x.visible_at, x.provider,
            d.value -> 'admission' AS admission, d.value -> 'limits' AS limits
     FROM json_array_elements(CAST(:decisions AS json)) WITH ORDINALITY AS d(value, n)
     CROSS JOIN LATERAL json_to_record(d.value) AS x(
         queue text, priority integer, max_attempts integer, risk_class text,
         route_key text, policy_version integer, reason_code text, message text,
         weight double precision, event_message text, status text,
-        visible_at double precision)),
+        visible_at double precision, provider text)),
 new_runs AS (
     -- The run's repository is its canonical form (domain/repos.py), the task's as
     -- written (it is cloned): the item has repo_key only where the two differ.
@@ -1054,7 +1110,7 @@ new_runs AS (
            CAST(NULL AS double precision) AS ended_at,  -- a DENY's: the time (below)
            i.estimated_cost_usd, d.decision_no, d.queue, d.priority, d.max_attempts,
            d.risk_class, d.route_key, d.policy_version, d.reason_code, d.message,
-           d.weight, d.event_message, d.admission, d.limits
+           d.weight, d.event_message, d.admission, d.limits, d.provider
     FROM items i
     JOIN inserted_tasks t ON t.task_id = i.task_id
     JOIN decisions d ON d.decision_no = i.decision_no),
@@ -1089,13 +1145,13 @@ inserted_runs AS (
                       attempt_count, max_attempts, fencing_token, visible_at, created_at,
                       updated_at, ended_at, reason_code, message, cost_usd, user_id,
                       risk_class, route_key, lane_id, policy_version, admission, limits,
-                      estimated_cost_usd)
+                      estimated_cost_usd, provider)
     SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.status,
            0, r.max_attempts, 0, COALESCE(r.visible_at, c.now), c.now, c.now,
            COALESCE(r.ended_at, CASE WHEN r.status = 'POLICY_DENIED' THEN c.now END),
            r.reason_code, r.message, 0,
            r.user_id, r.risk_class, r.route_key, l.lane_id, r.policy_version,
-           r.admission, r.limits, r.estimated_cost_usd
+           r.admission, r.limits, r.estimated_cost_usd, r.provider
     FROM new_runs r CROSS JOIN clock c
     JOIN lane_ids l ON l.queue = r.queue AND l.route_key = r.route_key
                    AND l.priority = r.priority AND l.tenant = r.tenant
@@ -1260,6 +1316,9 @@ POLICY_VERSION = "SELECT MAX(version) FROM policy_versions"
 # What a submit needs first, in one round trip: the time and the policy version in force.
 SUBMIT_CONTEXT = "SELECT {now} AS now, (SELECT MAX(version) FROM policy_versions) AS version"
 POLICY_BY_VERSION = "SELECT document FROM policy_versions WHERE version = :version"
+# A run's admission record, read when one of its attempts failed: the retry rules it
+# was admitted with (``admission.retry``).
+RUN_ADMISSION = "SELECT admission, provider FROM runs WHERE run_id = :run_id"
 # PostgreSQL: a policy change first waits for every transaction that wrote attempts
 # (claims in flight) and holds new ones until it commits (invariant 9). A claim under
 # the old policy counts no slot in a scope the new one limits; the counter the next
@@ -1279,7 +1338,8 @@ INSERT INTO policy_versions (version, digest, document, source, created_at)
 VALUES (:version, :digest, :document, :source, :now)
 """
 RUN_FOR_POLICY = """
-SELECT run_id, tenant, repo, queue, priority, user_id, max_attempts, route_key, policy_version
+SELECT run_id, tenant, repo, queue, priority, user_id, max_attempts, route_key, policy_version,
+       provider
 FROM runs WHERE run_id = :run_id
 """
 TENANT_QUEUED = """
@@ -1327,7 +1387,7 @@ WHERE d.task_id = :task_id
 DUE_WAITING = """
 SELECT r.run_id, r.task_id, r.status, r.fencing_token, r.tenant, r.repo, r.queue,
        r.priority, r.user_id, r.route_key, r.max_attempts, r.created_at, r.lane_id,
-       r.policy_version, r.admission, r.estimated_cost_usd
+       r.policy_version, r.admission, r.estimated_cost_usd, r.provider
 FROM runs r
 WHERE r.status = :status
   AND r.visible_at <= {now}
@@ -1366,7 +1426,7 @@ LIMIT :scan
 _QUEUED_UNDER_OTHER_POLICY = """
 SELECT r.run_id, r.task_id, r.fencing_token, r.tenant, r.repo, r.queue, r.priority,
        r.user_id, r.route_key, r.max_attempts, r.risk_class, r.limits, r.lane_id,
-       r.policy_version, r.admission,
+       r.policy_version, r.admission, r.provider,
        (SELECT CASE WHEN t.cancel_requested_at IS NULL THEN 0 ELSE 1 END
         FROM tasks t WHERE t.task_id = r.task_id) AS task_cancelled
 FROM runs r
@@ -1715,7 +1775,7 @@ WHERE run_id = :run_id
 ADD_RUN_COST = """
 UPDATE runs SET cost_usd = cost_usd + :usd, updated_at = {now}
 WHERE run_id = :run_id AND fencing_token = :token
-RETURNING cost_usd, {now} AS now
+RETURNING cost_usd, {now} AS now, provider
 """
 # A run's cost limit (max_cost_usd, or a model-token limit) was crossed: when, on the
 # run and on the attempt that crossed it; the first crossing stays (issue 29).

@@ -267,7 +267,7 @@ class _Snapshot:
 _RUN_COLUMNS = ("run_id", "task_id", "tenant", "repo", "queue", "priority", "status",
                 "max_attempts", "visible_at", "ended_at", "reason_code", "message",
                 "user_id", "risk_class", "route_key", "policy_version", "admission",
-                "limits", "estimated_cost_usd")
+                "limits", "estimated_cost_usd", "provider")
 
 
 def _count_completions(durations: list[float]) -> None:
@@ -285,7 +285,7 @@ def _admission_request_key(spec: TaskSpec, repo: str) -> tuple[Any, ...] | None:
     except (TypeError, ValueError):
         return None
     return (spec.tenant, repo, spec.queue, spec.priority, spec.user, spec.max_attempts,
-            requires, spec.estimated_cost_usd)
+            requires, spec.estimated_cost_usd, spec.provider)
 
 
 def _key_conflict(spec: TaskSpec, task_id: str | None, field: str | None) -> Conflict:
@@ -342,7 +342,7 @@ class _SubmitBatch:
             "risk_class": d.risk_class, "route_key": d.requires,
             "policy_version": d.policy_version, "reason_code": d.reason_code,
             "message": d.message, "weight": d.weight, "admission": d.to_json(),
-            "limits": d.limits, "status": status.value,
+            "limits": d.limits, "status": status.value, "provider": d.provider,
             # A DEFER's retry-after; an approval's expiry (Store.expire_approvals).
             "visible_at": d.retry_after if status in _VISIBLE_LATER else None,
             "event_message": f"admitted under policy v{d.policy_version}"
@@ -449,6 +449,11 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         # The policy version in force as this store's claims last saw it, and whether a
         # claim may then be one statement (PostgreSQL: SchedulingMixin._claim_in_one_trip).
         self._one_trip_policy: tuple[int, bool] | None = None
+        # Whether claims skip paused providers' runs: the policy in force, as this store
+        # last read it, declares providers (SchedulingMixin._walk).
+        self._walk_pauses = False
+        # The providers' tokens per minute, as the last claim read them (report_cost).
+        self._token_budgets: dict[str, int] = {}
         # (claims left to run as transactions, one-statement claims fallen back in a row)
         self._one_trip_skips: tuple[int, int] = (0, 0)
         # The policy version in force at this store's last submit write (PostgreSQL):
@@ -921,7 +926,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                         priority=spec.priority, user=spec.user,
                         max_attempts=spec.max_attempts,
                         requires=parse_requirements(spec.requires),
-                        estimated_cost_usd=spec.estimated_cost_usd),
+                        estimated_cost_usd=spec.estimated_cost_usd, provider=spec.provider),
                     policy, version, tenant_usage, now,
                     default_max_attempts=default_max_attempts)
                 if needs_usage and decision.decision == "ADMIT":
@@ -1327,6 +1332,10 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             self._add_tenant_spend(conn, lease.tenant, usd, float(row.now))
             if maximum is not None and float(row.cost_usd) > float(maximum):
                 self._mark_cost_exceeded(conn, lease, float(row.now))
+            budget = self._token_budgets.get(row.provider) if row.provider else None
+            if budget is not None and input_tokens + output_tokens > 0:
+                self._count_provider_tokens(conn, lease, row.provider, budget,
+                                            input_tokens + output_tokens, float(row.now))
             return float(row.cost_usd)
 
         maximum = lease.limits.get("max_cost_usd")
@@ -1347,6 +1356,15 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                   "now": self._now(conn) if now is None else now}
         conn.execute(self._q(sql.MARK_COST_EXCEEDED_RUN), params)
         conn.execute(self._q(sql.MARK_COST_EXCEEDED_ATTEMPT), params)
+    def _count_provider_tokens(self, conn: Connection, lease: Lease, provider: str,
+                               budget: int, tokens: int, now: float) -> None:
+        """Count a report's tokens in its provider's minute; the report that reaches the
+        provider's tokens per minute pauses it until that minute ends (claims skip its
+        runs, every tenant's: sql.with_provider_pauses)."""
+        window = float(int(now // 60) * 60)
+        conn.execute(self._q(sql.PROVIDER_TOKENS[self.dialect]), {
+            "provider": provider, "tokens": tokens, "budget": budget, "now": now,
+            "window_start": window, "window_end": window + 60.0, "run_id": lease.run_id})
 
     def _check_token_limits(self, lease: Lease) -> None:
         """The run's model tokens against its limits: like its cost, summed over all its
@@ -1467,10 +1485,14 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             # taken on from where it stands: from FAILED_RETRYABLE the next hop.
             recovered = lease_status in ("EXPIRED", "REVOKED") and status in LEASED
             prefix = [S.STALE_LEASE] if recovered else []
-            # The settings' retry policy with the policy file's [retry] section over
-            # it (that section was validated, stored, and then never used).
-            _, policy = self._policy(conn)
-            retry_policy = policy.retry_policy(self.retry_policy)
+            retry_policy, provider = self._run_retry_policy(conn, snap.run_id)
+            if (reason == Reason.PROVIDER_RATE_LIMIT and retry_after is not None
+                    and provider is not None):
+                # One pause for the provider, not one per run: every tenant's runs of
+                # it wait (claims skip them) until the retry-after is over.
+                conn.execute(self._q(sql.PROVIDER_PAUSE), {
+                    "provider": provider, "until": now + float(retry_after),
+                    "run_id": snap.run_id, "now": now})
             decision = None if snap.finalize_only_after is not None else decide(
                 reason,
                 RunBudget(snap.charged_attempts, snap.max_attempts, now - snap.created_at,
@@ -1530,6 +1552,20 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                      status=path[-1].value)
             return path[-1]
         return status
+
+    def _run_retry_policy(self, conn: Connection, run_id: str
+                          ) -> tuple[RetryPolicy, str | None]:
+        """The settings' retry policy with the run's recorded retry rules over it (the
+        policy's ``[retry]`` layers for its tenant and queue, as admitted), and the
+        run's provider. A run admitted before rules were recorded: the policy in
+        force's ``[retry]``."""
+        row = conn.execute(self._q(sql.RUN_ADMISSION), {"run_id": run_id}).one()
+        record = json.loads(row.admission) if isinstance(row.admission, str) \
+            else row.admission
+        if isinstance(record, dict) and isinstance(record.get("retry"), dict):
+            return self.retry_policy.with_rules(record["retry"]), row.provider
+        _, policy = self._policy(conn)
+        return policy.retry_policy(self.retry_policy), row.provider
 
     def _finalize_only_decision(self, conn: Connection, snap: _Snapshot, reason: str,
                                 policy: RetryPolicy, retry_after: float | None

@@ -19,7 +19,7 @@ from alembic import op
 from runlane.store.online_index import IndexSpec, drop_index, ensure_index
 
 revision = "0027"
-down_revision = "0025"
+down_revision = "0026"
 branch_labels = None
 depends_on = None
 
