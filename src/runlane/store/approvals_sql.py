@@ -13,7 +13,8 @@ from __future__ import annotations
 # transaction's write lock) so that two approvers decide one after the other.
 RUN_FOR_APPROVAL = """
 SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.user_id,
-       r.max_attempts, r.route_key, r.estimated_cost_usd, r.status, r.fencing_token,
+       r.max_attempts, r.route_key, r.estimated_cost_usd, r.provider, r.status,
+       r.fencing_token,
        r.policy_version, r.admission, r.visible_at, {now} AS now
 FROM runs r
 WHERE r.run_id = :run_id
