@@ -43,7 +43,9 @@ from runlane.models.runs import RunDetail, Submission, TaskDetail, run_detail, t
 from runlane.models.tokens import CreatedToken, TokenInfo
 from runlane.observability import metrics, tracing
 from runlane.sandbox import Sandbox, SandboxConfig
+from runlane.services.leader import MaintenanceLeader
 from runlane.services.maintenance import (
+    MaintenanceService,
     Reaper,
     ReaperConfig,
     Reconciler,
@@ -489,6 +491,21 @@ class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin):
         """The retention job, unless RETENTION_DAYS is 0 (keep finished runs forever)."""
         days = self.settings.retention_days
         return Pruner(self.store, RetentionConfig(keep_days=days)) if days > 0 else None
+
+    def maintenance_services(self) -> list[MaintenanceService]:
+        """Reaper, reconciler, scheduler (campaigns, notifications) and retention."""
+        return [svc for svc in (self.reaper(), self.reconciler(), self.scheduler(),
+                                self.pruner()) if svc is not None]
+
+    def maintenance_leader(self) -> MaintenanceLeader:
+        """The services above, run while this node is the database's maintenance leader
+        (services/leader.py): one node of several runs them at a time."""
+        from runlane.services.leader import retry_seconds
+        from runlane.store.leadership import maintenance_lock
+
+        every = retry_seconds(self.settings.lease_ttl_seconds)
+        return MaintenanceLeader(maintenance_lock(self.store.url, check_seconds=every),
+                                 self.maintenance_services, retry_seconds=every)
 
     @_on_the_database
     def pull_requests(self) -> list[dict[str, Any]]:
