@@ -553,7 +553,8 @@ class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin):
             capabilities=capabilities or {}, lease_ttl_seconds=s.lease_ttl_seconds,
             heartbeat_seconds=s.heartbeat_seconds, drain_grace_seconds=s.drain_grace_seconds,
             agent_term_grace_seconds=s.agent_term_grace_seconds,
-            exit_when_idle=exit_when_idle, change_poll_seconds=s.change_poll_seconds))
+            exit_when_idle=exit_when_idle, change_poll_seconds=s.change_poll_seconds,
+            idle_poll_max_seconds=s.idle_poll_max_seconds))
 
     @_on_the_database
     def unserved(self, *, queues: list[str], capabilities: dict[str, Any] | None = None
