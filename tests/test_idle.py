@@ -18,9 +18,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from runlane.clock import ManualClock
 from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
-from runlane.store.store import Store
+from runlane.store.store import Look, Store
 from runlane.store.wakeup import libpq_url
 
 from .support import bare_remote, run_row, spec
@@ -129,3 +130,59 @@ def test_idle_workers_cost_at_most_a_fifth_of_a_statement_a_second_each(
         assert empty / measured <= 2, f"{empty / measured:.2f} empty claims per submit"
     finally:
         store.close()
+
+
+# --- the mechanisms, in process --------------------------------------------------------
+
+
+def test_a_look_says_when_a_backoff_ends(store: Store, clock: ManualClock) -> None:
+    """One statement answers both: whether a claim may find a run now, and else how
+    soon the earliest run this worker may serve stops waiting out its backoff."""
+    from runlane.domain.reasons import Reason
+
+    assert store.look(["default"]) == Look(False, None)
+    store.submit([spec()])
+    assert store.look(["default"]).ready
+    assert not store.look(["other"]).ready
+    assert store.look(["default"], {"gpu": "a100"}).ready  # it needs nothing
+    [lease] = store.claim("w", lease_ttl=60)
+    store.fail(lease, Reason.PROVIDER_RATE_LIMIT, retry_after_seconds=30)
+    # The first claim to find the lane's head waiting puts the lane to sleep until then.
+    assert store.claim("w", lease_ttl=60) == []
+    look = store.look(["default"])
+    assert not look.ready and look.next_in is not None and 29 <= look.next_in <= 30
+    clock.advance(31)
+    assert store.look(["default"]).ready
+    # A run needing what the worker lacks is not its to look for.
+    store.submit([spec(requires={"gpu": "a100"})])
+    store.claim("w", lease_ttl=60)  # the ready one
+    assert not store.look(["default"]).ready
+    assert store.look(["default"], {"gpu": "a100"}).ready
+
+
+class _Listener:
+    def __init__(self, healthy: bool) -> None:
+        self.healthy = healthy
+
+
+def test_the_idle_poll_backs_off_only_while_wake_ups_work() -> None:
+    from runlane.worker.worker import Worker, WorkerConfig
+
+    worker = Worker.__new__(Worker)
+    worker.config = WorkerConfig(poll_seconds=1.0, idle_poll_max_seconds=20.0)
+    worker._idle_wait, worker._next_in = 1.0, None
+    import random
+
+    worker._rng = random.Random(1)
+    worker.listener = _Listener(True)  # type: ignore[assignment]
+    waits = [worker._next_wait(0, False) for _ in range(6)]
+    assert waits[:2] == [1.0, pytest.approx(waits[1])] and 3.0 <= waits[1] <= 4.0
+    assert 12.0 <= waits[2] <= 16.0 and all(15.0 <= w <= 20.0 for w in waits[3:])
+    assert worker._next_wait(1, False) == 0.0  # work: fast again
+    assert worker._next_wait(0, False) == 1.0
+    worker._next_in = 2.5  # a backoff the look saw ends before the poll would
+    worker._next_wait(0, False)
+    assert worker._next_wait(0, False) == 2.5
+    worker._next_in = None
+    worker.listener = _Listener(False)  # LISTEN down: the 1 s poll
+    assert [worker._next_wait(0, False) for _ in range(4)][1:] == [1.0, 1.0, 1.0]

@@ -39,16 +39,16 @@ log = structlog.get_logger("runlane.worker")
 WAKEUP_RECHECK_SECONDS = 0.1
 # An idle worker whose wake-ups work (LISTEN, SQLite's change signal) backs its poll off
 # from ``poll_seconds``, IDLE_POLL_GROWTH times longer after each look that found
-# nothing (1, 4, 16, 20 s), up to
-# ``idle_poll_max_seconds`` (IDLE_POLL_MAX_SECONDS); never past the end of a backoff it
-# saw. Each wait is cut to a random share of at least IDLE_POLL_JITTER of it, so that a
-# fleet started together does not look all at once. Withdrawals are looked for every
-# WITHDRAWAL_IDLE_POLLS idle polls.
+# nothing (1, 4, 16, 20 s), up to ``idle_poll_max_seconds`` (IDLE_POLL_MAX_SECONDS);
+# never past the end of a backoff it saw. Each wait is cut to a random share of at
+# least IDLE_POLL_JITTER of it, so that a fleet started together does not look all at
+# once. Withdrawals are looked for every WITHDRAWAL_IDLE_POLLS idle polls.
 IDLE_POLL_GROWTH = 4.0
 IDLE_POLL_JITTER = 0.75
 WITHDRAWAL_IDLE_POLLS = 3
-# A worker that holds no lease beats its row every two heartbeats, but at least every
-# this many seconds (the heartbeat-lag alert fires at 30 s).
+# A worker that holds no lease beats its row every two heartbeats, but no less often
+# than every this many seconds unless one heartbeat is longer (the heartbeat-lag alert
+# fires at 30 s).
 IDLE_BEAT_SECONDS = 20.0
 # One NOTIFY wakes every idle worker of the queue in the cluster. Each waits a random
 # delay in [0, spread), looks, and claims only if its look still finds the run: the
@@ -217,9 +217,9 @@ class Worker:
 
     def _next_wait(self, claimed: int, announced: bool) -> float:
         """How long to wait for a wake-up: none after a claim; a moment after a wake-up
-        for work its claim did not find (not visible yet); else the poll, doubled after
-        each look that found nothing while wake-ups work, up to idle_poll_max_seconds,
-        and never past the end of a backoff the last look saw."""
+        for work its claim did not find (not visible yet); else the poll, made longer
+        after each look that found nothing while wake-ups work, up to
+        idle_poll_max_seconds, and never past the end of a backoff the last look saw."""
         poll = self.config.poll_seconds
         if claimed or announced:
             self._idle_wait = poll
@@ -391,7 +391,7 @@ class Worker:
                 wait = min(1.0, self.config.heartbeat_seconds)
                 continue
             # A worker holding no lease only shows it is alive: every two heartbeats
-            # (at least every IDLE_BEAT_SECONDS), half the writes of an idle fleet.
+            # (IDLE_BEAT_SECONDS at most, unless one heartbeat is longer).
             every = self.config.heartbeat_seconds if states else min(
                 2 * self.config.heartbeat_seconds,
                 max(self.config.heartbeat_seconds, IDLE_BEAT_SECONDS))
