@@ -58,10 +58,15 @@ class MaintenanceLeader:
         """Contend, lead, and on a loss contend again, until ``stop``."""
         try:
             while not stop.is_set():
-                if self.lock.try_acquire():
-                    self._lead(stop)
-                else:
-                    stop.wait(self.retry_seconds)
+                try:
+                    if self.lock.try_acquire():
+                        self._lead(stop)
+                        continue
+                except Exception as exc:  # a bug must not end maintenance on this node
+                    log.error("maintenance_leader_failed", node=self.node_id,
+                              error=f"{type(exc).__name__}: {exc}")
+                    self.lock.release()
+                stop.wait(self.retry_seconds)
         finally:
             self.lock.release()
 
