@@ -59,6 +59,16 @@ def statements(url: str) -> int:
         return int(row[0]) if row else 0
 
 
+def server() -> str:
+    """The server's version and max_connections (100 idle workers hold about 200)."""
+    import psycopg
+
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        version = conn.execute("SHOW server_version").fetchone()
+        most = conn.execute("SHOW max_connections").fetchone()
+    return f"{(version or ['?'])[0].split()[0]} (max_connections {(most or ['?'])[0]})"
+
+
 def claim_empty(directory: Path) -> float:
     from prometheus_client import CollectorRegistry
     from prometheus_client.multiprocess import MultiProcessCollector
@@ -174,8 +184,8 @@ def main() -> int:
             rows.append((label, n, measure(n, args)))
     lines = [START, "## Idle workers: `bench/idle.py`", "",
              f"Date: {time.strftime('%Y-%m-%d')}. Machine: {os.cpu_count()} cores, "
-             f"{platform.platform()}, Python {platform.python_version()}, PostgreSQL on "
-             f"the same machine. Command: `.venv/bin/python bench/idle.py --workers "
+             f"{platform.platform()}, Python {platform.python_version()}, PostgreSQL "
+             f"{server()} on the same machine. Command: `.venv/bin/python bench/idle.py --workers "
              f"{args.workers}{' --before-src DIR' if args.before_src else ''} --write "
              "docs/benchmarks.md`. Real `runlane worker` processes at default settings "
              "(heartbeat 10 s, poll 1 s, `IDLE_POLL_MAX_SECONDS` 20; sandbox off). "
