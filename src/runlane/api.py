@@ -44,7 +44,9 @@ from runlane.models.runs import RunDetail, Submission, TaskDetail, run_detail, t
 from runlane.models.tokens import CreatedToken, TokenInfo
 from runlane.observability import metrics, tracing
 from runlane.sandbox import Sandbox, SandboxConfig
+from runlane.services.leader import MaintenanceLeader
 from runlane.services.maintenance import (
+    MaintenanceService,
     Reaper,
     ReaperConfig,
     Reconciler,
@@ -515,6 +517,21 @@ class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin, ApprovalsMixin):
         days = self.settings.retention_days
         return Pruner(self.store, RetentionConfig(keep_days=days)) if days > 0 else None
 
+    def maintenance_services(self) -> list[MaintenanceService]:
+        """Reaper, reconciler, scheduler (campaigns, notifications) and retention."""
+        return [svc for svc in (self.reaper(), self.reconciler(), self.scheduler(),
+                                self.pruner()) if svc is not None]
+
+    def maintenance_leader(self) -> MaintenanceLeader:
+        """The services above, run while this node is the database's maintenance leader
+        (services/leader.py): one node of several runs them at a time."""
+        from runlane.services.leader import retry_seconds
+        from runlane.store.leadership import maintenance_lock
+
+        every = retry_seconds(self.settings.lease_ttl_seconds)
+        return MaintenanceLeader(maintenance_lock(self.store.url, check_seconds=every),
+                                 self.maintenance_services, retry_seconds=every)
+
     @_on_the_database
     def pull_requests(self) -> list[dict[str, Any]]:
         return self.store.pull_requests()
@@ -569,7 +586,8 @@ class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin, ApprovalsMixin):
             capabilities=capabilities or {}, lease_ttl_seconds=s.lease_ttl_seconds,
             heartbeat_seconds=s.heartbeat_seconds, drain_grace_seconds=s.drain_grace_seconds,
             agent_term_grace_seconds=s.agent_term_grace_seconds,
-            exit_when_idle=exit_when_idle, change_poll_seconds=s.change_poll_seconds))
+            exit_when_idle=exit_when_idle, change_poll_seconds=s.change_poll_seconds,
+            idle_poll_max_seconds=s.idle_poll_max_seconds))
 
     @_on_the_database
     def unserved(self, *, queues: list[str], capabilities: dict[str, Any] | None = None

@@ -290,14 +290,13 @@ def _stop_on_sigterm() -> threading.Event:
 
 
 def _start_maintenance(lane: Runlane, stop: threading.Event) -> list[threading.Thread]:
-    """The maintenance services, each on a thread, until ``stop`` is set."""
-    services = [lane.reaper(), lane.reconciler(), lane.scheduler(), lane.pruner()]
-    threads = [threading.Thread(target=svc.run_forever, args=(stop,), daemon=True,
-                                name=f"runlane-{svc.name}")
-               for svc in services if svc is not None]
-    for t in threads:
-        t.start()
-    return threads
+    """The maintenance services, each on a thread, while this node is the database's
+    maintenance leader (services/leader.py), until ``stop`` is set."""
+    leader = lane.maintenance_leader()
+    thread = threading.Thread(target=leader.run_forever, args=(stop,), daemon=True,
+                              name="runlane-maintenance-leader")
+    thread.start()
+    return [thread]
 
 
 def _join(threads: list[threading.Thread]) -> None:
@@ -360,7 +359,8 @@ def audit(remote_checks: bool, limit: int, as_json: bool) -> None:
 @metrics_port_option
 @json_flag
 def maintain(once: bool, metrics_port: int, as_json: bool) -> None:
-    """Reaper, reconciler, scheduler pass and retention; safe on several machines."""
+    """Reaper, reconciler, scheduler pass and retention; on several machines, one of them
+    (the maintenance leader) runs them at a time."""
     if as_json and not once:
         # Only one pass has counts to print: without --once nothing would ever be.
         raise click.UsageError("--json needs --once (one pass, then its counts)")

@@ -134,6 +134,10 @@ class Settings(BaseSettings):
     # A read of shared memory, no write: an idle worker's whole cost is about 0.1% of a
     # core at the default (docs/benchmarks.md). No effect on PostgreSQL (LISTEN/NOTIFY).
     change_poll_seconds: float = Field(0.05, ge=0.005, le=10)
+    # An idle worker's poll (1 s after work) grows fourfold after each look that found
+    # nothing, up to this, while its wake-ups work (LISTEN on PostgreSQL, the change signal on
+    # SQLite); without them it stays at 1 s. A backoff a look saw still ends on time.
+    idle_poll_max_seconds: float = Field(20.0, ge=1, le=300)
     # Metrics (docs/metrics.md): off, nothing is counted (a benchmark's baseline); the
     # database's gauges are read at most once per METRICS_CACHE_SECONDS whatever the
     # scrapers; `--metrics-port` listens on METRICS_HOST (unauthenticated: keep it local

@@ -5,6 +5,7 @@ several machines at once: they claim work with SKIP LOCKED and write with CAS.""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, fields
 
 import structlog
@@ -77,13 +78,17 @@ def worker_grace_seconds(heartbeat_seconds: float, lease_ttl_seconds: float) -> 
 class MaintenanceService:
     name = "service"
     interval_seconds: float = 5.0
+    node: str | None = None  # the maintenance leader running it (services/leader.py)
 
     def run_once(self) -> dict[str, int]:
         raise NotImplementedError
 
     def run_logged(self) -> None:
         """One pass for a loop: counts logged, a failure logged and survived (the
-        next pass may succeed)."""
+        next pass may succeed). Each pass's start and end are logged at DEBUG with the
+        node and wall-clock time: what shows that two nodes' passes never overlapped."""
+        log.debug("maintenance_pass_started", service=self.name, node=self.node,
+                  at=time.time())
         try:
             counts = self.run_once()
             if any(counts.values()):
@@ -96,6 +101,9 @@ class MaintenanceService:
                             consequence="the next pass takes up the rest")
                 return
             log.error("maintenance_failed", service=self.name, error=str(exc))
+        finally:
+            log.debug("maintenance_pass_ended", service=self.name, node=self.node,
+                      at=time.time())
 
     def run_forever(self, stop: threading.Event) -> None:
         while not stop.is_set():

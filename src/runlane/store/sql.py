@@ -1234,6 +1234,18 @@ WHERE queue IN :queues AND route_key IN :routes AND queued_count > 0
   AND (wake_at IS NULL OR wake_at <= {now})
 LIMIT 1
 """
+# A worker's look (Store.look): for each route with queued runs in its queues, 0 when a
+# run may be claimed now, else the seconds until the earliest one's backoff ends. The
+# worker matches the routes to its capabilities itself (no read of the route table), and
+# an idle worker sleeps until that time, not past it. One read of lanes, no lock.
+LOOK_IN_QUEUES = """
+SELECT route_key,
+       MIN(CASE WHEN wake_at IS NULL OR wake_at <= {now} THEN 0 ELSE wake_at - {now} END)
+         AS ready_in
+FROM lanes
+WHERE queue IN :queues AND queued_count > 0
+GROUP BY route_key
+"""
 # Which of a worker's leased runs have a cancel requested (SQLite's change signal: the
 # worker beats at once for them, and the beat delivers the cancel).
 CANCELS_AMONG = """

@@ -44,7 +44,12 @@ from runlane.domain.retry import (
     decide,
     decide_finalize_only,
 )
-from runlane.domain.routing import parse_requirements
+from runlane.domain.routing import (
+    parse_capabilities,
+    parse_requirements,
+    requirements_from_canonical,
+    satisfies,
+)
 from runlane.domain.states import (
     LEASED,
     TERMINAL,
@@ -176,6 +181,16 @@ class Submission:
     truncated_sections: tuple[str, ...] = ()
     payload_bytes: int = 0
     reason_code: str | None = None  # why a run was denied or deferred at admission
+
+
+@dataclass(frozen=True)
+class Look:
+    """What a worker's look found (``Store.look``): ``ready``, a claim may find a run
+    now; else ``next_in``, the seconds until the earliest run it may serve becomes
+    claimable (by the database's clock), or None when it may serve none queued."""
+
+    ready: bool
+    next_in: float | None = None
 
 
 @dataclass(frozen=True)
@@ -446,6 +461,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         self._driver_cache: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._policy_cache: dict[int, Policy] = {}
         self._routes_cache: dict[str, tuple[float, frozenset[str]]] = {}
+        # Store.look: whether capabilities (as JSON) serve a route key; both are few.
+        self._route_served: dict[tuple[str, str], bool] = {}
         # The policy version in force as this store's claims last saw it, and whether a
         # claim may then be one statement (PostgreSQL: SchedulingMixin._claim_in_one_trip).
         self._one_trip_policy: tuple[int, bool] | None = None
@@ -2050,6 +2067,30 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             return conn.execute(self._q(sql.READY_IN_ROUTES, "queues", "routes"),
                                 {"queues": list(queues), "routes": routes,
                                  "now": self.clock.now()}).first() is not None
+
+    def look(self, queues: Sequence[str], capabilities: dict[str, Any] | None = None
+             ) -> Look:
+        """A worker's look before it claims, one statement (sql.LOOK_IN_QUEUES): whether
+        a claim in these queues with these capabilities may find a run now, and if not,
+        how soon the earliest run it may serve stops waiting out a backoff."""
+        with self.reads.connect() as conn:
+            rows = conn.execute(self._q(sql.LOOK_IN_QUEUES, "queues"),
+                                {"queues": list(queues), "now": self.clock.now()}).all()
+        caps = parse_capabilities(capabilities or {})
+        key = json.dumps(capabilities or {}, sort_keys=True)
+        ready, next_in = False, None
+        for r in rows:
+            served = self._route_served.get((key, r.route_key))
+            if served is None:
+                served = self._route_served[(key, r.route_key)] = not r.route_key or \
+                    satisfies(requirements_from_canonical(r.route_key), caps)
+            if not served:
+                continue
+            if not r.ready_in:
+                ready = True
+            elif next_in is None or float(r.ready_in) < next_in:
+                next_in = float(r.ready_in)
+        return Look(ready, None if ready else next_in)
 
     def cancels_among(self, run_ids: Sequence[str]) -> set[str]:
         """Those of these runs whose cancel was requested (sql.CANCELS_AMONG)."""

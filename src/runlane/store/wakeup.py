@@ -123,6 +123,7 @@ class Listener:
         self._inbox: queue.SimpleQueue[Wakeup] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._connected = threading.Event()
+        self._failing = False  # SQLite: the watcher's last read failed
         self.backend_pid: int | None = None
         self.reconnects = 0
         self._thread: threading.Thread | None = None
@@ -131,6 +132,12 @@ class Listener:
     def watches_changes(self) -> bool:
         """Whether commits wake the waiter (LISTEN, or SQLite's data_version watcher)."""
         return self.enabled or self.database_file is not None
+
+    @property
+    def healthy(self) -> bool:
+        """Whether commits wake the waiter right now (LISTEN connected, or the SQLite
+        watcher reading): an idle worker may then poll less often."""
+        return self.watches_changes and self._connected.is_set() and not self._failing
 
     def start(self) -> Listener:
         if self._thread is None and self.watches_changes:
@@ -221,6 +228,7 @@ class Listener:
                     last = None
                 version = int(conn.execute("PRAGMA data_version").fetchone()[0])
             except sqlite3.Error as exc:
+                self._failing = True
                 if conn is not None:
                     conn.close()
                     conn = None
@@ -229,6 +237,7 @@ class Listener:
                     warned = True
                 self._stop.wait(1.0)
                 continue
+            self._failing = False
             if last is None:  # a new connection: what happened before it is unknown
                 if self._connected.is_set():
                     self._inbox.put(Wakeup(CHANGED, ""))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import threading
@@ -36,6 +37,30 @@ log = structlog.get_logger("runlane.worker")
 # a backoff, and its notification arrives within milliseconds. A wake-up whose claim
 # found nothing is followed by one more look after this long (at most the poll).
 WAKEUP_RECHECK_SECONDS = 0.1
+# An idle worker whose wake-ups work (LISTEN, SQLite's change signal) backs its poll off
+# from ``poll_seconds``, IDLE_POLL_GROWTH times longer after each look that found
+# nothing (1, 4, 16, 20 s), up to ``idle_poll_max_seconds`` (IDLE_POLL_MAX_SECONDS);
+# never past the end of a backoff it saw. Each wait is cut to a random share of at
+# least IDLE_POLL_JITTER of it, so that a fleet started together does not look all at
+# once. Withdrawals are looked for every WITHDRAWAL_IDLE_POLLS idle polls.
+IDLE_POLL_GROWTH = 4.0
+IDLE_POLL_JITTER = 0.75
+WITHDRAWAL_IDLE_POLLS = 3
+# A worker that holds no lease beats its row every two heartbeats, but no less often
+# than every this many seconds unless one heartbeat is longer (the heartbeat-lag alert
+# fires at 30 s).
+IDLE_BEAT_SECONDS = 20.0
+# One NOTIFY wakes every idle worker of the queue in the cluster. Each waits a random
+# delay in [0, spread), looks, and claims only if its look still finds the run: the
+# first to claim takes it, and the later ones' look finds it gone (no empty claim). The
+# spread is HERD_SPREAD_PER_PEER_SECONDS per other worker racing it, as estimated from
+# the share of its races it won (an average over the last HERD_WINDOW or so; it starts
+# assuming one), at most HERD_SPREAD_MAX_SECONDS: a lone worker soon waits nothing;
+# 100 idle ones spread over a second, the first of them claiming after about 10 ms.
+HERD_SPREAD_PER_PEER_SECONDS = 0.01
+HERD_SPREAD_MAX_SECONDS = 1.0
+HERD_WINDOW = 5
+HERD_FIRST_WIN_RATE = 0.5
 # The stages in which an attempt still holds its lease (a cancel being delivered too).
 _HELD = LEASED | {RunStatus.CANCEL_REQUESTED, RunStatus.CANCELLING}
 
@@ -62,6 +87,8 @@ class WorkerConfig:
     lease_ttl_seconds: float = 60.0
     heartbeat_seconds: float = 10.0
     poll_seconds: float = 1.0
+    # The poll's cap when idle and woken by commits (IDLE_POLL_MAX_SECONDS).
+    idle_poll_max_seconds: float = 20.0
     drain_grace_seconds: float = 30.0
     agent_term_grace_seconds: float = 10.0
     exit_when_idle: bool = False
@@ -98,6 +125,10 @@ class Worker:
                            if code_host_for is not None else None)
         self._withdrawing: threading.Thread | None = None
         self._next_withdrawal = 0.0
+        self._next_in: float | None = None  # the last look: when a backoff it saw ends
+        self._idle_wait = config.poll_seconds
+        self._win_rate = HERD_FIRST_WIN_RATE  # of the races for new work it joined
+        self._rng = random.Random()
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -154,13 +185,15 @@ class Worker:
 
     def _claim_loop(self) -> None:
         """Claim, then wait for a wake-up or the poll. A NOTIFY for new work is answered
-        with a claim; anything else (the poll, SQLite's change signal, a slot freed)
-        with a look first (``_claim_if_ready``), so an idle worker's poll and every
-        commit on SQLite cost a read, not a claim."""
+        with a look after a short random delay, then a claim if the look finds work
+        (``_claim_announced``); anything else (the poll, SQLite's change signal, a slot
+        freed) with a look first (``_claim_if_ready``), so an idle worker's poll and
+        every commit on SQLite cost a read, not a claim. The poll backs off while idle
+        (``_next_wait``)."""
         announced = False  # the last wait was ended by a wake-up for new work
         while not self.draining.is_set():
             try:
-                claimed = self._claim_once() if announced else self._claim_if_ready()
+                claimed = self._claim_announced() if announced else self._claim_if_ready()
                 self._withdraw_soon()
                 if (self.config.exit_when_idle and claimed == 0 and self._active_count() == 0
                         and self.store.waiting_count(self.config.queues,
@@ -171,14 +204,10 @@ class Worker:
             except Exception as exc:  # keep the worker alive; its attempts keep running
                 self.log.error("claim_loop_error", error=f"{type(exc).__name__}: {exc}")
                 claimed = 0
-            if claimed:
-                wait = 0.0
-            elif announced:  # woken for work that was not visible yet: look again soon
-                wait = min(self.config.poll_seconds, WAKEUP_RECHECK_SECONDS)
-            else:
-                wait = self.config.poll_seconds
-            woken = self.listener.wait(wait)
-            announced = any(w.channel == WAKEUP_CHANNEL for w in woken)
+            woken = self.listener.wait(self._next_wait(claimed, announced))
+            # New work in a queue this worker serves (the payload names the queue).
+            announced = any(w.channel == WAKEUP_CHANNEL and w.payload in self.config.queues
+                            for w in woken)
             for wake in woken:
                 if wake.channel == CANCEL_CHANNEL:
                     with self._lock:
@@ -187,6 +216,40 @@ class Worker:
             if any(w.channel == CHANGED for w in woken):
                 self._look_for_cancels()
 
+    def _next_wait(self, claimed: int, announced: bool) -> float:
+        """How long to wait for a wake-up: none after a claim; a moment after a wake-up
+        for work its claim did not find (not visible yet); else the poll, made longer
+        after each look that found nothing while wake-ups work, up to
+        idle_poll_max_seconds, and never past the end of a backoff the last look saw."""
+        poll = self.config.poll_seconds
+        if claimed or announced:
+            self._idle_wait = poll
+            return 0.0 if claimed else min(poll, WAKEUP_RECHECK_SECONDS)
+        wait = self._idle_wait
+        if wait > poll:
+            wait *= self._rng.uniform(IDLE_POLL_JITTER, 1.0)
+        if self._next_in is not None:
+            wait = min(wait, max(self._next_in, WAKEUP_RECHECK_SECONDS))
+        cap = max(poll, self.config.idle_poll_max_seconds)
+        self._idle_wait = (min(self._idle_wait * IDLE_POLL_GROWTH, cap)
+                           if self.listener.healthy else poll)
+        return wait
+
+    def _claim_announced(self) -> int:
+        """A wake-up for new work (NOTIFY), which every idle worker got: wait a random
+        delay in [0, spread), where the spread grows with the workers racing this one
+        (estimated from the share of such races it won), then look and claim. The
+        first worker's claim takes the run; the others' look finds it gone."""
+        if self.config.concurrency - self._active_count() <= 0:
+            return 0
+        peers = max(0.0, 1.0 / max(self._win_rate, 1e-3) - 1.0)
+        spread = min(HERD_SPREAD_MAX_SECONDS, HERD_SPREAD_PER_PEER_SECONDS * peers)
+        if spread > 0 and self.draining.wait(self._rng.uniform(0.0, spread)):
+            return 0
+        claimed = self._claim_if_ready()
+        self._win_rate += (float(claimed > 0) - self._win_rate) / HERD_WINDOW
+        return claimed
+
     def _claim_if_ready(self) -> int:
         """Claim if a look (one read of the lanes) finds work for this worker. On SQLite
         the look is made again holding the claim gate, and the claim under it: workers
@@ -194,15 +257,20 @@ class Worker:
         finds the run taken (one submit, one claim)."""
         if self.config.concurrency - self._active_count() <= 0:
             return 0
-        ready = self.store.has_ready_work
-        if not ready(self.config.queues, self.config.capabilities):
+        if not self._ready():
             return 0
         if self.gate.path is None:
             return self._claim_once()
         with self.gate.held():
-            if not ready(self.config.queues, self.config.capabilities):
+            if not self._ready():
                 return 0
             return self._claim_once()
+
+    def _ready(self) -> bool:
+        """The look (one read): remembers when a backoff it saw ends."""
+        look = self.store.look(self.config.queues, self.config.capabilities)
+        self._next_in = look.next_in
+        return look.ready
 
     def _look_for_cancels(self) -> None:
         """SQLite: something was committed; if it was a cancel of a run this worker
@@ -270,7 +338,11 @@ class Worker:
         if self.withdrawer is None or self._withdrawal_running() or \
                 now < self._next_withdrawal:
             return
-        self._next_withdrawal = now + self.config.poll_seconds
+        # Once a poll while busy; while idle, every few of its (backed-off) polls: any
+        # worker of the cluster takes a withdrawal, so each needs to look only seldom.
+        idle = self._idle_wait > self.config.poll_seconds
+        self._next_withdrawal = now + (WITHDRAWAL_IDLE_POLLS * self._idle_wait if idle
+                                       else self.config.poll_seconds)
         self._withdrawing = threading.Thread(target=self._withdraw, daemon=True,
                                              name="runlane-withdraw")
         self._withdrawing.start()
@@ -319,7 +391,12 @@ class Worker:
                         s.lost.set()
                 wait = min(1.0, self.config.heartbeat_seconds)
                 continue
-            wait = max(0.0, self.config.heartbeat_seconds - (time.monotonic() - sent_at))
+            # A worker holding no lease only shows it is alive: every two heartbeats
+            # (IDLE_BEAT_SECONDS at most, unless one heartbeat is longer).
+            every = self.config.heartbeat_seconds if states else min(
+                2 * self.config.heartbeat_seconds,
+                max(self.config.heartbeat_seconds, IDLE_BEAT_SECONDS))
+            wait = max(0.0, every - (time.monotonic() - sent_at))
             for run_id in result.extended:  # each also tells the sandbox's guard at once
                 states[run_id].extended(sent_at, self.config.lease_ttl_seconds)
             # An attempt may end its lease while the beat is on its way: not a loss.
