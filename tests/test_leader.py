@@ -270,3 +270,21 @@ def test_three_up_nodes_one_leader_at_a_time_through_two_kills(
     acquired = [e for node in nodes for e in node.entries()
                 if e.get("event") == "maintenance_leader_acquired"]
     assert len(acquired) == 3
+
+
+def test_the_lock_goes_where_listen_goes_and_never_through_a_pooler() -> None:
+    """A session lock does not survive a transaction pooler: behind one the lock takes
+    LISTEN_DATABASE_URL; without it there is no election (every node runs the passes,
+    safe side by side) and a warning says so."""
+    from runlane.store.leadership import AdvisoryLock, NoLock
+
+    pooled = "postgresql://postgres@127.0.0.1:6432/test?pooler=transaction"
+    direct = "postgresql://postgres@127.0.0.1:5432/test"
+    with capture_logs() as logs:
+        lock = maintenance_lock(pooled, listen_database_url=direct)
+    assert isinstance(lock, AdvisoryLock) and "5432" in lock.dsn and "pooler" not in lock.dsn
+    assert not [e for e in logs if e["event"] == "maintenance_lock_unavailable"]
+    with capture_logs() as logs:
+        assert isinstance(maintenance_lock(pooled), NoLock)
+    assert [e["event"] for e in logs] == ["maintenance_lock_unavailable"]
+    assert isinstance(maintenance_lock(direct), AdvisoryLock)

@@ -529,7 +529,10 @@ class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin, ApprovalsMixin):
         from runlane.store.leadership import maintenance_lock
 
         every = retry_seconds(self.settings.lease_ttl_seconds)
-        return MaintenanceLeader(maintenance_lock(self.store.url, check_seconds=every),
+        lock = maintenance_lock(self.store.url,
+                                listen_database_url=self.settings.listen_database_url,
+                                check_seconds=every)
+        return MaintenanceLeader(lock,
                                  self.maintenance_services, retry_seconds=every)
 
     @_on_the_database

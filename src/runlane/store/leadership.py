@@ -6,7 +6,7 @@ in autocommit. The lock lives as long as that session: when the node dies (its s
 closes) or the server restarts, PostgreSQL releases it and another node's next try
 gets it. A session lock does not survive a transaction pooler (PgBouncer hands the
 session to another client after each transaction), so this connection must reach the
-server directly: ``maintenance_lock_url`` is the one place that says which URL.
+server directly: ``maintenance_lock_url`` says which URL (the one LISTEN uses).
 
 SQLite: ``flock`` on ``<database>-maintain.lock`` beside the file (as the claim gate's
 ``<database>-claim.lock``): every node on one SQLite file shares the machine, and the
@@ -25,6 +25,7 @@ import structlog
 
 from runlane.extras import require
 from runlane.store.engine import dialect_of, sqlite_file
+from runlane.store.wakeup import listen_url
 
 log = structlog.get_logger("runlane.leadership")
 
@@ -39,10 +40,12 @@ TRY_LOCK = "SELECT pg_try_advisory_lock(%s)"
 SESSION_ALIVE = "SELECT 1"
 
 
-def maintenance_lock_url(database_url: str) -> str:
-    """The URL the maintenance lock connects to. It must reach PostgreSQL directly, not
-    through a transaction pooler; today that is DATABASE_URL itself."""
-    return database_url
+def maintenance_lock_url(database_url: str, listen_database_url: str | None = None
+                         ) -> str | None:
+    """The URL the maintenance lock connects to: the server directly, as LISTEN does
+    (``LISTEN_DATABASE_URL``, else ``DATABASE_URL`` unless it goes through a
+    transaction pooler). None: nowhere to hold a session."""
+    return listen_url(database_url, listen_database_url)
 
 
 class MaintenanceLock(Protocol):
@@ -147,7 +150,8 @@ class FileLock:
 
 
 class NoLock:
-    """A database in memory: one process, so one node."""
+    """No election: a database in memory (one process, so one node), or a server
+    reached only through a transaction pooler."""
 
     def try_acquire(self) -> bool:
         return True
@@ -159,10 +163,20 @@ class NoLock:
         pass
 
 
-def maintenance_lock(database_url: str, *, check_seconds: float = 1.0) -> MaintenanceLock:
-    """The lock that elects this database's maintenance leader."""
+def maintenance_lock(database_url: str, *, listen_database_url: str | None = None,
+                     check_seconds: float = 1.0) -> MaintenanceLock:
+    """The lock that elects this database's maintenance leader. Behind a transaction
+    pooler without ``LISTEN_DATABASE_URL`` there is none: every node runs the passes
+    (they are safe side by side, only wasteful), with a warning."""
     if dialect_of(database_url) == "postgresql":
-        return AdvisoryLock(maintenance_lock_url(database_url), check_seconds=check_seconds)
+        direct = maintenance_lock_url(database_url, listen_database_url)
+        if direct is None:
+            log.warning("maintenance_lock_unavailable",
+                        message="DATABASE_URL goes through a transaction pooler and "
+                                "LISTEN_DATABASE_URL is not set: no maintenance leader "
+                                "election; every node runs the maintenance passes")
+            return NoLock()
+        return AdvisoryLock(direct, check_seconds=check_seconds)
     database = sqlite_file(database_url)
     if database is None:
         return NoLock()
