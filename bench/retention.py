@@ -27,12 +27,16 @@ import multiprocessing as mp
 import os
 import platform
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+import psycopg
+from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -42,6 +46,7 @@ from lifecycle import (
     display_command,
     drop_postgres,
     fresh_postgres,
+    libpq,
     load_average,
     memory_total,
     merge_section,
@@ -68,6 +73,8 @@ def claimer(url: str, ready: Any, stop: Any, results: Any) -> None:
     try:
         for lease in store.claim("bench-claimer/1/w", limit=1, lease_ttl=600.0):  # warm
             store.complete(lease)
+        with store.engine.connect() as conn:  # the pool's one connection: its session
+            results.put(int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one()))
         ready.set()
         while not stop.is_set():
             t0 = time.perf_counter()
@@ -89,6 +96,37 @@ class Outcome:
     batches: list[float]
     alone: list[float]
     beside: list[float]
+    waits: dict[str, int]  # the claimer's wait events sampled beside the pass
+
+
+class WaitSampler:
+    """What the claimer's session waits on, sampled every 20 ms from pg_stat_activity
+    while the pass runs: a lock the pass holds and a claim needs shows as ``Lock``."""
+
+    def __init__(self, admin_url: str, database: str, pid: int) -> None:
+        self.admin_url, self.database, self.pid = admin_url, database, pid
+        self.counts: dict[str, int] = {}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with psycopg.connect(libpq(self.admin_url), autocommit=True) as conn:
+            while not self.done.is_set():
+                for kind, name in conn.execute(
+                        "SELECT wait_event_type, wait_event FROM pg_stat_activity "
+                        "WHERE datname = %s AND state = 'active' AND pid = %s",
+                        (self.database, self.pid)):
+                    key = f"{kind}:{name}" if kind else "running"
+                    self.counts[key] = self.counts.get(key, 0) + 1
+                time.sleep(0.02)
+
+    def __enter__(self) -> WaitSampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
 
 
 def measure(admin_url: str, runs: int, baseline: float) -> Outcome:
@@ -104,6 +142,7 @@ def measure(admin_url: str, runs: int, baseline: float) -> Outcome:
         proc.start()
         if not ready.wait(60):
             raise SystemExit("the claimer did not start")
+        claimer_pid = results.get(timeout=10)
         progress(f"claimer alone for {baseline:g}s")
         time.sleep(baseline)
         store = Store(url)
@@ -122,7 +161,8 @@ def measure(admin_url: str, runs: int, baseline: float) -> Outcome:
         progress("retention pass")
         pass_started_wall = time.time()
         t0 = time.perf_counter()
-        counts = pruner.run_once()
+        with WaitSampler(admin_url, database, claimer_pid) as sampler:
+            counts = pruner.run_once()
         prune_seconds = time.perf_counter() - t0
         pass_ended_wall = time.time()
         store.close()
@@ -132,7 +172,8 @@ def measure(admin_url: str, runs: int, baseline: float) -> Outcome:
         progress(f"pruned {counts['runs_pruned']:,} runs in {prune_seconds:.1f}s")
         alone = [s for at, s in samples if at < pass_started_wall]
         beside = [s for at, s in samples if pass_started_wall <= at <= pass_ended_wall]
-        return Outcome(runs, fill_seconds, counts, prune_seconds, batches, alone, beside)
+        return Outcome(runs, fill_seconds, counts, prune_seconds, batches, alone, beside,
+                       sampler.counts)
     finally:
         drop_postgres(admin_url, database)
 
@@ -172,7 +213,11 @@ def render(o: Outcome, argv: Sequence[str], admin_url: str) -> str:
               align="lrrrrr"),
         "",
         f"Claim p99 beside the pass: {percentile(o.beside, 99) / percentile(o.alone, 99):.2f}x "
-        f"alone; max {max(o.beside) / max(o.alone):.2f}x.",
+        f"alone; max {max(o.beside) / max(o.alone):.2f}x. What the claimer's session "
+        f"waited on, sampled every 20 ms during the pass ({sum(o.waits.values()):,} samples "
+        "while it was in a statement; `Lock` would be a lock the pass held): "
+        + ", ".join(f"{k} {v:,}" for k, v in sorted(o.waits.items(), key=lambda kv: -kv[1]))
+        + ".",
         "",
         f"Machine: {cpu_model()}, {os.cpu_count()} cores, {memory_total()}, "
         f"{platform.system()} {platform.release()}; load {load_average()}. PostgreSQL "
