@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -23,11 +24,12 @@ from runlane.api import InvalidArgument, Runlane
 from runlane.settings import Settings, SettingsInvalid, load_settings
 from runlane.store import wakeup
 from runlane.store.engine import DatabaseUrlInvalid, build_engine
+from runlane.store.migrate import upgrade
 from runlane.store.store import WAKEUP_CHANNEL, Store
 from runlane.store.wakeup import LISTEN_APPLICATION, Listener
 
 from . import pgbouncer as pgbouncer_support
-from .conftest import _libpq, empty_database
+from .conftest import RUN_TAG, _libpq, empty_database
 from .support import spec
 from .test_worker import (  # noqa: F401 - fixtures
     ROOT,
@@ -48,6 +50,20 @@ SLOW_AGENT = "sleep 1.5; echo change-$RUNLANE_ATTEMPT > change.txt"
 def pg(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """An empty migrated PostgreSQL database, reached directly."""
     return empty_database(request, "postgresql", tmp_path)
+
+
+@pytest.fixture
+def own_pg(pg_databases: Callable[[str], str]) -> str:
+    """A migrated PostgreSQL database of this test's own: the session-wide one also
+    holds the idle pooled connections of the tests before it, which a count of the
+    database's sessions would see."""
+    url = pg_databases(f"runlane_connections_{RUN_TAG}")
+    engine = build_engine(url)
+    try:
+        upgrade(engine)
+    finally:
+        engine.dispose()
+    return url
 
 
 @pytest.fixture
@@ -81,7 +97,8 @@ class ConnectionWatch:
             while not self._stop.is_set():
                 row = conn.execute(
                     "SELECT (SELECT count(*) FROM pg_stat_activity WHERE datname = "
-                    "current_database() AND application_name IN ('runlane', %s)), "
+                    "current_database() AND application_name IN ('runlane', %s, "
+                    "'runlane-maintenance')), "
                     "(SELECT count(*) FROM runs WHERE status = 'RUNNING')",
                     (LISTEN_APPLICATION,)).fetchone()
                 assert row is not None
@@ -100,16 +117,16 @@ def _submit(url: str, remote: Path, n: int) -> list[str]:
 
 
 def test_a_worker_process_holds_two_connections_whatever_its_concurrency(
-        pg: str, remote: Path, forge_dir: Path, tmp_path: Path) -> None:
-    run_ids = _submit(pg, remote, 8)
-    with ConnectionWatch(pg) as watch:
-        worker = WorkerProcess(pg, tmp_path, forge_dir, SLOW_AGENT, "--concurrency", "4",
+        own_pg: str, remote: Path, forge_dir: Path, tmp_path: Path) -> None:
+    run_ids = _submit(own_pg, remote, 8)
+    with ConnectionWatch(own_pg) as watch:
+        worker = WorkerProcess(own_pg, tmp_path, forge_dir, SLOW_AGENT, "--concurrency", "4",
                                "--exit-when-idle")
         try:
             assert worker.wait(timeout=90) == 0
         finally:
             worker.stop()
-    store = Store(pg)
+    store = Store(own_pg)
     try:
         assert [status_of(store, r) for r in run_ids] == ["SUCCEEDED"] * 8
     finally:
@@ -119,17 +136,17 @@ def test_a_worker_process_holds_two_connections_whatever_its_concurrency(
     assert 1 <= watch.most_connections <= 2, watch.most_connections
 
 
-def test_up_holds_two_per_worker_process_and_three_for_its_maintenance(
-        pg: str, remote: Path, forge_dir: Path, tmp_path: Path) -> None:
-    run_ids = _submit(pg, remote, 8)
+def test_up_holds_two_per_worker_process_and_four_for_its_maintenance(
+        own_pg: str, remote: Path, forge_dir: Path, tmp_path: Path) -> None:
+    run_ids = _submit(own_pg, remote, 8)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RUNLANE_")}
     env.update({"RUNLANE_FORGE_DIR": str(forge_dir),
                 "RUNLANE_ARTIFACTS_DIR": str(tmp_path / "artifacts"),
                 "RUNLANE_WORKSPACE_DIR": str(tmp_path / "workspaces"),
                 "RUNLANE_HEARTBEAT_SECONDS": "0.3",
                 "RUNLANE_REAPER_INTERVAL_SECONDS": "0.2"})
-    with ConnectionWatch(pg) as watch:
-        up = subprocess.Popen([sys.executable, "-m", "runlane", "--database-url", pg, "up",
+    with ConnectionWatch(own_pg) as watch:
+        up = subprocess.Popen([sys.executable, "-m", "runlane", "--database-url", own_pg, "up",
                                "--workers", "2", "--concurrency", "2", "--exit-when-idle",
                                "--agent-command", SLOW_AGENT],
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
@@ -140,14 +157,14 @@ def test_up_holds_two_per_worker_process_and_three_for_its_maintenance(
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(up.pid, signal.SIGKILL)
             up.wait()
-    store = Store(pg)
+    store = Store(own_pg)
     try:
         assert [status_of(store, r) for r in run_ids] == ["SUCCEEDED"] * 8
     finally:
         store.close()
     assert watch.most_running == 4
-    # 2 per worker process; maintenance: 2 pooled and the scheduler's LISTEN.
-    assert watch.most_connections <= 2 * 2 + 3, watch.most_connections
+    # 2 per worker process; maintenance: 2 pooled, the scheduler's LISTEN, the lock.
+    assert watch.most_connections <= 2 * 2 + 4, watch.most_connections
 
 
 def test_through_a_transaction_pooler_listen_goes_to_listen_database_url(
