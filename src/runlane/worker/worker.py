@@ -197,10 +197,13 @@ class Worker:
                 self._withdraw_soon()
                 if (self.config.exit_when_idle and claimed == 0 and self._active_count() == 0
                         and self.store.waiting_count(self.config.queues,
-                                                     self.config.capabilities) == 0
-                        and not self._withdrawal_running()
-                        and not self.store.withdrawal_due()):
-                    return
+                                                     self.config.capabilities) == 0):
+                    if not self._withdrawal_running() and not self.store.withdrawal_due():
+                        return
+                    # Idle but for a withdrawal: look for it every poll, not backed off
+                    # (it is all that keeps this worker from exiting).
+                    self._idle_wait = self.config.poll_seconds
+                    self._next_withdrawal = 0.0
             except Exception as exc:  # keep the worker alive; its attempts keep running
                 self.log.error("claim_loop_error", error=f"{type(exc).__name__}: {exc}")
                 claimed = 0
@@ -356,6 +359,8 @@ class Worker:
             self.withdrawer.run_once()
         except Exception as exc:  # the database, say: the next pass tries again
             self.log.error("withdrawal_pass_failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.listener.poke()  # the claim loop looks again (--exit-when-idle: exit)
 
     # --- heartbeat ---------------------------------------------------------------------
 
