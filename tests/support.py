@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -167,3 +167,16 @@ def fast_lane(db_url: str, tmp_path: Path) -> Iterator[Runlane]:
                         retry_max_seconds=0.1, listen_database_url=pgbouncer.listen_url(db_url))
     with Runlane(settings=settings) as lane:
         yield lane
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll ``check`` every 20 ms until it returns something true (returned), or fail
+    naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)

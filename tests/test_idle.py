@@ -11,7 +11,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
@@ -24,7 +23,7 @@ from runlane.store.migrate import upgrade
 from runlane.store.store import Look, Store
 from runlane.store.wakeup import libpq_url
 
-from .support import bare_remote, run_row, spec
+from .support import bare_remote, run_row, spec, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 10
@@ -33,17 +32,6 @@ BOUND = 0.2  # statements a second per idle worker
 # every 15-20 s.
 WARM_UP_SECONDS = 25.0
 WINDOW_SECONDS = 30.0
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def statements(url: str) -> int:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +26,11 @@ from runlane.store.leadership import maintenance_lock
 from runlane.store.store import Store
 from runlane.store.wakeup import libpq_url
 
-from .support import bare_remote, spec
+from .support import bare_remote, spec, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 TTL = 3.0
 REAPER_INTERVAL = 0.5
-
-
-def wait_until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 class Counting(MaintenanceService):
