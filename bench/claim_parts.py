@@ -50,7 +50,7 @@ from lifecycle import (
     table,
 )
 from runlane.logs import configure_logging
-from runlane.store.sql import compact
+from runlane.store.dialect_sql import compact
 from scheduler import (
     DEFAULT_POSTGRES_URL,
     FIFO_ATTEMPT,

@@ -48,7 +48,7 @@ from sqlalchemy.engine import make_url
 import runlane
 from runlane.domain.tasks import TaskSpec, parse_task
 from runlane.logs import configure_logging
-from runlane.store import sql
+from runlane.store import claim_sql, dialect_sql
 from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
 from runlane.store.store import Store
@@ -747,7 +747,7 @@ def populate(url: str, first: int, count: int, chunk: int = 100_000) -> None:
 
 def claim_candidate_sql() -> str:
     """LANE_RUNS (a claim's walk of its lanes), rendered by the store's own Statements."""
-    return sql.Statements("postgresql").render(sql.LANE_RUNS["postgresql"]).text
+    return dialect_sql.Statements("postgresql").render(claim_sql.LANE_RUNS["postgresql"]).text
 
 
 def busiest_lane(conn: Any) -> int:

@@ -72,7 +72,19 @@ from runlane.domain.admission import TenantUsage, admit
 from runlane.domain.policy import policy_from_document
 from runlane.domain.routing import canonical_requirements, parse_requirements
 from runlane.logs import configure_logging
-from runlane.store import sql
+from runlane.store import (
+    audit_sql,
+    claim_sql,
+    dialect_sql,
+    lanes_sql,
+    lease_sql,
+    policy_sql,
+    providers_sql,
+    reads_sql,
+    recount_sql,
+    slots_sql,
+    submit_sql,
+)
 from runlane.store.engine import PLANNER_OPTIONS, build_engine
 from runlane.store.migrate import upgrade
 from runlane.store.scheduling import same_terms
@@ -91,8 +103,8 @@ FULL_TENANTS = 20  # tenant-0900.. hold all their slots (counters full, lanes hi
 FULL_REPOS = 20  # acme/repo-05000.. hold all theirs
 LIMITS_POLICY = {"global_max_active": 1_000, "per_tenant_max_active": 5,
                  "per_repository_max_active": 2, "per_user_max_active": 5}
-PG = sql.Statements("postgresql")
-LANE_RUNS = sql.LANE_RUNS["postgresql"]
+PG = dialect_sql.Statements("postgresql")
+LANE_RUNS = claim_sql.LANE_RUNS["postgresql"]
 
 
 @dataclass(frozen=True)
@@ -477,10 +489,12 @@ def _normal(statement: str) -> str:
 
 
 def statement_names() -> dict[str, str]:
-    """Normalised text -> name, for every statement of ``sql.py`` as rendered for
+    """Normalised text -> name, for every statement of the ``*_sql`` modules as rendered for
     PostgreSQL, plus the few the store builds itself."""
     names = {}
-    for name, value in vars(sql).items():
+    modules = (audit_sql, claim_sql, lanes_sql, lease_sql, policy_sql, providers_sql,
+               reads_sql, recount_sql, slots_sql, submit_sql)
+    for name, value in ((n, v) for m in modules for n, v in vars(m).items()):
         if name.isupper() and isinstance(value, dict) and "postgresql" in value:
             value = value["postgresql"]  # a statement with per-dialect texts
         if name.isupper() and isinstance(value, str):
@@ -645,7 +659,7 @@ def _compiled(conn: Connection, statement: TextClause, params: dict[str, Any]
 
 
 def bind(statement: str, params: dict[str, Any]) -> tuple[TextClause, dict[str, Any]]:
-    """A statement of sql.py rendered as the store renders it (``IN :name`` lists
+    """A named statement (``*_sql``) rendered as the store renders it (``IN :name`` lists
     expanding) with the parameters it takes out of ``params``."""
     names = set(re.findall(r"(?<![:\w]):(\w+)", PG.render(statement).text))
     expanding = re.findall(r"\bIN\s+:(\w+)", statement)
@@ -710,7 +724,7 @@ def explain_all(url: str) -> list[Explained]:
             pick = {"queue": QUEUE, "routes": routes, "full_tenants": names("tenant"),
                     "limit": 16, "after_priority": -(2**31), "after_pass": float("-inf"),
                     "after_lane": -1, "now": None}
-            lanes = conn.execute(*bind(sql.PICK_LANES["postgresql"], pick)).all()
+            lanes = conn.execute(*bind(claim_sql.PICK_LANES["postgresql"], pick)).all()
             conn.rollback()
 
             def candidates(lane_ids: list[int], limit: int) -> dict[str, Any]:
@@ -731,23 +745,23 @@ def explain_all(url: str) -> list[Explained]:
             scopes_ten = sorted({"global"} | {s for c in firsts for s in (
                 f"tenant:{c.tenant}", f"repo:{c.repo}", f"user:{c.user_id}")})
             n_full = len(full)
-            out.append(explain(conn, "FULL_SCOPES", sql.FULL_SCOPES, {},
+            out.append(explain(conn, "FULL_SCOPES", claim_sql.FULL_SCOPES, {},
                                index="ix_limit_counters_full", table="limit_counters",
                                bound=n_full, note=f"{n_full} full counters", ordered=False))
-            out.append(explain(conn, "PICK_LANES", sql.PICK_LANES["postgresql"], pick,
+            out.append(explain(conn, "PICK_LANES", claim_sql.PICK_LANES["postgresql"], pick,
                                index="ix_lanes_route_pick", table="lanes", bound=33,
                                sort_bound=32,
                                note="a GPU worker's first page of 16 lanes: a page per "
                                     "served route (2), merged (+1: the MIN(wake_at) probe)"))
             plain = {**pick, "routes": [""]}
-            out.append(explain(conn, "PICK_LANES (no GPU)", sql.PICK_LANES["postgresql"],
+            out.append(explain(conn, "PICK_LANES (no GPU)", claim_sql.PICK_LANES["postgresql"],
                                plain, index="ix_lanes_route_pick", table="lanes", bound=17,
                                sort_bound=16,
                                note="a worker without a GPU: the GPU lanes nobody serves "
                                     "sort first and are not read"))
             for wanted in (1, 10):
                 out.append(explain(
-                    conn, f"PICK_AND_WALK_PG (limit {wanted})", sql.PICK_AND_WALK_PG,
+                    conn, f"PICK_AND_WALK_PG (limit {wanted})", claim_sql.PICK_AND_WALK_PG,
                     {**pick, "wanted": wanted}, index="ix_runs_lane_dispatch", table="runs",
                     bound=4 * wanted, sort_bound=32,
                     note=f"PostgreSQL's pick of 16 lanes and the walk of the lanes a claim "
@@ -756,7 +770,7 @@ def explain_all(url: str) -> list[Explained]:
                 "SELECT COALESCE(MAX(version), 0) FROM policy_versions")).scalar_one())
             for wanted in (1, 10):
                 out.append(explain(
-                    conn, f"CLAIM_ONE_TRIP_PG (limit {wanted})", sql.CLAIM_ONE_TRIP_PG,
+                    conn, f"CLAIM_ONE_TRIP_PG (limit {wanted})", claim_sql.CLAIM_ONE_TRIP_PG,
                     {**pick, "wanted": wanted, "version": version, "worker_id": WORKER,
                      "ttl": 600.0},
                     index="ix_runs_lane_dispatch", table="runs", bound=4 * wanted,
@@ -776,12 +790,12 @@ def explain_all(url: str) -> list[Explained]:
                                candidates([r.lane_id for r in lanes[:10]], 1),
                                index="ix_runs_lane_dispatch", table="runs", bound=40,
                                note="a claim of 10 shared over 10 lanes, one statement"))
-            out.append(explain(conn, "ENSURE_COUNTER", sql.ENSURE_COUNTER,
+            out.append(explain(conn, "ENSURE_COUNTER", slots_sql.ENSURE_COUNTER,
                                {"scope": scopes_one[-1], "active": 0, "max_active": 5,
                                 "version": 1},
                                index="limit_counters_pkey", table="limit_counters", bound=1,
                                note="one scope (executemany: one per scope)", ordered=False))
-            out.append(explain(conn, "LOCK_SCOPES", sql.LOCK_SCOPES["postgresql"],
+            out.append(explain(conn, "LOCK_SCOPES", slots_sql.LOCK_SCOPES["postgresql"],
                                {"scopes": scopes_ten}, index="limit_counters_pkey",
                                table="limit_counters", bound=len(scopes_ten),
                                # It sorts the claim's own scopes (the lock order), not
@@ -792,7 +806,7 @@ def explain_all(url: str) -> list[Explained]:
             maxima = conn.execute(text(
                 "SELECT max_active FROM limit_counters WHERE scope = ANY(:s) ORDER BY scope"),
                 {"s": scopes_ten}).scalars().all()
-            out.append(explain(conn, "CLAIM_WRITE_PG", sql.CLAIM_WRITE_PG, {
+            out.append(explain(conn, "CLAIM_WRITE_PG", claim_sql.CLAIM_WRITE_PG, {
                 "now": None, "slot_scopes": scopes_ten, "slot_counts": [0] * len(scopes_ten),
                 "slot_max": maxima,
                 "run_ids": sorted(c.run_id for c in firsts), "estimated": [None] * len(firsts),
@@ -802,7 +816,7 @@ def explain_all(url: str) -> list[Explained]:
                 index="runs_pkey", table="runs", bound=len(firsts),
                 note=f"the writes of a claim of {len(firsts)} runs in one statement (slots, "
                      "compare-and-set, attempts, events, lanes)", ordered=False))
-            out.append(explain(conn, "LANE_VIRTUAL_TIME", sql.LANE_VIRTUAL_TIME,
+            out.append(explain(conn, "LANE_VIRTUAL_TIME", lanes_sql.LANE_VIRTUAL_TIME,
                                {"queue": QUEUE, "priority": 50}, index="ix_lanes_pick",
                                table="lanes", bound=1, note="submit path"))
             out.append(explain(conn, "FIFO claim", FIFO_CLAIM,

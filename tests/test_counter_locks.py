@@ -14,14 +14,14 @@ import psycopg
 import pytest
 from sqlalchemy import Connection, Engine, text
 
-from runlane.store import sql
+from runlane.store import claim_sql, dialect_sql, slots_sql
 from runlane.store.engine import build_engine
 from runlane.store.wakeup import libpq_url
 
 from .conftest import truncate_pg
 from .support import assert_planned_once, wait_for_a_lock_wait
 
-PG = sql.Statements("postgresql")
+PG = dialect_sql.Statements("postgresql")
 COUNTERS = {"global": 10, "repo:a": 2, "repo:m": 2, "repo:z": 2, "tenant:acme": 3}
 
 
@@ -38,14 +38,14 @@ def pg(pg_url: str) -> Iterator[Engine]:
 
 
 def lock_scopes(conn: Connection, scopes: list[str]) -> list[tuple[str, int, int]]:
-    return [tuple(r) for r in conn.execute(PG.render(sql.LOCK_SCOPES["postgresql"]),
+    return [tuple(r) for r in conn.execute(PG.render(slots_sql.LOCK_SCOPES["postgresql"]),
                                            {"scopes": scopes})]
 
 
 def claim_write(conn: Connection, scopes: list[str], n: int = 0) -> list[Any]:
     """CLAIM_WRITE_PG for no run, taking ``n`` slots in each of ``scopes``: only its
     counter locks, its room check and its slots have anything to do."""
-    return list(conn.execute(PG.render(sql.CLAIM_WRITE_PG), {
+    return list(conn.execute(PG.render(claim_sql.CLAIM_WRITE_PG), {
         "now": None, "slot_scopes": scopes, "slot_counts": [n] * len(scopes),
         "slot_max": [COUNTERS.get(s, 1) for s in scopes], "run_ids": [], "estimated": [],
         "scopes": [], "worker_id": "w", "ttl": 30.0, "lane_ids": [], "lane_counts": [],

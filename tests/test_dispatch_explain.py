@@ -1,6 +1,6 @@
 """Query-plan evidence for the claim path on a million queued runs (PostgreSQL).
 
-A claim is a few short statements (``sql.py``, "claim"): PICK_LANES, LANE_RUNS (every
+A claim is a few short statements (``claim_sql.py``): PICK_LANES, LANE_RUNS (every
 chosen lane at once, with FULL_SCOPES as a CTE), ENSURE_COUNTER (for scopes new to
 the process) / LOCK_SCOPES, CLAIM_WRITE_PG; submit adds LANE_VIRTUAL_TIME. Each must
 use its index, sort nothing and read rows bounded by the batch (plus the unrunnable
@@ -48,7 +48,7 @@ from runlane.domain.fairness import LaneState, flows_of, share_bounds
 from runlane.domain.policy import policy_from_document
 from runlane.domain.reasons import Reason
 from runlane.domain.routing import canonical_requirements, parse_requirements
-from runlane.store import migrate, sql
+from runlane.store import claim_sql, dialect_sql, lanes_sql, migrate, policy_sql, slots_sql
 from runlane.store.engine import PLANNER_OPTIONS, build_engine, normalize_url
 from runlane.store.schema import DISPATCH_INDEX_NAME
 from runlane.store.store import Lease, Store
@@ -72,7 +72,7 @@ GPU = {"gpu": "a100"}
 GPU_ROUTE = canonical_requirements(parse_requirements(GPU))
 ALL_ROUTES, PLAIN_ROUTES = sorted(["", GPU_ROUTE]), [""]
 LANE_PAGE = 16  # scheduling.LANE_PAGE
-PG = sql.Statements("postgresql")
+PG = dialect_sql.Statements("postgresql")
 BIG_TABLES = ("runs", "tasks", "lanes", "limit_counters")
 
 # One row per g: run r<g> of task t<g>. ``:t`` is the database clock at population.
@@ -245,7 +245,7 @@ def explain_db() -> Iterator[ExplainDb]:
 
 
 def bind(statement: str, params: dict[str, Any]) -> tuple[TextClause, dict[str, Any]]:
-    """A statement of sql.py rendered as the store renders it (its ``IN :name`` lists
+    """A named statement (``*_sql``) rendered as the store renders it (its ``IN :name`` lists
     expanding) and the parameters it takes (the helpers below pass a superset)."""
     names = set(re.findall(r"(?<![:\w]):(\w+)", PG.render(statement).text))
     expanding = re.findall(r"\bIN\s+:(\w+)", statement)
@@ -258,7 +258,7 @@ def run(conn: Connection, statement: str, params: dict[str, Any]) -> list[Any]:
 
 
 def explain(conn: Connection, statement: str, params: dict[str, Any]) -> dict[str, Any]:
-    """EXPLAIN (ANALYZE, BUFFERS) one statement of sql.py (it really runs, so the
+    """EXPLAIN (ANALYZE, BUFFERS) one named statement (it really runs, so the
     caller rolls back)."""
     clause, bound = bind(statement, params)
     query = text("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + clause.text)
@@ -411,10 +411,10 @@ def candidate_params(conn: Connection, lane_id: int, limit: int) -> dict[str, An
             "after_created": [float("-inf")], "after_ids": [""]}
 
 
-PICK_LANES = sql.PICK_LANES["postgresql"]
+PICK_LANES = claim_sql.PICK_LANES["postgresql"]
 ROUTE_PICK = "ix_lanes_route_pick"
-LANE_RUNS = sql.LANE_RUNS["postgresql"]
-LOCK_SCOPES = sql.LOCK_SCOPES["postgresql"]
+LANE_RUNS = claim_sql.LANE_RUNS["postgresql"]
+LOCK_SCOPES = slots_sql.LOCK_SCOPES["postgresql"]
 
 
 LANE_ORDER = """
@@ -461,7 +461,7 @@ def head_reads(order: list[tuple[str, bool]], limit: int) -> tuple[list[str], in
 
 def test_full_scopes_reads_only_the_full_counters(explain_db: ExplainDb) -> None:
     with explain_db.engine.connect() as conn:
-        plan = explain(conn, sql.FULL_SCOPES, {})
+        plan = explain(conn, claim_sql.FULL_SCOPES, {})
         conn.rollback()
     full = len(FULL_TENANTS) + len(FULL_REPOS)
     assert plan["Plan"]["Actual Rows"] == full, describe(plan)
@@ -521,7 +521,7 @@ def test_pick_lanes_second_page_starts_at_its_cursor(explain_db: ExplainDb) -> N
 # --- PICK_AND_WALK_PG ----------------------------------------------------------------
 
 
-# The lanes of a full page's flows beyond its last lane (sql.PAGE_COMPANIONS), written
+# The lanes of a full page's flows beyond its last lane (claim_sql.PAGE_COMPANIONS), written
 # apart from the claim's SQL: the served lanes of the page's tenants at its last lane's
 # priority, after that lane.
 COMPANIONS = """
@@ -563,8 +563,8 @@ def test_pick_and_walk_reads_one_page_and_walks_only_lanes_with_a_share(
         walk = sum(read for _, read in heads.values())
         flow_lanes = sum(flow_size(conn, _lane(conn, tenant)) for tenant in probed)
         probe = explain if plan_kind == "custom" else explain_generic  # what it settles on
-        plan = probe(conn, sql.PICK_AND_WALK_PG, {**params, "wanted": wanted})
-        got = run(conn, sql.PICK_AND_WALK_PG, {**params, "wanted": wanted})
+        plan = probe(conn, claim_sql.PICK_AND_WALK_PG, {**params, "wanted": wanted})
+        got = run(conn, claim_sql.PICK_AND_WALK_PG, {**params, "wanted": wanted})
         conn.rollback()
     assert sorted({r.page_lane_id for r in got if not r.companion}) == sorted(
         r.lane_id for r in picked)
@@ -722,7 +722,7 @@ def test_claim_write_touches_only_its_rows(explain_db: ExplainDb) -> None:
         maxima = conn.execute(text(
             "SELECT max_active FROM limit_counters WHERE scope = ANY(:s) ORDER BY scope"),
             {"s": scopes}).scalars().all()
-        plan = explain(conn, sql.CLAIM_WRITE_PG, {
+        plan = explain(conn, claim_sql.CLAIM_WRITE_PG, {
             "now": None, "slot_scopes": scopes, "slot_counts": [0] * len(scopes),
             "slot_max": maxima, "run_ids": run_ids, "estimated": [None] * 50, "scopes": [None] * 50,
             "worker_id": "explain-worker", "ttl": 60.0, "lane_ids": [lane],
@@ -748,7 +748,7 @@ def test_lanes_wake_reads_only_sleeping_lanes(explain_db: ExplainDb) -> None:
     with explain_db.engine.connect() as conn:
         conn.execute(text("UPDATE lanes SET wake_at = 0 WHERE lane_id = :l"),
                      {"l": explain_db.lanes["backoff"]})
-        plan = explain(conn, sql.LANES_WAKE, {"now": None, "ahead": 1e-6})
+        plan = explain(conn, lanes_sql.LANES_WAKE, {"now": None, "ahead": 1e-6})
         conn.rollback()
         flow = flow_size(conn, explain_db.lanes["backoff"])
     # As before flows (3), and the lanes of its flow, read for their pass (ix_lanes_flow).
@@ -766,7 +766,7 @@ def test_marking_a_tenants_lanes_reads_only_that_tenants_lanes(
         params = {"tenants": ["tenant-0900"], "at_limit": 0, "ahead": 1e-6}
         mine = conn.execute(text("SELECT COUNT(*) FROM lanes WHERE tenant = 'tenant-0900' "
                                  "AND tenant_at_limit <> :at_limit"), params).scalar_one()
-        plan = plan_of(conn, sql.MARK_TENANT_LANES, params)
+        plan = plan_of(conn, lanes_sql.MARK_TENANT_LANES, params)
         conn.rollback()
     assert mine > 0
     assert_bounded(plan, index="ix_lanes_flow", table="lanes", bound=3 * mine,
@@ -788,8 +788,8 @@ def test_a_page_of_the_queued_backlog_reads_one_page(explain_db: ExplainDb,
             after = (row.lane_id, row.created_at, row.run_id)
         params = {"after_lane": after[0], "after_created": after[1], "after_id": after[2],
                   "scan": 1000}
-        plan = explain(conn, sql.QUEUED_PAGE, params)
-        page = run(conn, sql.QUEUED_PAGE, params)
+        plan = explain(conn, policy_sql.QUEUED_PAGE, params)
+        page = run(conn, policy_sql.QUEUED_PAGE, params)
     assert len(page) == 1000
     assert (page[0].lane_id, page[0].created_at, page[0].run_id) > after
     assert_bounded(plan, index=DISPATCH_INDEX_NAME, table="runs", bound=1000)
@@ -799,12 +799,12 @@ def test_a_page_of_the_queued_backlog_reads_one_page(explain_db: ExplainDb,
 def test_lane_virtual_time_reads_one_lane(explain_db: ExplainDb, queue: str,
                                           priority: int) -> None:
     with explain_db.engine.connect() as conn:
-        plan = explain(conn, sql.LANE_VIRTUAL_TIME, {"queue": queue, "priority": priority})
+        plan = explain(conn, lanes_sql.LANE_VIRTUAL_TIME, {"queue": queue, "priority": priority})
         expected = conn.execute(text(
             "SELECT MIN(pass) FROM lanes WHERE queue = :q AND priority = :p "
             f"AND queued_count > 0 AND NOT ({FULL_TENANT_SQL})"),
             {"q": queue, "p": priority}).scalar_one()
-        [(got,)] = run(conn, sql.LANE_VIRTUAL_TIME, {"queue": queue, "priority": priority})
+        [(got,)] = run(conn, lanes_sql.LANE_VIRTUAL_TIME, {"queue": queue, "priority": priority})
         conn.rollback()
     assert got == expected
     assert_bounded(plan, index="ix_lanes_pick", table="lanes", bound=1)
@@ -865,7 +865,7 @@ def test_claim_write_probes_the_counters_of_a_batch(explain_db: ExplainDb,
     probe = explain if plan_kind == "custom" else explain_generic
     with explain_db.engine.connect() as conn:
         params = claim_write_params(conn, 50)
-        plan = probe(conn, sql.CLAIM_WRITE_PG, params)
+        plan = probe(conn, claim_sql.CLAIM_WRITE_PG, params)
         conn.rollback()
     assert plan["Plan"]["Actual Rows"] == 50, describe(plan)  # room was found: it wrote
     scopes = len(params["slot_scopes"])
@@ -875,7 +875,7 @@ def test_claim_write_probes_the_counters_of_a_batch(explain_db: ExplainDb,
 
 def test_ensure_counter_is_a_primary_key_upsert(explain_db: ExplainDb) -> None:
     with explain_db.engine.connect() as conn:
-        plan = explain(conn, sql.ENSURE_COUNTER,
+        plan = explain(conn, slots_sql.ENSURE_COUNTER,
                        {"scope": "repo:acme/repo-00010", "active": 0, "max_active": REPO_MAX,
                         "version": 1})
         conn.rollback()
@@ -906,7 +906,7 @@ def test_without_the_index_the_same_check_fails(explain_db: ExplainDb, index: st
             plan = explain(conn, LANE_RUNS, candidate_params(conn, explain_db.lanes["big"], 1))
             table, bound, ordered = "runs", 1, True
         else:
-            plan = explain(conn, sql.FULL_SCOPES, {})
+            plan = explain(conn, claim_sql.FULL_SCOPES, {})
             table, bound = "limit_counters", len(FULL_TENANTS) + len(FULL_REPOS)
             ordered = False
         conn.rollback()
@@ -1115,7 +1115,7 @@ def test_lanes_sleep_reads_each_lane_from_its_head(explain_db: ExplainDb) -> Non
             "SELECT COUNT(*) FROM runs WHERE lane_id = :l AND status = 'QUEUED' "
             "AND visible_at > EXTRACT(EPOCH FROM clock_timestamp())"),
             {"l": explain_db.lanes["backoff"]}).scalar_one()
-        plan = explain(conn, sql.LANES_SLEEP["postgresql"],
+        plan = explain(conn, lanes_sql.LANES_SLEEP["postgresql"],
                        {"lane_ids": sorted(explain_db.lanes[k] for k in keys), "now": None})
         asleep = conn.execute(text("SELECT lane_id FROM lanes WHERE wake_at IS NOT NULL"
                                    " AND lane_id = ANY(:l)"),
@@ -1157,7 +1157,7 @@ def test_real_claims_never_scan_a_large_table(explain_db: ExplainDb, limit: int)
 @pytest.mark.parametrize(("queue", "limit"), [
     pytest.param("batch", 1, id="batch-1"),
     # tenant-0004's lane (all of a full repository) gives nothing: the claim walks it,
-    # reads its blocking scopes (sql.LANE_BLOCKING_SCOPES) and puts it to sleep on
+    # reads its blocking scopes (lanes_sql.LANE_BLOCKING_SCOPES) and puts it to sleep on
     # them (test_scheduler: later claims do not walk it).
     pytest.param("default", 50, id="default-50"),
 ])

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, text
 
 from runlane.domain.fairness import LaneState, flows_of, share_bounds, share_slots
-from runlane.store import sql
+from runlane.store import claim_sql
 from runlane.store.engine import build_engine
 
 LANES = st.lists(st.tuples(st.integers(0, 2), st.sampled_from([0.5, 1.0, 2.0, 3.0, 7.0, 1000.0]),
@@ -71,7 +71,7 @@ SQL_LANES = st.lists(st.tuples(st.integers(0, 2),
                                st.integers(1, 12)),
                      min_size=1, max_size=20)
 # The page's own lanes (``picked``) and its companions (its flows' lanes beyond its end,
-# sql.PAGE_COMPANIONS): the page's end is its own last lane, its flows are of both.
+# claim_sql.PAGE_COMPANIONS): the page's end is its own last lane, its flows are of both.
 SHARES_OF_PAGE = text(
     "WITH given AS (SELECT * FROM unnest(CAST(:lane_ids AS bigint[]), "
     "CAST(:priorities AS integer[]), CAST(:passes AS double precision[]), "
@@ -79,8 +79,8 @@ SHARES_OF_PAGE = text(
     "CAST(:tenants AS text[]), CAST(:picked AS boolean[])) "
     "AS g(lane_id, priority, pass_, weight, queued_count, tenant, picked)), "
     "pick AS (SELECT lane_id, priority, pass_, weight, queued_count, tenant FROM given "
-    "WHERE picked)," + sql.PAGE_END + ", page AS (SELECT lane_id, priority, pass_, weight, "
-    "queued_count, tenant FROM given)," + sql.FLOWS + "," + sql.SHARE_TURNS
+    "WHERE picked)," + claim_sql.PAGE_END + ", page AS (SELECT lane_id, priority, pass_, weight, "
+    "queued_count, tenant FROM given)," + claim_sql.FLOWS + "," + claim_sql.SHARE_TURNS
     + " SELECT lane_id, share FROM shares WHERE share > 0")
 
 
@@ -95,12 +95,12 @@ def pg_engine(pg_url: str) -> Iterator[Engine]:
 @given(lanes=SQL_LANES, data=st.data())
 def test_the_one_statement_claim_deals_what_share_slots_deals(
         pg_engine: Engine, lanes: list[tuple[int, float, float, int]], data: st.DataObject) -> None:
-    """CLAIM_ONE_TRIP_PG deals a page's shares in SQL (sql.SHARE_TURNS): for any page of
+    """CLAIM_ONE_TRIP_PG deals a page's shares in SQL (claim_sql.SHARE_TURNS): for any page of
     lanes (a full page: no turn after its last lane, and its flows' lanes beyond it) and
     claim size, the same shares as share_slots, which the transaction's claim deals in
     Python."""
     # A tenant's lanes (one per route) are one flow: one pass and one weight, as the
-    # store keeps them (sql.FLOW_CLAIMED, sql._FLOW_PASS).
+    # store keeps them (lanes_sql.FLOW_CLAIMED, lanes_sql._FLOW_PASS).
     shared = data.draw(st.booleans(), label="tenants with several lanes")
     tenants = [str(i) for i in range(len(lanes))]
     if shared:

@@ -376,7 +376,7 @@ def test_racing_claims_of_a_tenants_routes_submits_ends_cancels_and_policies(
                              [-1500:]) for e in errors]
         assert counts["claims"] > 50, counts
         # A counter made while an end committed may keep one slot too many until the
-        # reconciler's recount (documented in sql.COUNTED_SCOPES): recount first.
+        # reconciler's recount (documented in dialect_sql.COUNTED_SCOPES): recount first.
         setup.reconcile()
         assert setup.audit() == []
         with setup.engine.connect() as conn:
@@ -482,7 +482,7 @@ def test_a_flow_whose_lanes_fall_on_two_pages_still_serves_its_oldest_run_first(
     and 16 other tenants' lanes sit at the same pass with lane_ids in between. A page
     is LANE_PAGE = 16 lanes in (priority, pass, lane_id) order, so it holds a's plain
     lane and 15 others, not a's git lane. The page brings the git lane along (its
-    flow's other lane beyond the page's end: sql.PAGE_COMPANIONS), and a claim of 1
+    flow's other lane beyond the page's end: claim_sql.PAGE_COMPANIONS), and a claim of 1
     takes a's older git run. (Merged per page only, the flow took its newer plain run.)"""
     store.submit([spec(tenant="a")] + [spec(tenant=f"b{i:02d}") for i in range(16)]
                  + [spec(tenant=f"b{i:02d}") for i in range(16)])
@@ -570,7 +570,7 @@ def test_a_lane_nobody_serves_does_not_give_a_late_tenant_banked_credit(
     lane never advances (pass 0). a and b are served 40 times (passes ~20). The
     reconciler marks x's lane unserved. Then c arrives: it joins just ahead of the
     lowest pass of the lanes that compete (a's, b's) and gets about a third of the next
-    claims. Unmarked (sql._virtual_time counting every queued lane), it joined at ~0
+    claims. Unmarked (lanes_sql._virtual_time counting every queued lane), it joined at ~0
     and took the next ~20 claims one after another."""
     serve_a_and_b_while_x_waits_for_cuda(store, x_runs=1)
     assert store._transaction(store._mark_unserved_lanes) == {

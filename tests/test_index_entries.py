@@ -3,7 +3,7 @@
 ``uq_tasks_tenant_idempotency_key_partial`` holds an entry per task with a key and none
 for a task without one. Its readers must still find it: the submit's ``ON CONFLICT``
 names it as its arbiter (the predicate is in the statement), and the lookup of a key
-already taken (``sql.EXISTING_RUN``) reads it, with a custom plan and with the generic
+already taken (``submit_sql.EXISTING_RUN``) reads it, with a custom plan and with the generic
 plan a prepared statement ends up with (``t.idempotency_key = $2`` implies the
 predicate, whatever ``$2`` is). 20,000 tasks, one in ten with a key.
 
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, event, text
 
-from runlane.store import sql
+from runlane.store import submit_sql
 from runlane.store.engine import build_engine
 from runlane.store.schema import IDEMPOTENCY_INDEX_NAME
 from runlane.store.store import Lease, Store
@@ -32,7 +32,7 @@ KEYED_EVERY = 10
 
 # The submit's conflict clause, as SUBMIT_WRITE_PG spells it.
 ON_CONFLICT = re.search(r"ON CONFLICT \(tenant, idempotency_key\)[^\n]*DO NOTHING",
-                        sql.SUBMIT_WRITE_PG)
+                        submit_sql.SUBMIT_WRITE_PG)
 
 
 def _populate(conn: Connection) -> None:
@@ -105,7 +105,7 @@ def test_a_key_taken_is_looked_up_through_the_partial_index(populated: Engine,
                                                             generic: bool) -> None:
     if generic and populated.dialect.name == "sqlite":
         pytest.skip("SQLite plans every statement for its values")
-    plan = _plan(populated, sql.EXISTING_RUN, {"tenant": "tenant-10", "key": "key-10"},
+    plan = _plan(populated, submit_sql.EXISTING_RUN, {"tenant": "tenant-10", "key": "key-10"},
                  generic)
     assert IDEMPOTENCY_INDEX_NAME in plan, plan
     assert not re.search(r"Seq Scan on tasks|SCAN t\b", plan), plan

@@ -1014,9 +1014,9 @@ def test_a_heartbeat_changes_no_indexed_column(fresh_url: str,
     """What lets a beat be a HOT update on PostgreSQL (no index entry per lease per beat,
     bench/heartbeat.py): no index of ``attempts`` has a column the heartbeat writes, in
     its keys or in its predicate. The columns are read off the statement itself."""
-    from runlane.store import sql
+    from runlane.store import lease_sql
 
-    assignments = re.search(r"\bSET\b(.*?)\bWHERE\b", sql.HEARTBEAT, re.S)
+    assignments = re.search(r"\bSET\b(.*?)\bWHERE\b", lease_sql.HEARTBEAT, re.S)
     assert assignments is not None
     written = set(re.findall(r"(\w+)\s*=", assignments.group(1)))
     assert written == {"lease_expires_at", "heartbeat_at"}

@@ -18,7 +18,7 @@ from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
 from runlane.errors import CostLimitExceeded, LeaseLost, PolicyDenied
 from runlane.services.scheduler import PassTrigger
-from runlane.store import scheduling, sql
+from runlane.store import lanes_sql, scheduling
 from runlane.store.scheduling import BLOCKED_LANE_RECHECK_SECONDS
 from runlane.store.store import Store
 
@@ -158,7 +158,7 @@ def test_a_claims_denials_move_their_lanes_with_its_own_in_lane_id_order(
         assert store.claim("w1", limit=5, lease_ttl=TTL) == []  # nothing left
     finally:
         event.remove(store.engine, "before_cursor_execute", record)
-    lane_leave = " ".join(sql.LANE_LEAVE.split()).split(":n")[0]
+    lane_leave = " ".join(lanes_sql.LANE_LEAVE.split()).split(":n")[0]
     assert not [s for s in statements if s.startswith(lane_leave)], \
         "a denied run's lane was written before the claim's counters"
     for run in [*frozen, *gone]:
@@ -953,9 +953,9 @@ def test_reading_a_blocked_lanes_scopes_pairs_no_run_with_every_full_scope(
     store.submit([spec(tenant="flood", repo=f"/srv/git/r{i % 100}.git") for i in range(1000)])
     with store.engine.connect() as conn:
         lane_id = conn.execute(text("SELECT lane_id FROM lanes WHERE tenant = 'flood'")).scalar()
-        blocks = conn.execute(store._q(sql.LANE_BLOCKING_SCOPES["postgresql"]),
+        blocks = conn.execute(store._q(lanes_sql.LANE_BLOCKING_SCOPES["postgresql"]),
                               {"lane_ids": [lane_id], "now": clock.now()}).all()
-        plan = explain(conn, sql.LANE_BLOCKING_SCOPES["postgresql"],
+        plan = explain(conn, lanes_sql.LANE_BLOCKING_SCOPES["postgresql"],
                        {"lane_ids": [lane_id], "now": clock.now()})
         conn.rollback()
     assert len(blocks) == 100
@@ -1157,7 +1157,7 @@ def test_lanes_sleep_walks_the_dispatch_index_when_statistics_are_stale(
         conn.execute(text("ANALYZE runs"))
         conn.execute(text("UPDATE runs SET status = 'SUCCEEDED'"))  # a drain, not analyzed
         lane_ids = list(conn.execute(text("SELECT lane_id FROM lanes")).scalars())
-    statement = store._q(sql.LANES_SLEEP["postgresql"]).compile(dialect=store.engine.dialect)
+    statement = store._q(lanes_sql.LANES_SLEEP["postgresql"]).compile(dialect=store.engine.dialect)
     with store.engine.connect() as conn:
         cursor = conn.connection.driver_connection.cursor()
         cursor.execute("EXPLAIN " + statement.string,

@@ -13,7 +13,7 @@
   ``no_fencing`` - stores and workers ignore fencing tokens and lease loss;
   ``no_lease_expiry`` - leases never expire and the reaper finds nothing.
 
-Nothing here edits runlane's code: the named statements of ``runlane.store.sql`` and
+Nothing here edits runlane's code: the named statements of ``runlane.store.*_sql`` and
 a few methods are replaced in this process only.
 """
 
@@ -46,31 +46,32 @@ def _without(statement: str, pattern: str, name: str) -> str:
 
 
 def plant_no_fencing() -> None:
-    from runlane.store import sql, store
+    from runlane.store import lease_sql, store
     from runlane.worker import attempt
 
     token = r"\n\s*AND fencing_token = :token"
-    sql.SET_RUN_STATUS = _without(sql.SET_RUN_STATUS, token, "SET_RUN_STATUS")
-    fenced = sql.SET_RUN_STATUS_FENCED
-    fence = getattr(sql, "_FENCE", "")
+    lease_sql.SET_RUN_STATUS = _without(lease_sql.SET_RUN_STATUS, token, "SET_RUN_STATUS")
+    fenced = lease_sql.SET_RUN_STATUS_FENCED
+    fence = getattr(lease_sql, "_FENCE", "")
     if not fence or fence not in fenced:
         raise PlantFailed("planted bug: SET_RUN_STATUS_FENCED has no _FENCE to remove")
-    sql.SET_RUN_STATUS_FENCED = _without(fenced.replace(fence, "\n"), token,
-                                         "SET_RUN_STATUS_FENCED")
+    lease_sql.SET_RUN_STATUS_FENCED = _without(fenced.replace(fence, "\n"), token,
+                                               "SET_RUN_STATUS_FENCED")
     # The lease's own token, unchecked (the parameter stays bound: the store sends it).
     beat, n = re.subn(r"\n\s*AND attempts\.run_id \|\| [^\n]* IN :lease_keys",
-                      "\n  AND (1 = 1 OR attempts.run_id IN :lease_keys)", sql.HEARTBEAT)
+                      "\n  AND (1 = 1 OR attempts.run_id IN :lease_keys)", lease_sql.HEARTBEAT)
     if n == 0:
         raise PlantFailed("planted bug: HEARTBEAT has no lease_keys match to remove")
     for pattern in (r"\n\s*AND attempts\.lease_status = 'ACTIVE'",
                     r"\n\s*AND attempts\.lease_expires_at > \{now\}",
                     r"\n\s*AND attempts\.fencing_token = \(SELECT[^)]*\)"):
         beat = _without(beat, pattern, "HEARTBEAT")
-    sql.HEARTBEAT = beat
-    sql.EFFECT_DONE = _without(sql.EFFECT_DONE, r"\n\s*AND fencing_token = :token",
-                               "EFFECT_DONE")
-    sql.ADD_ATTEMPT_COST = _without(
-        _without(sql.ADD_ATTEMPT_COST, r"\n\s*AND lease_status = 'ACTIVE'", "ADD_ATTEMPT_COST"),
+    lease_sql.HEARTBEAT = beat
+    lease_sql.EFFECT_DONE = _without(lease_sql.EFFECT_DONE, r"\n\s*AND fencing_token = :token",
+                                     "EFFECT_DONE")
+    lease_sql.ADD_ATTEMPT_COST = _without(
+        _without(lease_sql.ADD_ATTEMPT_COST, r"\n\s*AND lease_status = 'ACTIVE'",
+                 "ADD_ATTEMPT_COST"),
         r"\n\s*AND lease_expires_at > \{now\}", "ADD_ATTEMPT_COST")
     _replace(store._Snapshot, "lease_live", property(lambda self: True))
 
@@ -81,18 +82,18 @@ def plant_no_fencing() -> None:
 
 
 def plant_no_lease_expiry() -> None:
-    from runlane.store import maintenance_sql, sql, store
+    from runlane.store import lease_sql, maintenance_sql, store
 
     active = "WHERE a.lease_status = 'ACTIVE'"
     if active not in maintenance_sql.EXPIRED_LEASES:
         raise PlantFailed("planted bug: EXPIRED_LEASES changed shape")
     maintenance_sql.EXPIRED_LEASES = maintenance_sql.EXPIRED_LEASES.replace(
         active, "WHERE 1 = 0 AND a.lease_status = 'ACTIVE'")
-    sql.HEARTBEAT = _without(sql.HEARTBEAT, r"\n\s*AND attempts\.lease_expires_at > \{now\}",
-                             "HEARTBEAT")
-    sql.SET_RUN_STATUS_FENCED = _without(sql.SET_RUN_STATUS_FENCED,
-                                         r"\s*AND a\.lease_expires_at > \{now\}",
-                                         "SET_RUN_STATUS_FENCED")
+    lease_sql.HEARTBEAT = _without(lease_sql.HEARTBEAT,
+                                   r"\n\s*AND attempts\.lease_expires_at > \{now\}", "HEARTBEAT")
+    lease_sql.SET_RUN_STATUS_FENCED = _without(lease_sql.SET_RUN_STATUS_FENCED,
+                                               r"\s*AND a\.lease_expires_at > \{now\}",
+                                               "SET_RUN_STATUS_FENCED")
     _replace(store._Snapshot, "lease_live", property(
         lambda self: self.lease_status == "ACTIVE" and self.run_token == self.fencing_token))
 

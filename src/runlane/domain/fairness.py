@@ -42,7 +42,7 @@ def flows_of(lanes: Sequence[LaneState]) -> tuple[list[LaneState], dict[int, lis
     lane_id, at its lowest pass (a flow's lanes share one; the lowest is the safe
     reading), with the queued runs of all its lanes. Returns the flows in fair order
     and each flow's lanes (page order). A tenant whose runs need two requirement sets
-    has two lanes but one share (sql.FLOWS deals the same flows)."""
+    has two lanes but one share (claim_sql.FLOWS deals the same flows)."""
     members: dict[tuple[int, str], list[LaneState]] = {}
     for lane in lanes:
         members.setdefault(lane.flow, []).append(lane)
@@ -63,7 +63,7 @@ def share_slots(lanes: Sequence[LaneState], slots: int,
     turn due after it is given: the lanes are one page, and a later turn may belong
     to a lane of the next page."""
     # A lane's k-th turn is at pass + k / weight, computed so (not by adding 1 / weight
-    # k times): the claim's one statement deals the same turns in SQL (sql.SHARE_TURNS),
+    # k times): the claim's one statement deals the same turns in SQL (claim_sql.SHARE_TURNS),
     # and repeated additions broke near-ties differently (weight 10 at pass 0 against
     # weight 1 at pass 1.0: the tenth turn, 0 + 10 / 10, ties the second lane's first).
     heap = [(lane.priority, lane.pass_, lane.lane_id, lane) for lane in lanes

@@ -716,7 +716,7 @@ def run_scopes(tenant: str, repo: str, user: str | None, risk_class: str,
     it (a new counter starts at the attempts that hold its scope) and its end gives
     that slot back. With only the scopes limited at its claim, a tenant limited to 2
     after 2 of its runs started took 2 more (4 live against 2; a review of
-    2026-12-02). The same list in SQL: ``sql.RUN_SCOPES``."""
+    2026-12-02). The same list in SQL: ``claim_sql.RUN_SCOPES``."""
     scopes = ["global", f"tenant:{tenant}", f"repo:{repo}", f"risk:{risk_class}",
               f"queue:{queue}"]
     if user is not None:

@@ -1,7 +1,7 @@
 """The statements of ``runlane top``'s activity (store/activity.py): the claim rate per
 queue and the latest failures. Each reads a bounded number of entries of a partial index
 of ``run_events`` (migration 0023), whatever the size of the table; the plans are in
-docs/benchmarks.md ("runlane top's reads"). Lock nothing. ``{now}`` as in sql.py."""
+docs/benchmarks.md ("runlane top's reads"). Lock nothing. ``{now}`` as in dialect_sql.py."""
 
 from __future__ import annotations
 

@@ -138,7 +138,7 @@ def _admit_approved(store: Store, conn: Connection, run: Any, version: int, poli
                     now: float, actor: str, said: str) -> RunStatus:
     """An approved run admitted again under the policy in force, past its gates:
     queued (or waiting for dependencies), deferred or denied. Returns its status."""
-    from runlane.store import sql
+    from runlane.store import policy_sql
     from runlane.store.scheduling import first_policy_version
     from runlane.store.store import WAKEUP_CHANNEL
 
@@ -147,7 +147,7 @@ def _admit_approved(store: Store, conn: Connection, run: Any, version: int, poli
     decision = admit(store._request_of(run, gated=False), policy, version, usage, now)
     store._on_commit(conn, lambda: metrics.policy_decision(
         "approval", decision.decision, decision.reason_code))
-    conn.execute(store._q(sql.SET_ADMISSION), {
+    conn.execute(store._q(policy_sql.SET_ADMISSION), {
         "run_id": run.run_id, "policy_version": version,
         "admission": json.dumps({**decision.to_json(),
                                  "first_policy_version": first_policy_version(run)})})

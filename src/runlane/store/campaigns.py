@@ -57,7 +57,7 @@ S = RunStatus
 C = CampaignStatus
 T = TypeVar("T")
 # A run held by its campaign's pause waits in WAITING_CAPACITY with this visible_at (no
-# scheduler pass re-admits it: sql.DUE_WAITING skips CAMPAIGN_PAUSED); the resume queues it.
+# scheduler pass re-admits it: policy_sql.DUE_WAITING skips CAMPAIGN_PAUSED); the resume queues it.
 PAUSE_HOLD_AT = 32503680000.0  # 3000-01-01
 # Targets read per dispatch for each free slot (some may wait for their repository).
 DISPATCH_SCAN = 4

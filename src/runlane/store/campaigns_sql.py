@@ -1,4 +1,4 @@
-"""The statements of campaigns (store/campaigns.py). Rendered like ``sql.py``'s
+"""The statements of campaigns (store/campaigns.py). Rendered like the ``*_sql``
 (``Statements.render``: ``{now}``, ``{lock_for_update}``; ``IN :name`` lists are
 expanding parameters on both dialects).
 
@@ -107,7 +107,7 @@ SET state = 'ACTIVE', task_id = :task_id, run_id = :run_id, dispatched_at = :now
     ended_at = NULL, run_status = NULL, reason_code = NULL, outcome = NULL
 WHERE campaign_id = :campaign_id AND position = :position AND state = 'PENDING'
 """
-# A campaign's run ended (its campaign found by the run's own write: sql._SET_RETURNING):
+# A campaign's run ended (its campaign found by the run's own write: lease_sql._SET_RETURNING):
 # on PostgreSQL one statement does the rest. ``t``: the target, if this run is still its
 # current one (ix_campaign_targets_run); ``c``: the campaign's counts and the stop
 # rule's window (``recent``: "1"/"0" per counted finish, newest first, cut to

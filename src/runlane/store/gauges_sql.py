@@ -1,6 +1,6 @@
 """The statement of a metrics scrape (store/gauges.py): every gauge runlane reads from the
 database, in one statement and one round trip, for both dialects (``{now}`` as in
-sql.py). docs/metrics.md records its plans.
+dialect_sql.py). docs/metrics.md records its plans.
 
 Bounded whatever the number of runs: it reads the lanes (one row per queue, route,
 priority and tenant, each with its count of queued runs), a fixed number of the runs

@@ -1,7 +1,7 @@
 """The named SQL of the fault harness (``runlane chaos``): the after-run checks that
 ``Store.audit()`` does not already make, the reads its report is built from, and the
 few statements it injects faults with. Every check returns ``run_id`` and ``detail``
-rows, like ``sql.AUDIT_CHECKS``; :func:`check_database` runs both sets."""
+rows, like ``audit_sql.AUDIT_CHECKS``; :func:`check_database` runs both sets."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ CHAOS_CHECKS: dict[str, str] = {
         FROM runs WHERE status IN ('FAILED', 'CANCELLED') AND reason_code IS NULL""",
     # An ended run started no attempt after it ended. (An attempt or lease left open,
     # a stale token's write, a claim after a cancel and a task's second run are
-    # checked by ``runlane audit``: sql.AUDIT_CHECKS.)
+    # checked by ``runlane audit``: audit_sql.AUDIT_CHECKS.)
     "attempt_after_end": """
         SELECT a.run_id, 'attempt ' || CAST(a.attempt_no AS TEXT)
                || ' started after the run ended' AS detail

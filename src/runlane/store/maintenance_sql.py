@@ -6,7 +6,7 @@ last key of the page before; ``FIRST_KEY`` to start), in key order, ``LIMIT :lim
 A pass walks on until a page comes back short, so a row that cannot be repaired is
 passed over instead of heading every page and every later pass (a fixed
 ``ORDER BY … LIMIT n`` listed it first forever, and the rows behind it never).
-Rendered like ``sql.py``'s statements (``Statements.render``); a dict holds the two
+Rendered like the other ``*_sql`` statements (``Statements.render``); a dict holds the two
 dialects of a statement that differs.
 """
 
@@ -153,7 +153,7 @@ UNCHARGED_RELEASES = """
 SELECT COUNT(*) FROM attempts WHERE run_id = :run_id AND reason_code = 'LEASE_RELEASED'
 """
 
-# Checks of ``runlane audit`` (``Store.audit``, beside ``sql.AUDIT_CHECKS``).
+# Checks of ``runlane audit`` (``Store.audit``, beside ``audit_sql.AUDIT_CHECKS``).
 AUDIT_CHECKS: dict[str, str] = {
     # A run re-claimed and released without charge past MAX_UNCHARGED_RELEASES: the
     # release after the cap is charged (LEASE_RELEASED_OVER_CAP), so none is left.

@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy import Connection, TextClause, bindparam, inspect, text
 
 from runlane.domain.states import TERMINAL
-from runlane.store.sql import LOCK_SKIP, NOW
+from runlane.store.dialect_sql import LOCK_SKIP, NOW
 from runlane.store.store import Store
 
 FINISHED = sorted(s.value for s in TERMINAL)
@@ -45,7 +45,7 @@ FINISHED = sorted(s.value for s in TERMINAL)
 # last run picked.
 # Nor the run of a task another task names (see above; ``ix_task_dependencies_depends_on``
 # and ``ix_tasks_parent`` serve the checks). A submit that names a task share-locks its
-# run until it commits (sql.NAMED_TASKS): SKIP LOCKED passes over it. The run's task is
+# run until it commits (policy_sql.NAMED_TASKS): SKIP LOCKED passes over it. The run's task is
 # locked here too, SKIP LOCKED: a prune never waits for a task row after it holds the
 # run (a cancel locks the task, then its runs: the two deadlocked).
 PICK_FINISHED = """

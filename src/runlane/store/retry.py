@@ -28,7 +28,7 @@ from runlane.domain.states import TERMINAL, RunStatus
 from runlane.domain.tasks import PayloadReport, TaskSpec
 from runlane.errors import NotFound, RetryRefused
 from runlane.models.runs import Submission
-from runlane.store import sql
+from runlane.store import lanes_sql, submit_sql
 from runlane.store.scheduling import JOIN_AHEAD, policy_needs_usage
 from runlane.store.schema import runs
 from runlane.store.store import _RUN_COLUMNS, WAKEUP_CHANNEL, _SubmitBatch
@@ -49,7 +49,7 @@ WHERE r.task_id = :task_id
 ORDER BY r.created_at DESC, r.run_id DESC
 LIMIT 1
 """
-# The lane upsert of a submit (sql.LANE_UPSERT, SQLite's path) with typed parameters:
+# The lane upsert of a submit (lanes_sql.LANE_UPSERT, SQLite's path) with typed parameters:
 # PostgreSQL cannot deduce one type for a parameter used as a column value and in a
 # comparison. The same text on SQLite (its CASTs are no-ops there).
 _TYPES = {"queue": "text", "route_key": "text", "tenant": "text", "tenant_scope": "text",
@@ -62,8 +62,8 @@ def _typed(statement: str) -> str:
                   lambda m: f"CAST(:{m.group(1)} AS {_TYPES[m.group(1)]})", statement)
 
 
-LANE_UPSERT = _typed(sql.LANE_UPSERT)
-LANE_VIRTUAL_TIME = _typed(sql.LANE_VIRTUAL_TIME)
+LANE_UPSERT = _typed(lanes_sql.LANE_UPSERT)
+LANE_VIRTUAL_TIME = _typed(lanes_sql.LANE_VIRTUAL_TIME)
 CLEAR_CANCEL = "UPDATE tasks SET cancel_requested_at = NULL WHERE task_id = :task_id"
 DEPENDENCIES = "SELECT depends_on FROM task_dependencies WHERE task_id = :task_id"
 
@@ -101,7 +101,7 @@ def retry_task(store: Store, task_id: str, *, tenant: str | None,
 
 def _write_retry(store: Store, conn: Connection, task: Any, latest: Any,
                  default_max_attempts: int, actor: str) -> Submission:
-    context = conn.execute(store._q(sql.SUBMIT_CONTEXT), {"now": store.clock.now()}).one()
+    context = conn.execute(store._q(submit_sql.SUBMIT_CONTEXT), {"now": store.clock.now()}).one()
     now, version = float(context.now), int(context.version or 0)
     policy = store._policy_version(conn, version)
     usage = store._tenant_usage(conn, {task.tenant}, now) \
@@ -129,7 +129,7 @@ def _write_retry(store: Store, conn: Connection, task: Any, latest: Any,
     batch.items[-1]["task_id"] = task.task_id  # a new run of this task, not a new task
     [run] = batch.run_rows({task.task_id})
     status = batch.run_statuses[-1]
-    conn.execute(store._q(sql.ROUTE_INSERT), {"route_key": run["route_key"], "now": now})
+    conn.execute(store._q(submit_sql.ROUTE_INSERT), {"route_key": run["route_key"], "now": now})
     head = conn.execute(store._q(LANE_VIRTUAL_TIME),
                         {"queue": run["queue"], "priority": run["priority"]}).scalar()
     lane_id = int(conn.execute(store._q(LANE_UPSERT), {

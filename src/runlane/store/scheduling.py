@@ -42,7 +42,18 @@ from runlane.domain.routing import (
 from runlane.domain.states import RunStatus
 from runlane.errors import PolicyDenied, TransitionRefused
 from runlane.observability import metrics
-from runlane.store import approvals_sql, sql
+from runlane.store import (
+    approvals_sql,
+    audit_sql,
+    claim_sql,
+    lanes_sql,
+    policy_sql,
+    providers_sql,
+    reads_sql,
+    recount_sql,
+    slots_sql,
+    submit_sql,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -77,7 +88,7 @@ ONE_TRIP_MAX_SKIPS = 15
 # Statements taking a list of run ids: an array on PostgreSQL, an IN list on SQLite.
 RUN_IDS_EXPANDING: dict[str, tuple[str, ...]] = {"postgresql": (), "sqlite": ("run_ids",)}
 # Queued runs read per page when a policy change has the scheduler pass admit the
-# backlog again (sql.QUEUED_PAGE): a short transaction each, whatever the queue's size.
+# backlog again (policy_sql.QUEUED_PAGE): a short transaction each, whatever the queue's size.
 QUEUED_SCAN = 1000
 # conn.info key: the scopes a transaction's releases took below their limit; the
 # lanes blocked on them are woken just before it commits (Store._transaction).
@@ -198,7 +209,7 @@ class SchedulingMixin:
 
     def _policy(self, conn: Connection) -> tuple[int, Policy]:
         """The policy in force now (version 0 is the empty default)."""
-        version = int(conn.execute(self._q(sql.POLICY_VERSION)).scalar() or 0)
+        version = int(conn.execute(self._q(policy_sql.POLICY_VERSION)).scalar() or 0)
         return version, self._policy_version(conn, version)
 
     def _policy_version(self, conn: Connection, version: int) -> Policy:
@@ -209,7 +220,7 @@ class SchedulingMixin:
             if version == 0:
                 policy = Policy.default()
             else:
-                row = conn.execute(self._q(sql.POLICY_BY_VERSION),
+                row = conn.execute(self._q(policy_sql.POLICY_BY_VERSION),
                                    {"version": version}).one()
                 document = row.document if isinstance(row.document, dict) else json.loads(
                     row.document)
@@ -225,24 +236,24 @@ class SchedulingMixin:
 
         def work(conn: Connection) -> PolicyVersion:
             if self.dialect == "postgresql":  # SQLite's writers are serialized already
-                conn.execute(self._q(sql.LOCK_CLAIMS_FOR_POLICY_PG))
-            current = conn.execute(self._q(sql.POLICY_LATEST)).first()
+                conn.execute(self._q(policy_sql.LOCK_CLAIMS_FOR_POLICY_PG))
+            current = conn.execute(self._q(policy_sql.POLICY_LATEST)).first()
             if current is not None and current.digest == digest:
                 return PolicyVersion(int(current.version), digest, False)
             version = (int(current.version) if current is not None else 0) + 1
-            conn.execute(self._q(sql.POLICY_INSERT), {
+            conn.execute(self._q(policy_sql.POLICY_INSERT), {
                 "version": version, "digest": digest,
                 "document": json.dumps(policy_document(policy)), "source": source,
                 "now": self._now(conn)})
             freed: set[str] = set()
             # Locked first, in scope order, as every claim and release locks them: in
             # the order the scan met them, an update here deadlocked with a claim.
-            for row in conn.execute(self._q(sql.LOCK_COUNTERS)).all():
+            for row in conn.execute(self._q(recount_sql.LOCK_COUNTERS)).all():
                 limit = scope_limit(policy, row.scope)
                 if limit is None:
-                    conn.execute(self._q(sql.COUNTER_DELETE), {"scope": row.scope})
+                    conn.execute(self._q(recount_sql.COUNTER_DELETE), {"scope": row.scope})
                 elif limit != row.max_active:
-                    conn.execute(self._q(sql.COUNTER_SET_MAX),
+                    conn.execute(self._q(recount_sql.COUNTER_SET_MAX),
                                  {"scope": row.scope, "max_active": limit})
                 # Every raised or removed limit: this read of ``active`` is not locked,
                 # and a claim may fill the scope and a lane sleep on it before commit.
@@ -250,7 +261,7 @@ class SchedulingMixin:
                     freed.add(row.scope)
             if freed:  # lanes blocked on a limit the policy raised: woken before commit
                 conn.info.setdefault(FREED_SCOPES, set()).update(freed)
-            conn.execute(self._q(sql.RECOMPUTE_LANES_FOR_POLICY[self.dialect]), {
+            conn.execute(self._q(recount_sql.RECOMPUTE_LANES_FOR_POLICY[self.dialect]), {
                 "ahead": JOIN_AHEAD,
                 "weights": json.dumps({t: p.weight for t, p in policy.tenants.items()})})
             self._policy_cache[version] = policy
@@ -269,7 +280,7 @@ class SchedulingMixin:
 
     def policy_record(self) -> dict[str, Any] | None:
         with self.reads.connect() as conn:
-            row = conn.execute(self._q(sql.POLICY_LATEST)).first()
+            row = conn.execute(self._q(policy_sql.POLICY_LATEST)).first()
         if row is None:
             return None
         document = row.document if isinstance(row.document, dict) else json.loads(row.document)
@@ -284,9 +295,9 @@ class SchedulingMixin:
         if not names:
             return {}
         queued = {r.tenant: int(r.queued or 0) for r in conn.execute(
-            self._q(sql.TENANT_QUEUED, "tenants"), {"tenants": names})}
+            self._q(policy_sql.TENANT_QUEUED, "tenants"), {"tenants": names})}
         spent = {r.tenant: float(r.usd) for r in conn.execute(
-            self._q(sql.TENANT_SPEND, "tenants"), {"tenants": names, "day": utc_day(now)})}
+            self._q(policy_sql.TENANT_SPEND, "tenants"), {"tenants": names, "day": utc_day(now)})}
         return {t: TenantUsage(queued_runs=queued.get(t, 0), spent_today_usd=spent.get(t, 0.0))
                 for t in names}
 
@@ -313,10 +324,10 @@ class SchedulingMixin:
         for key, (entering, weight) in sorted(lanes.items()):
             queue, route_key, priority, tenant = key
             if (queue, priority) not in vtimes:
-                head = conn.execute(self._q(sql.LANE_VIRTUAL_TIME),
+                head = conn.execute(self._q(lanes_sql.LANE_VIRTUAL_TIME),
                                     {"queue": queue, "priority": priority}).scalar()
                 vtimes[(queue, priority)] = 0.0 if head is None else float(head) - JOIN_AHEAD
-            row = conn.execute(self._q(sql.LANE_UPSERT), {
+            row = conn.execute(self._q(lanes_sql.LANE_UPSERT), {
                 "queue": queue, "route_key": route_key, "priority": priority,
                 "tenant": tenant, "weight": weight, "queued": entering,
                 "vtime": vtimes[(queue, priority)], "tenant_scope": f"tenant:{tenant}",
@@ -334,10 +345,10 @@ class SchedulingMixin:
             moves[lane_id] += 1 if target is S.QUEUED else -1
             return
         if target is S.QUEUED:
-            conn.execute(self._q(sql.LANE_ENTER),
+            conn.execute(self._q(lanes_sql.LANE_ENTER),
                          {"lane_id": lane_id, "n": 1, "ahead": JOIN_AHEAD})
         else:
-            conn.execute(self._q(sql.LANE_LEAVE), {"lane_id": lane_id, "n": 1})
+            conn.execute(self._q(lanes_sql.LANE_LEAVE), {"lane_id": lane_id, "n": 1})
 
     # --- routing ------------------------------------------------------------------
 
@@ -345,7 +356,7 @@ class SchedulingMixin:
         """(queue, route key, queued runs) of every lane with queued runs."""
         with self.reads.connect() as conn:
             return [(r.queue, r.route_key, int(r.queued or 0))
-                    for r in conn.execute(self._q(sql.QUEUED_BY_ROUTE))]
+                    for r in conn.execute(self._q(reads_sql.QUEUED_BY_ROUTE))]
 
     def _servable_routes(self, conn: Connection, capabilities: dict[str, Any] | None
                          ) -> frozenset[str]:
@@ -357,7 +368,7 @@ class SchedulingMixin:
             return cached[1]
         caps = parse_capabilities(capabilities or {})
         keys = frozenset(
-            r.route_key for r in conn.execute(self._q(sql.ROUTES))
+            r.route_key for r in conn.execute(self._q(submit_sql.ROUTES))
             if satisfies(requirements_from_canonical(r.route_key), caps)) | {""}
         self._routes_cache[cache_key] = (time.monotonic(), keys)
         return keys
@@ -367,7 +378,7 @@ class SchedulingMixin:
         return [(set(w.queues if isinstance(w.queues, list) else json.loads(w.queues)),
                  parse_capabilities(w.capabilities if isinstance(w.capabilities, dict)
                                     else json.loads(w.capabilities)))
-                for w in conn.execute(self._q(sql.LIVE_WORKERS))]
+                for w in conn.execute(self._q(reads_sql.LIVE_WORKERS))]
 
     @staticmethod
     def _unserved_because(queue: str, route_key: str,
@@ -389,7 +400,7 @@ class SchedulingMixin:
         with self.reads.connect() as conn:
             live = self._live_workers(conn)
             why: dict[tuple[str, str], str] = {}
-            for lane in conn.execute(self._q(sql.WAITING_ROUTES)).all():
+            for lane in conn.execute(self._q(reads_sql.WAITING_ROUTES)).all():
                 reason = self._unserved_because(lane.queue, lane.route_key, live)
                 if reason is not None:
                     why[(lane.queue, lane.route_key)] = reason
@@ -398,7 +409,7 @@ class SchedulingMixin:
             found: list[dict[str, Any]] = []
             for (queue, route_key), reason in sorted(why.items()):
                 found += [{**dict(r._mapping), "unroutable_because": reason}
-                          for r in conn.execute(self._q(sql.QUEUED_IN_ROUTE),
+                          for r in conn.execute(self._q(reads_sql.QUEUED_IN_ROUTE),
                                                 {"queue": queue, "route_key": route_key,
                                                  "tenant": tenant, "limit": limit})]
             found.sort(key=lambda run: (run["created_at"], run["run_id"]))
@@ -406,7 +417,7 @@ class SchedulingMixin:
 
     def _mark_unserved_lanes(self, conn: Connection) -> dict[str, int]:
         """Mark the queued lanes of routes no live worker serves, and clear the mark of
-        those served again (sql._virtual_time: an unserved lane's pass never moves, and
+        those served again (lanes_sql._virtual_time: an unserved lane's pass never moves, and
         lanes joining at it got credit to spend ahead of the lanes being served). With
         no live worker at all nothing is served and nothing competes: no lane is
         marked (all are cleared)."""
@@ -414,7 +425,7 @@ class SchedulingMixin:
         unserved: dict[tuple[str, str], bool] = {}
         mark: list[str] = []
         clear: list[str] = []
-        for lane in conn.execute(self._q(sql.LANES_BY_ROUTE)).all():
+        for lane in conn.execute(self._q(lanes_sql.LANES_BY_ROUTE)).all():
             key = (lane.queue, lane.route_key)
             if key not in unserved:
                 unserved[key] = bool(live) and self._unserved_because(*key, live) is not None
@@ -422,9 +433,9 @@ class SchedulingMixin:
                 mark.append(str(lane.lane_id))
             elif lane.unserved and not unserved[key]:
                 clear.append(str(lane.lane_id))
-        marked = conn.execute(self._q(sql.MARK_LANES_UNSERVED, "lane_ids"),
+        marked = conn.execute(self._q(lanes_sql.MARK_LANES_UNSERVED, "lane_ids"),
                               {"lane_ids": mark}).rowcount if mark else 0
-        cleared = conn.execute(self._q(sql.MARK_LANES_SERVED, "lane_ids"),
+        cleared = conn.execute(self._q(lanes_sql.MARK_LANES_SERVED, "lane_ids"),
                                {"lane_ids": clear, "ahead": JOIN_AHEAD}).rowcount if clear else 0
         if marked or cleared:
             log.info("unserved_lanes_marked", marked=marked, served_again=cleared)
@@ -449,7 +460,7 @@ class SchedulingMixin:
         if stale:
             held = self._held_slots(conn) if any(s not in counters for s in stale) \
                 else Counter()
-            conn.execute(self._q(sql.ENSURE_COUNTER), [
+            conn.execute(self._q(slots_sql.ENSURE_COUNTER), [
                 {"scope": s, "active": held[s], "max_active": limits[s], "version": version}
                 for s in stale])
             before = counters
@@ -467,7 +478,7 @@ class SchedulingMixin:
         """The slots live attempts hold, per scope (ACTIVE_SLOTS: one row per running
         attempt of a limited run)."""
         held: Counter[str] = Counter()
-        for r in conn.execute(self._q(sql.ACTIVE_SLOTS)):
+        for r in conn.execute(self._q(recount_sql.ACTIVE_SLOTS)):
             held.update(r.limit_scopes if isinstance(r.limit_scopes, list)
                         else json.loads(r.limit_scopes))
         return held
@@ -475,9 +486,9 @@ class SchedulingMixin:
     def _lock_scopes(self, conn: Connection, scopes: list[str]) -> list[Any]:
         """LOCK_SCOPES: the counters of ``scopes`` (sorted), locked in that order."""
         if self.dialect == "postgresql":
-            return list(conn.execute(self._q(sql.LOCK_SCOPES["postgresql"]),
+            return list(conn.execute(self._q(slots_sql.LOCK_SCOPES["postgresql"]),
                                      {"scopes": scopes}))
-        return list(conn.execute(self._q(sql.LOCK_SCOPES["sqlite"], "scopes"),
+        return list(conn.execute(self._q(slots_sql.LOCK_SCOPES["sqlite"], "scopes"),
                                  {"scopes": scopes}))
 
     def _give_back_slots(self, conn: Connection, run_id: str, token: int, raw: Any, *,
@@ -501,7 +512,7 @@ class SchedulingMixin:
         if not held:
             return
         if not cleared:
-            conn.execute(self._q(sql.CLEAR_ATTEMPT_SLOTS),
+            conn.execute(self._q(slots_sql.CLEAR_ATTEMPT_SLOTS),
                          [{"run_id": run_id, "token": token} for run_id, token, _ in held])
         slots = Counter(scope for _, _, run_scopes in held for scope in run_scopes)
         if not slots:
@@ -510,14 +521,14 @@ class SchedulingMixin:
         self._lock_scopes(conn, scopes)
         below: set[str] = set()  # scopes this release took below their limit
         if self.dialect == "postgresql":
-            below.update(r.scope for r in conn.execute(self._q(sql.GIVE_SLOTS_MANY_PG), {
+            below.update(r.scope for r in conn.execute(self._q(slots_sql.GIVE_SLOTS_MANY_PG), {
                 "scopes": scopes, "counts": [slots[s] for s in scopes]}) if r.freed)
         else:
             for _, _, run_scopes in held:
                 if not run_scopes:
                     continue
                 below.update(r.scope for r in conn.execute(
-                    self._q(sql.GIVE_SLOTS, "scopes"), {"scopes": sorted(run_scopes)})
+                    self._q(slots_sql.GIVE_SLOTS, "scopes"), {"scopes": sorted(run_scopes)})
                     if r.active == r.max_active - 1)  # it was full: something may wait
         # Every tenant it took below its limit shows its lanes again: one statement,
         # all their lanes in lane_id order (tenant by tenant, a release of two tenants
@@ -527,7 +538,7 @@ class SchedulingMixin:
         if shown and conn.info.get(LANE_MOVES) is not None:
             conn.info.setdefault(TENANT_MARKS, {}).update(dict.fromkeys(shown, 0))
         elif shown:
-            conn.execute(self._q(sql.MARK_TENANT_LANES, "tenants"),
+            conn.execute(self._q(lanes_sql.MARK_TENANT_LANES, "tenants"),
                          {"tenants": shown, "at_limit": 0, "ahead": JOIN_AHEAD})
         freed = {s for s in below if not s.startswith("tenant:")}
         if freed:  # woken last in the transaction: Store._transaction
@@ -535,12 +546,12 @@ class SchedulingMixin:
 
     def _wake_blocked_lanes(self, conn: Connection, freed: set[str]) -> set[int]:
         """Scopes that were full have room again: the lanes asleep on them wake. The
-        last lane write of a transaction (sql.WAKE_BLOCKED_LANES). Returns the lanes
+        last lane write of a transaction (lanes_sql.WAKE_BLOCKED_LANES). Returns the lanes
         it had to skip, still asleep: the caller wakes them after its commit
         (``_wake_skipped_lanes``)."""
         params = {"scopes": sorted(freed), "ahead": JOIN_AHEAD}
-        conn.execute(self._q(sql.WAKE_BLOCKED_LANES, "scopes"), params)
-        return {r.lane_id for r in conn.execute(self._q(sql.LANE_BLOCKS_DELETE, "scopes"),
+        conn.execute(self._q(lanes_sql.WAKE_BLOCKED_LANES, "scopes"), params)
+        return {r.lane_id for r in conn.execute(self._q(lanes_sql.LANE_BLOCKS_DELETE, "scopes"),
                                                  params) if r.still_asleep}
 
     def _wake_skipped_lanes(self, lane_ids: set[int]) -> None:
@@ -552,9 +563,9 @@ class SchedulingMixin:
         def wake(conn: Connection, lane_id: int) -> None:
             # Briefly: the caller's work has committed, and its caller should not wait
             # on a lane for long (the recheck bounds the sleep if this gives up).
-            conn.execute(self._q(sql.LOCAL_LOCK_TIMEOUT),
+            conn.execute(self._q(lanes_sql.LOCAL_LOCK_TIMEOUT),
                          {"timeout": f"{int(SKIPPED_LANE_WAKE_WAIT_SECONDS * 1000)}ms"})
-            conn.execute(self._q(sql.LANE_WAKE_AFTER_RELEASE),
+            conn.execute(self._q(lanes_sql.LANE_WAKE_AFTER_RELEASE),
                          {"lane_id": lane_id, "ahead": JOIN_AHEAD})
 
         for lane_id in sorted(lane_ids):
@@ -572,7 +583,7 @@ class SchedulingMixin:
 
         counters: dict[str, int] = {}
         held: Counter[str] = Counter()
-        for r in conn.execute(self._q(sql.AUDIT_SLOTS)):
+        for r in conn.execute(self._q(audit_sql.AUDIT_SLOTS)):
             if r.scope is not None:
                 counters[r.scope] = int(r.active)
             else:
@@ -587,28 +598,29 @@ class SchedulingMixin:
         rows, counters, lanes), so no claim or release is half-way through; lanes
         another transaction holds are skipped (recounted next pass), so the recount
         never waits on a lane."""
-        locked_counters = conn.execute(self._q(sql.LOCK_COUNTERS)).all()
+        locked_counters = conn.execute(self._q(recount_sql.LOCK_COUNTERS)).all()
         counters = {r.scope: int(r.active) for r in locked_counters}
         maxima = {r.scope: int(r.max_active) for r in locked_counters}
         held = self._held_slots(conn)
         fixed = 0
         for scope, active in counters.items():
             if held[scope] != active:
-                conn.execute(self._q(sql.COUNTER_SET), {"scope": scope, "n": held[scope]})
+                conn.execute(self._q(recount_sql.COUNTER_SET), {"scope": scope, "n": held[scope]})
                 fixed += 1
                 if active >= maxima[scope] > held[scope]:  # drift kept it full: wake
                     conn.info.setdefault(FREED_SCOPES, set()).add(scope)
-        locked = set(conn.execute(self._q(sql.LOCK_LANES)).scalars())
-        drift = [r for r in conn.execute(self._q(sql.LANE_COUNT_DRIFT)) if r.lane_id in locked]
+        locked = set(conn.execute(self._q(recount_sql.LOCK_LANES)).scalars())
+        drift = [r for r in conn.execute(self._q(recount_sql.LANE_COUNT_DRIFT))
+                 if r.lane_id in locked]
         for r in drift:
-            conn.execute(self._q(sql.LANE_SET_COUNT), {"lane_id": r.lane_id, "n": r.actual})
+            conn.execute(self._q(recount_sql.LANE_SET_COUNT), {"lane_id": r.lane_id, "n": r.actual})
         # Always, not only after a recount: a flag wrong on its own (a tenant shown as
         # full below its limit) hid the tenant's runs from every claim, for good. It
         # writes only the lanes whose flag is wrong.
-        flags = conn.execute(self._q(sql.RECOMPUTE_TENANT_FLAGS), {"ahead": JOIN_AHEAD}
+        flags = conn.execute(self._q(recount_sql.RECOMPUTE_TENANT_FLAGS), {"ahead": JOIN_AHEAD}
                              ).rowcount
         # A lane asleep past its due runs and the recheck hid them from every claim.
-        woken = conn.execute(self._q(sql.WAKE_OVERSLEPT_LANES), {
+        woken = conn.execute(self._q(lanes_sql.WAKE_OVERSLEPT_LANES), {
             "now": self.clock.now(), "recheck": BLOCKED_LANE_RECHECK_SECONDS,
             "ahead": JOIN_AHEAD}).rowcount
         if drift or fixed or flags or woken:
@@ -628,7 +640,7 @@ class SchedulingMixin:
     def _walk(self, statement: str) -> str:
         """A claim statement, made to skip paused providers' runs when the policy in
         force (as this store last read it) declares providers; else as it is."""
-        return sql.with_provider_pauses(statement) if self._walk_pauses else statement
+        return claim_sql.with_provider_pauses(statement) if self._walk_pauses else statement
 
     def _claim_candidates(self, conn: Connection, queue: str, limit: int,
                           capabilities: dict[str, Any] | None, run_id: str | None, *,
@@ -648,7 +660,7 @@ class SchedulingMixin:
         # Whether this walk skips paused providers' runs (_admit_candidates checks).
         conn.info[PAUSES_WALKED] = self._walk_pauses
         if run_id is not None:
-            return list(conn.execute(self._q(self._walk(sql.RUN_CANDIDATE)),
+            return list(conn.execute(self._q(self._walk(claim_sql.RUN_CANDIDATE)),
                                      {"run_id": run_id, "now": now})), empty
         routes = sorted(self._servable_routes(conn, capabilities))
         candidates: list[Any] = []
@@ -739,7 +751,7 @@ class SchedulingMixin:
                            capabilities: dict[str, Any] | None, *, worker_id: str,
                            lease_ttl: float) -> list[Any] | None:
         """PostgreSQL: the whole claim as one autocommit statement, one round trip
-        (sql.CLAIM_ONE_TRIP_PG), while the policy in force is the one this store last
+        (claim_sql.CLAIM_ONE_TRIP_PG), while the policy in force is the one this store last
         saw and it sets no daily budgets: admission at claim then repeats the decision
         recorded at admission (a pure function of the same inputs), which the statement
         reads from the run. Returns the claimed runs (each row has what its lease
@@ -762,7 +774,7 @@ class SchedulingMixin:
             routes = sorted(self._servable_routes(conn, capabilities))
             # The pauses walked are those of the policy of ``version``: the statement
             # claims nothing under another.
-            rows = self._driver_rows(conn, self._walk(sql.CLAIM_ONE_TRIP_PG), {
+            rows = self._driver_rows(conn, self._walk(claim_sql.CLAIM_ONE_TRIP_PG), {
                 "queue": queue, "routes": routes, "limit": max(limit, LANE_PAGE),
                 "wanted": limit, "after_priority": -(2**31), "after_pass": float("-inf"),
                 "after_lane": -1, "version": version, "worker_id": worker_id,
@@ -804,33 +816,34 @@ class SchedulingMixin:
             marks: dict[str, int] = info.pop(TENANT_MARKS, {})
         moved = sorted(lane_id for lane_id in moves if moves[lane_id])
         if moved and marks and self.dialect == "postgresql":  # both sets, one order
-            conn.execute(self._q(sql.LOCK_LANES_TO_WRITE), {
+            conn.execute(self._q(lanes_sql.LOCK_LANES_TO_WRITE), {
                 "lane_ids": moved, "tenants": sorted(marks),
                 "flags": [marks[tenant] for tenant in sorted(marks)]})
         for lane_id in moved:
             if moves[lane_id] > 0:
-                conn.execute(self._q(sql.LANE_ENTER),
+                conn.execute(self._q(lanes_sql.LANE_ENTER),
                              {"lane_id": lane_id, "n": moves[lane_id], "ahead": JOIN_AHEAD})
             else:
-                conn.execute(self._q(sql.LANE_LEAVE), {"lane_id": lane_id, "n": -moves[lane_id]})
+                conn.execute(self._q(lanes_sql.LANE_LEAVE),
+                             {"lane_id": lane_id, "n": -moves[lane_id]})
         for at_limit in (0, 1):
             tenants = sorted(t for t, flag in marks.items() if flag == at_limit)
             if tenants:
-                conn.execute(self._q(sql.MARK_TENANT_LANES, "tenants"),
+                conn.execute(self._q(lanes_sql.MARK_TENANT_LANES, "tenants"),
                              {"tenants": tenants, "at_limit": at_limit, "ahead": JOIN_AHEAD})
 
     def _sleep_blocked_lanes(self, conn: Connection, empty: set[int]) -> None:
         """Lanes that gave nothing although runs of them are visible, every one blocked
-        by full scopes, sleep on those scopes (sql.LANE_BLOCKING_SCOPES)."""
+        by full scopes, sleep on those scopes (lanes_sql.LANE_BLOCKING_SCOPES)."""
         expanding = () if self.dialect == "postgresql" else ("lane_ids",)
-        blocks = conn.execute(self._q(sql.LANE_BLOCKING_SCOPES[self.dialect], *expanding),
+        blocks = conn.execute(self._q(lanes_sql.LANE_BLOCKING_SCOPES[self.dialect], *expanding),
                               {"lane_ids": sorted(empty), "now": self.clock.now()}).all()
         if not blocks:
             return
         seen = sorted({b.lane_id: b for b in blocks}.items())
         common = {"now": blocks[0].read_at,  # the read's time, not a second one
                   "recheck": BLOCKED_LANE_RECHECK_SECONDS}
-        sleep = self._q(sql.BLOCKED_LANES_SLEEP[self.dialect])
+        sleep = self._q(lanes_sql.BLOCKED_LANES_SLEEP[self.dialect])
         asleep: set[int] = set()
         if self.dialect == "postgresql":
             asleep.update(conn.execute(sleep, {
@@ -844,7 +857,7 @@ class SchedulingMixin:
                     "next_visible_at": b.next_visible_at}).scalars())
         rows = [{"scope": b.scope, "lane_id": b.lane_id} for b in blocks if b.lane_id in asleep]
         if rows:
-            conn.execute(self._q(sql.LANE_BLOCK_INSERT), rows)
+            conn.execute(self._q(lanes_sql.LANE_BLOCK_INSERT), rows)
             for row in rows:  # a lane held back by a full scope, until it has room
                 self._on_commit(conn, functools.partial(
                     metrics.capacity_denied, metrics.dimension_of(row["scope"])))
@@ -856,13 +869,13 @@ class SchedulingMixin:
         their visible runs, until a release gives one of those scopes room; and wake
         the lanes whose time came. Returns the lanes woken."""
         if empty:
-            sleep = self._q(sql.LANES_SLEEP["postgresql"]) if self.dialect == "postgresql" \
-                else self._q(sql.LANES_SLEEP["sqlite"], "lane_ids")
+            sleep = self._q(lanes_sql.LANES_SLEEP["postgresql"]) if self.dialect == "postgresql" \
+                else self._q(lanes_sql.LANES_SLEEP["sqlite"], "lane_ids")
             conn.execute(sleep, {"lane_ids": sorted(empty), "now": self.clock.now()})
             self._sleep_blocked_lanes(conn, empty)
         if not wake:
             return 0
-        woken = conn.execute(self._q(sql.LANES_WAKE),
+        woken = conn.execute(self._q(lanes_sql.LANES_WAKE),
                              {"now": self.clock.now(), "ahead": JOIN_AHEAD}).rowcount
         return int(woken or 0)
 
@@ -872,7 +885,7 @@ class SchedulingMixin:
                                bool]:
         """One page of ``size`` lanes in fair order after ``after``; when the page is
         full, the other served lanes of its flows that lie beyond its last lane (its
-        companions: a flow's lanes may fall on two pages, sql.PAGE_COMPANIONS); and
+        companions: a flow's lanes may fall on two pages, claim_sql.PAGE_COMPANIONS); and
         whether sleeping lanes are due. PostgreSQL also walks, in the same statement,
         each lane that can get a share of ``wanted`` (its flow's) for as many runs as
         that share can be at most (``PICK_AND_WALK_PG``; lanes of earlier pages
@@ -885,7 +898,7 @@ class SchedulingMixin:
                   "after_priority": after[0], "after_pass": after[1],
                   "after_lane": after[2], "now": now}
         if self.dialect != "postgresql":
-            rows = list(conn.execute(self._q(sql.PICK_LANES["sqlite"], "routes"), params))
+            rows = list(conn.execute(self._q(claim_sql.PICK_LANES["sqlite"], "routes"), params))
             page = [LaneState(r.lane_id, r.priority, r.weight, r.pass_, r.queued_count,
                               r.tenant) for r in rows]
             companions: list[LaneState] = []
@@ -894,7 +907,7 @@ class SchedulingMixin:
                 companions = order(LaneState(
                     r.lane_id, r.priority, r.weight, r.pass_, r.queued_count, r.tenant)
                     for r in conn.execute(
-                        self._q(sql.PAGE_COMPANIONS["sqlite"], "tenants", "routes"), {
+                        self._q(claim_sql.PAGE_COMPANIONS["sqlite"], "tenants", "routes"), {
                             "tenants": sorted({lane.tenant for lane in page
                                                if lane.priority == end.priority}),
                             "queue": queue, "routes": routes, "end_priority": end.priority,
@@ -903,7 +916,7 @@ class SchedulingMixin:
         lanes: dict[int, tuple[LaneState, bool]] = {}
         walked: dict[int, list[Any]] = {}
         due = False
-        for r in conn.execute(self._q(self._walk(sql.PICK_AND_WALK_PG)),
+        for r in conn.execute(self._q(self._walk(claim_sql.PICK_AND_WALK_PG)),
                               {**params, "wanted": wanted}):
             due = due or bool(r.lanes_due)
             lanes[r.page_lane_id] = (LaneState(r.page_lane_id, r.page_priority, r.weight,
@@ -922,7 +935,7 @@ class SchedulingMixin:
         """Each lane's next ``share`` runnable runs after its cursor, SKIP LOCKED."""
         start = (float("-inf"), "")
         if self.dialect == "postgresql":
-            rows = conn.execute(self._q(self._walk(sql.LANE_RUNS["postgresql"])), {
+            rows = conn.execute(self._q(self._walk(claim_sql.LANE_RUNS["postgresql"])), {
                 "lane_ids": [lane for lane, _ in shares],
                 "shares": [n for _, n in shares],
                 "after_created": [cursors.get(lane, start)[0] for lane, _ in shares],
@@ -930,7 +943,7 @@ class SchedulingMixin:
                 "now": now}).all()
         else:
             rows = [row for lane, n in shares for row in conn.execute(
-                self._q(self._walk(sql.LANE_RUNS["sqlite"])),
+                self._q(self._walk(claim_sql.LANE_RUNS["sqlite"])),
                 {"lane_id": lane, "share": n, "after_created": cursors.get(lane, start)[0],
                  "after_id": cursors.get(lane, start)[1], "now": now})]
         by_lane: dict[int, list[Any]] = {}
@@ -957,7 +970,7 @@ class SchedulingMixin:
         if policy.providers and not conn.info.get(PAUSES_WALKED):
             # Walked before this store knew the policy declares providers (its first
             # claim since): the paused providers' runs are left out here instead.
-            paused = set(conn.execute(self._q(sql.PAUSED_PROVIDERS),
+            paused = set(conn.execute(self._q(providers_sql.PAUSED_PROVIDERS),
                                       {"now": now}).scalars())
             candidates = [c for c in candidates if c.provider not in paused]
             if not candidates:
@@ -1082,8 +1095,8 @@ class SchedulingMixin:
             # (_allot_slots). Still holding the first ones, it would lock a new, lower
             # scope after higher ones: a deadlock with the claim that made it (a
             # review, reproduced every time). Rolled back to here, it holds none.
-            conn.exec_driver_sql(sql.CLAIM_SAVEPOINT)
-            rows: list[Any] = self._driver_rows(conn, sql.CLAIM_WRITE_PG, {
+            conn.exec_driver_sql(claim_sql.CLAIM_SAVEPOINT)
+            rows: list[Any] = self._driver_rows(conn, claim_sql.CLAIM_WRITE_PG, {
                 "slot_scopes": sorted(slots), "slot_counts": [slots[s] for s in sorted(slots)],
                 "slot_max": [maxima[s] for s in sorted(slots)],
                 "run_ids": run_ids, "estimated": [c.estimated_cost_usd for c, _ in passed],
@@ -1092,7 +1105,7 @@ class SchedulingMixin:
                 "lane_gone": [left[lane] for lane in lanes], "ahead": JOIN_AHEAD, "now": now,
                 "also_full": sorted(full_tenants or ())})
             if not rows:  # a counter was missing, stale or short of room
-                conn.exec_driver_sql(sql.CLAIM_ROLLBACK_TO_SAVEPOINT)  # its locks go
+                conn.exec_driver_sql(claim_sql.CLAIM_ROLLBACK_TO_SAVEPOINT)  # its locks go
                 return None
             if gone is not None:
                 for lane in left:  # written: nothing left to move for them
@@ -1100,14 +1113,14 @@ class SchedulingMixin:
             slots_taken = int(rows[0].slots_taken)
             full_tenants = set(rows[0].full_tenants)
         else:
-            slots_taken = sum(conn.execute(self._q(sql.ADD_SLOTS), {"scope": s, "n": n})
+            slots_taken = sum(conn.execute(self._q(claim_sql.ADD_SLOTS), {"scope": s, "n": n})
                               .rowcount for s, n in sorted(slots.items()))
-            rows = list(conn.execute(self._q(sql.CLAIM_RUNS, "run_ids"),
+            rows = list(conn.execute(self._q(claim_sql.CLAIM_RUNS, "run_ids"),
                                      {"run_ids": run_ids, "now": now}))
             by_id = {r.run_id: r for r in rows}
             estimated = {c.run_id: c.estimated_cost_usd for c, _ in passed}
             held = dict(zip(run_ids, scopes, strict=True))
-            conn.execute(self._q(sql.INSERT_ATTEMPT), [
+            conn.execute(self._q(claim_sql.INSERT_ATTEMPT), [
                 {"run_id": r.run_id, "attempt_no": r.attempt_count,
                  "fencing_token": r.fencing_token, "worker_id": worker_id,
                  "lease_expires_at": r.now + lease_ttl, "now": r.now,
@@ -1119,17 +1132,17 @@ class SchedulingMixin:
                  "to_status": S.CLAIMED.value, "reason_code": None,
                  "fencing_token": r.fencing_token, "message": None}
                 for r in by_id.values()])
-            conn.execute(self._q(sql.LANE_LEAVE),
+            conn.execute(self._q(lanes_sql.LANE_LEAVE),
                          [{"lane_id": lane, "n": per_lane[lane]} for lane in lanes])
             per_flow = Counter((c.queue, c.priority, c.tenant) for c, _ in passed)
-            conn.execute(self._q(sql.FLOW_CLAIMED), [
+            conn.execute(self._q(lanes_sql.FLOW_CLAIMED), [
                 {"queue": queue, "priority": priority, "tenant": tenant, "n": n}
                 for (queue, priority, tenant), n in sorted(per_flow.items())])
         # Cannot happen: the runs and the counters are locked.
         if len(rows) != len(passed) or slots_taken != len(slots):
             raise TransitionRefused("claimed runs or their slots changed while locked")
         if self.dialect != "postgresql" and full_tenants:  # PostgreSQL's statement hid them
-            conn.execute(self._q(sql.MARK_TENANT_LANES, "tenants"),
+            conn.execute(self._q(lanes_sql.MARK_TENANT_LANES, "tenants"),
                          {"tenants": sorted(full_tenants), "at_limit": 1, "ahead": JOIN_AHEAD})
         return rows
 
@@ -1137,7 +1150,7 @@ class SchedulingMixin:
         """Invariant 7, third check: a side effect is refused when the policy in force
         now denies the run, whatever the policy it was admitted under."""
         version, policy = self._policy(conn)
-        row = conn.execute(self._q(sql.RUN_FOR_POLICY), {"run_id": run_id}).one()
+        row = conn.execute(self._q(policy_sql.RUN_FOR_POLICY), {"run_id": run_id}).one()
         if version == row.policy_version and version == 0:
             return
         decision = admit(self._request_of(row), policy, version, TenantUsage(), self._now(conn))
@@ -1153,7 +1166,7 @@ class SchedulingMixin:
     def _dependency_outcome(self, conn: Connection, task_id: str) -> RunStatus:
         """QUEUED when every dependency succeeded, CANCELLED when one ended without
         success, ADMITTED while any is still on its way."""
-        row = conn.execute(self._q(sql.DEPENDENCY_STATE), {"task_id": task_id}).one()
+        row = conn.execute(self._q(policy_sql.DEPENDENCY_STATE), {"task_id": task_id}).one()
         if row.failed:
             return S.CANCELLED
         return S.ADMITTED if row.pending else S.QUEUED
@@ -1163,7 +1176,7 @@ class SchedulingMixin:
         rows locked in run_id order; the lanes they enter written at the end, in
         lane_id order: dependents of several lanes took them in query order)."""
         with self._lane_moves_in_order(conn):
-            for r in conn.execute(self._q(sql.DEPENDENT_RUNS), {"task_id": task_id}).all():
+            for r in conn.execute(self._q(policy_sql.DEPENDENT_RUNS), {"task_id": task_id}).all():
                 outcome = self._dependency_outcome(conn, r.task_id)
                 if outcome is S.ADMITTED:
                     continue
@@ -1219,7 +1232,7 @@ class SchedulingMixin:
                        page_size: int, not_yet_due: bool
                        ) -> tuple[tuple[float, str], dict[str, int], int]:
         now = self._now(conn)
-        rows = conn.execute(self._q(sql.DUE_WAITING), {
+        rows = conn.execute(self._q(policy_sql.DUE_WAITING), {
             "status": status.value, "now": float("inf") if not_yet_due else now,
             "after_created": after[0],
             "after_id": after[1], "limit": page_size}).all()
@@ -1252,12 +1265,12 @@ class SchedulingMixin:
                 self._on_commit(conn, functools.partial(
                     metrics.policy_decision, "scheduler", decision.decision,
                     decision.reason_code))
-                conn.execute(self._q(sql.SET_ADMISSION), {
+                conn.execute(self._q(policy_sql.SET_ADMISSION), {
                     "run_id": r.run_id, "policy_version": version,
                     "admission": json.dumps({**decision.to_json(),
                                              "first_policy_version": first_policy_version(r)})})
                 if decision.decision == "DEFER":
-                    conn.execute(self._q(sql.SET_VISIBLE), {
+                    conn.execute(self._q(policy_sql.SET_VISIBLE), {
                         "run_id": r.run_id, "visible_at": decision.retry_after,
                         "reason_code": decision.reason_code, "message": decision.message,
                         "now": now})
@@ -1295,7 +1308,7 @@ class SchedulingMixin:
     def _admit_queued_backlog(self, *, scan: int) -> dict[str, int]:
         """After a policy change: every queued run admitted under another version is
         admitted again under the version in force, a page of the dispatch index at a
-        time, each page its own short transaction (sql.QUEUED_PAGE). A denied or
+        time, each page its own short transaction (policy_sql.QUEUED_PAGE). A denied or
         deferred run leaves the queue now rather than at its claim; a run of a
         cancelled task is pruned. An admitted run whose terms are unchanged (queue,
         priority, maximum attempts, risk class, requirements, limits: the run keeps
@@ -1320,7 +1333,7 @@ class SchedulingMixin:
             not held): the ids it locked, what became of them, the version."""
             version, policy = self._policy(conn)
             rows = conn.execute(self._q(
-                sql.QUEUED_UNDER_OTHER_POLICY[self.dialect],
+                policy_sql.QUEUED_UNDER_OTHER_POLICY[self.dialect],
                 *RUN_IDS_EXPANDING[self.dialect]), {
                 "run_ids": run_ids, "version": version}).all()
             if not rows:
@@ -1337,11 +1350,11 @@ class SchedulingMixin:
                 for c, decision in decided
                 if decision.decision == "ADMIT" and same_terms(c, decision)}
             if admitted and self.dialect == "postgresql":
-                conn.execute(self._q(sql.SET_ADMISSIONS_PG), {
+                conn.execute(self._q(policy_sql.SET_ADMISSIONS_PG), {
                     "run_ids": list(admitted), "admissions": list(admitted.values()),
                     "policy_version": version})
             elif admitted:
-                conn.execute(self._q(sql.SET_ADMISSION), [
+                conn.execute(self._q(policy_sql.SET_ADMISSION), [
                     {"run_id": run_id, "admission": admission, "policy_version": version}
                     for run_id, admission in admitted.items()])
             kinds = Counter(decision.decision for _, decision in decided)
@@ -1354,8 +1367,8 @@ class SchedulingMixin:
                  ) -> tuple[tuple[int, float, str], int, list[str], Counter[str], set[int]]:
             """One page of the queue: its last key, its size, the runs it had to skip,
             what became of the others, the versions it decided under."""
-            version = int(conn.execute(self._q(sql.POLICY_VERSION)).scalar() or 0)
-            keys = conn.execute(self._q(sql.QUEUED_PAGE), {
+            version = int(conn.execute(self._q(policy_sql.POLICY_VERSION)).scalar() or 0)
+            keys = conn.execute(self._q(policy_sql.QUEUED_PAGE), {
                 "after_lane": after[0], "after_created": after[1], "after_id": after[2],
                 "scan": scan}).all()
             if not keys:
@@ -1370,7 +1383,7 @@ class SchedulingMixin:
 
         def still_under_other_policy(conn: Connection, run_ids: list[str]) -> int:
             return int(conn.execute(self._q(
-                sql.COUNT_QUEUED_UNDER_OTHER_POLICY[self.dialect],
+                policy_sql.COUNT_QUEUED_UNDER_OTHER_POLICY[self.dialect],
                 *RUN_IDS_EXPANDING[self.dialect]),
                 {"run_ids": run_ids}).scalar() or 0)
 
@@ -1402,7 +1415,7 @@ class SchedulingMixin:
             # that a claim took under an older record and a retry queues again keeps
             # that record; its claims admit it again, as before any pass.
             self._transaction(lambda conn: conn.execute(
-                self._q(sql.MARK_BACKLOG_ADMITTED), {"version": versions.pop(),
+                self._q(policy_sql.MARK_BACKLOG_ADMITTED), {"version": versions.pop(),
                                                      "now": self.clock.now()}))
         return dict(counts)
 
@@ -1413,13 +1426,13 @@ class SchedulingMixin:
         if version == 0:
             return True
         with self.reads.connect() as conn:
-            return conn.execute(self._q(sql.BACKLOG_ADMITTED),
+            return conn.execute(self._q(policy_sql.BACKLOG_ADMITTED),
                                 {"version": version}).scalar() is not None
 
     # --- budgets ------------------------------------------------------------------
 
     def _add_tenant_spend(self, conn: Connection, tenant: str, usd: float, now: float) -> None:
         if usd:
-            conn.execute(self._q(sql.ADD_TENANT_SPEND),
+            conn.execute(self._q(policy_sql.ADD_TENANT_SPEND),
                          {"tenant": tenant, "day": utc_day(now), "usd": usd})
             self._on_commit(conn, functools.partial(metrics.cost, tenant, usd))

@@ -78,7 +78,7 @@ tasks = Table(
     Column("traceparent", String(128)),
     # One task per (tenant, idempotency key); a task without a key has no entry, so an
     # unkeyed submit writes none (migration 0015). The submit's ON CONFLICT names the
-    # predicate (sql.SUBMIT_WRITE_PG, Store._write_submission).
+    # predicate (submit_sql.SUBMIT_WRITE_PG, Store._write_submission).
     Index(IDEMPOTENCY_INDEX_NAME, "tenant", "idempotency_key", unique=True,
           postgresql_where=text(IDEMPOTENCY_INDEX_WHERE),
           sqlite_where=text(IDEMPOTENCY_INDEX_WHERE)),
@@ -199,11 +199,11 @@ lanes = Table(
     # the pick index until then (migration 0005).
     Column("wake_at", Timestamp),
     # Set by the reconciler while no live worker serves the lane's route: the lane
-    # stays out of its priority's virtual time (migration 0013, sql._virtual_time).
+    # stays out of its priority's virtual time (migration 0013, lanes_sql._virtual_time).
     Column("unserved", Integer, nullable=False, server_default="0"),
     UniqueConstraint("queue", "route_key", "priority", "tenant", name="uq_lanes_key"),
     # A lane's flow (migration 0012): a tenant's lanes of one queue and priority share
-    # one pass (sql.FLOW_CLAIMED); also every lookup of a tenant's lanes.
+    # one pass (lanes_sql.FLOW_CLAIMED); also every lookup of a tenant's lanes.
     Index("ix_lanes_flow", "tenant", "queue", "priority"),
     Index(
         "ix_lanes_pick",
@@ -211,7 +211,7 @@ lanes = Table(
         postgresql_where=text("queued_count > 0 AND tenant_at_limit = 0 AND wake_at IS NULL"),
         sqlite_where=text("queued_count > 0 AND tenant_at_limit = 0 AND wake_at IS NULL"),
     ),
-    # PostgreSQL's page of lanes walks each served route on its own (sql.PICK_LANES):
+    # PostgreSQL's page of lanes walks each served route on its own (claim_sql.PICK_LANES):
     # lanes of routes nobody serves are never read.
     Index(
         "ix_lanes_route_pick",
@@ -267,7 +267,7 @@ routes = Table(
 # The scheduling policy, one row per distinct version (by digest).
 # Added by 0026: a model provider paused by its rate limit (PROVIDER_RATE_LIMIT with a
 # retry-after) until ``paused_until``; one row per provider, whatever its runs. Claims
-# skip the provider's runs meanwhile, for every tenant (sql.with_provider_pauses).
+# skip the provider's runs meanwhile, for every tenant (claim_sql.with_provider_pauses).
 provider_pauses = Table(
     "provider_pauses",
     metadata,
@@ -486,7 +486,7 @@ campaign_targets = Table(
     UniqueConstraint("campaign_id", "target_key", name="uq_campaign_targets_key"),
     # The dispatch's pick: a campaign's pending targets of released batches, in order.
     Index("ix_campaign_targets_state", "campaign_id", "state", "batch", "position"),
-    # A run's end finds its target (campaigns_sql.TARGET_END_PG, sql._SET_RETURNING).
+    # A run's end finds its target (campaigns_sql.TARGET_END_PG, lease_sql._SET_RETURNING).
     Index("ix_campaign_targets_run", "run_id",
           postgresql_where=text("run_id IS NOT NULL"), sqlite_where=text("run_id IS NOT NULL")),
 )

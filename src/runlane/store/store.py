@@ -78,8 +78,17 @@ from runlane.errors import (
     redact_credentials,
 )
 from runlane.observability import metrics
+from runlane.store import (
+    audit_sql,
+    dialect_sql,
+    lease_sql,
+    policy_sql,
+    providers_sql,
+    reads_sql,
+    submit_sql,
+    transition_log,
+)
 from runlane.store import maintenance_sql as msql
-from runlane.store import sql, transition_log
 from runlane.store.campaigns import CampaignMixin
 from runlane.store.engine import build_engine, dialect_of
 from runlane.store.evidence import (
@@ -456,7 +465,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         self.retry_policy = retry_policy or RetryPolicy()
         self.payload_cap_bytes = payload_cap_bytes
         self.rng = rng or random.Random()
-        self._sql = sql.Statements(self.dialect)
+        self._sql = dialect_sql.Statements(self.dialect)
         self._cache: dict[tuple[str, tuple[str, ...]], Any] = {}
         self._driver_cache: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._policy_cache: dict[int, Policy] = {}
@@ -576,7 +585,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                     try:
                         result = work(conn)
                         # Lanes blocked on scopes the work's releases freed: last, so
-                        # that no lane write waits after these locks (see sql.py).
+                        # that no lane write waits after these locks (see lanes_sql.py).
                         freed = info.pop(FREED_SCOPES, None)
                         if freed:
                             skipped = self._wake_blocked_lanes(conn, freed)
@@ -630,7 +639,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             if suffix:
                 raise ValueError("suffix is PostgreSQL-only")
             return conn.execute(statement, rows)
-        statement = self._q(sql.bulk_insert_json(table, list(rows[0]), suffix))
+        statement = self._q(dialect_sql.bulk_insert_json(table, list(rows[0]), suffix))
         return conn.execute(statement, {"rows": json.dumps(rows)})
 
     def _record(self, conn: Connection, events: list[dict[str, Any]]) -> None:
@@ -662,7 +671,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         """
         check_path([source], path)
         target = path[-1]
-        statement = sql.SET_RUN_STATUS_FENCED if fenced else sql.SET_RUN_STATUS
+        statement = lease_sql.SET_RUN_STATUS_FENCED if fenced else lease_sql.SET_RUN_STATUS
         row = conn.execute(
             self._q(statement, "sources"),
             {
@@ -709,7 +718,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         self._on_commit(conn, functools.partial(
             metrics.run_ended, target.value, ended - float(row.created_at)))
         if target is S.CANCELLED and reason_code == Reason.CANCELLED_BY_USER:
-            asked = conn.execute(self._q(sql.CANCEL_REQUESTED_AT),
+            asked = conn.execute(self._q(lease_sql.CANCEL_REQUESTED_AT),
                                  {"task_id": row.task_id}).scalar()
             if asked is not None:
                 self._on_commit(conn, functools.partial(metrics.cancelled,
@@ -816,7 +825,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                 report = fitted[i][1]
                 task_id = item["task_id"]
                 if task_id in skipped:  # the key was taken before
-                    existing = conn.execute(self._q(sql.EXISTING_RUN), {
+                    existing = conn.execute(self._q(submit_sql.EXISTING_RUN), {
                         "tenant": item["tenant"],
                         "key": item.get("idempotency_key")}).first()
                     if existing is None:
@@ -830,7 +839,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                     # matching (what they were asked with is not known).
                     if existing.request_digest is not None \
                             and existing.request_digest != digests[i]:
-                        stored = conn.execute(self._q(sql.TASK_AS_ASKED), {
+                        stored = conn.execute(self._q(submit_sql.TASK_AS_ASKED), {
                             "task_id": existing.task_id}).first()
                         raise _key_conflict(fitted[i][0], existing.task_id, None
                                             if stored is None else differing_field(
@@ -888,14 +897,14 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                     default_max_attempts=default_max_attempts, actor=actor)
             except TimeNeeded:
                 pass
-        context = conn.execute(self._q(sql.SUBMIT_CONTEXT),
+        context = conn.execute(self._q(submit_sql.SUBMIT_CONTEXT),
                                {"now": self.clock.now()}).one()
         now, version = float(context.now), int(context.version or 0)
         policy = self._policy_version(conn, version)
         usage = self._tenant_usage(conn, {spec.tenant for spec, _ in fitted}, now) \
             if policy_needs_usage(policy) else {}
         known = {r.task_id: r.tenant for r in conn.execute(
-            self._q(sql.NAMED_TASKS, "task_ids"), {"task_ids": referenced})
+            self._q(policy_sql.NAMED_TASKS, "task_ids"), {"task_ids": referenced})
         } if referenced else {}
         return self._decide_submission(fitted, repo_keys, policy, version, now, usage, known,
                                        default_max_attempts=default_max_attempts, actor=actor)
@@ -966,7 +975,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         decides again); SQLite: one per table, in a transaction that began with the
         write lock (BEGIN IMMEDIATE), so the policy cannot change meanwhile."""
         if self.is_postgres:
-            [row] = self._driver_rows(conn, sql.SUBMIT_WRITE_PG, {
+            [row] = self._driver_rows(conn, submit_sql.SUBMIT_WRITE_PG, {
                 "items": json.dumps(batch.items), "decisions": json.dumps(batch.records),
                 "decision_queues": [d.queue for d in batch.decisions],
                 "decision_priorities": [d.priority for d in batch.decisions],
@@ -993,7 +1002,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             key = (run["queue"], run["route_key"], run["priority"], run["tenant"])
             entering, _ = lane_plan.get(key, (0, run["weight"]))
             lane_plan[key] = (entering + (run["status"] == S.QUEUED.value), run["weight"])
-        conn.execute(self._q(sql.ROUTE_INSERT), [{"route_key": k, "now": batch.now}
+        conn.execute(self._q(submit_sql.ROUTE_INSERT), [{"route_key": k, "now": batch.now}
                                                  for k in sorted({k[1] for k in lane_plan})])
         lane_ids = self._lane_ids(conn, lane_plan)
         self._bulk_insert(conn, runs, [
@@ -1041,7 +1050,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         def work(conn: Connection, check_due: bool, limit: int) -> list[Lease] | None:
             hid = False  # full tenants found by this claim, their lanes hidden
             if self.is_postgres:  # before any counter: see LOCK_ATTEMPTS_FOR_CLAIM_PG
-                conn.execute(self._q(sql.LOCK_ATTEMPTS_FOR_CLAIM_PG))
+                conn.execute(self._q(policy_sql.LOCK_ATTEMPTS_FOR_CLAIM_PG))
             candidates, empty = self._claim_candidates(conn, queue, limit, capabilities,
                                                        run_id, check_due=check_due)
             # The lanes of runs that admission denies, defers or prunes move after the
@@ -1133,7 +1142,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
 
         def work(conn: Connection) -> HeartbeatResult:
             rows = conn.execute(
-                self._q(sql.HEARTBEAT, "run_ids", "lease_keys"),
+                self._q(lease_sql.HEARTBEAT, "run_ids", "lease_keys"),
                 {"worker_id": worker_id, "run_ids": list(held),
                  "lease_keys": [f"{lease.run_id} {lease.fencing_token}"
                                 for lease in held.values()],
@@ -1159,7 +1168,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                   ) -> _Snapshot | None:
         """The run and its attempt of ``token``; the run's row locked unless ``lock``
         is false."""
-        statement = sql.RUN_WITH_ATTEMPT if lock else sql.RUN_WITH_ATTEMPT_READ
+        statement = lease_sql.RUN_WITH_ATTEMPT if lock else lease_sql.RUN_WITH_ATTEMPT_READ
         row = conn.execute(self._q(statement),
                            {"run_id": run_id, "token": token, "now": self.clock.now()}).first()
         if row is None:
@@ -1286,14 +1295,14 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         if self.is_postgres:
             hops = [(lease.run_id, a.value, b.value) for lease, path in moves
                     for a, b in itertools.pairwise([lease.stage, *path])]
-            rows = self._driver_rows(conn, sql.COMPLETE_WRITE_PG, {
+            rows = self._driver_rows(conn, lease_sql.COMPLETE_WRITE_PG, {
                 **params, "hop_run_ids": [h[0] for h in hops],
                 "hop_from": [h[1] for h in hops], "hop_to": [h[2] for h in hops]})
             # Cannot happen: a won run's lease was its ACTIVE one, and the run is locked.
             if rows and rows[0].attempts_ended != len(rows):
                 raise TransitionRefused("a completed run's attempt was not live")
             return rows
-        rows = list(conn.execute(self._q(sql.SET_RUN_STATUS_FENCED_MANY), params))
+        rows = list(conn.execute(self._q(lease_sql.SET_RUN_STATUS_FENCED_MANY), params))
         paths = {lease.run_id: (lease, path) for lease, path in moves}
         won = [(paths[r.run_id], r.now) for r in sorted(rows, key=lambda r: r.run_id)]
         self._record(conn, [
@@ -1301,7 +1310,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                 lease.run_id, lease.stage, path, at=now, actor=lease.worker_id,
                 attempt_no=lease.attempt_no, token=lease.fencing_token)])
         if won:
-            conn.execute(self._q(sql.END_ATTEMPTS), [
+            conn.execute(self._q(lease_sql.END_ATTEMPTS), [
                 {"status": "SUCCEEDED", "reason_code": None, "message": None,
                  "retry_after_seconds": None, "lease_status": "RELEASED", "now": now,
                  "run_id": lease.run_id, "token": lease.fencing_token}
@@ -1309,7 +1318,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         return rows
 
     def _lease_batch(self, leases: Sequence[Lease]) -> dict[str, Any]:
-        """The parameters of ``sql.LEASE_BATCH``: PostgreSQL arrays, SQLite JSON."""
+        """The parameters of ``dialect_sql.LEASE_BATCH``: PostgreSQL arrays, SQLite JSON."""
         if self.is_postgres:
             return {"run_ids": [lease.run_id for lease in leases],
                     "tokens": [lease.fencing_token for lease in leases],
@@ -1342,10 +1351,10 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             params = {"run_id": lease.run_id, "token": lease.fencing_token, "usd": usd,
                       "input_tokens": input_tokens, "output_tokens": output_tokens,
                       "now": self.clock.now()}
-            if conn.execute(self._q(sql.ADD_ATTEMPT_COST), params).rowcount != 1:
+            if conn.execute(self._q(lease_sql.ADD_ATTEMPT_COST), params).rowcount != 1:
                 self._add_late_cost(conn, lease, usd)
                 return None
-            row = conn.execute(self._q(sql.ADD_RUN_COST), params).one()
+            row = conn.execute(self._q(lease_sql.ADD_RUN_COST), params).one()
             self._add_tenant_spend(conn, lease.tenant, usd, float(row.now))
             if maximum is not None and float(row.cost_usd) > float(maximum):
                 self._mark_cost_exceeded(conn, lease, float(row.now))
@@ -1371,15 +1380,15 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         statements)."""
         params = {"run_id": lease.run_id, "token": lease.fencing_token,
                   "now": self._now(conn) if now is None else now}
-        conn.execute(self._q(sql.MARK_COST_EXCEEDED_RUN), params)
-        conn.execute(self._q(sql.MARK_COST_EXCEEDED_ATTEMPT), params)
+        conn.execute(self._q(lease_sql.MARK_COST_EXCEEDED_RUN), params)
+        conn.execute(self._q(lease_sql.MARK_COST_EXCEEDED_ATTEMPT), params)
     def _count_provider_tokens(self, conn: Connection, lease: Lease, provider: str,
                                budget: int, tokens: int, now: float) -> None:
         """Count a report's tokens in its provider's minute; the report that reaches the
         provider's tokens per minute pauses it until that minute ends (claims skip its
-        runs, every tenant's: sql.with_provider_pauses)."""
+        runs, every tenant's: claim_sql.with_provider_pauses)."""
         window = float(int(now // 60) * 60)
-        conn.execute(self._q(sql.PROVIDER_TOKENS[self.dialect]), {
+        conn.execute(self._q(providers_sql.PROVIDER_TOKENS[self.dialect]), {
             "provider": provider, "tokens": tokens, "budget": budget, "now": now,
             "window_start": window, "window_end": window + 60.0, "run_id": lease.run_id})
 
@@ -1391,7 +1400,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         if all(v is None for v in limits.values()):
             return
         used = self._transaction(lambda conn: conn.execute(
-            self._q(sql.RUN_TOKENS), {"run_id": lease.run_id}).one(), autocommit=True)
+            self._q(lease_sql.RUN_TOKENS), {"run_id": lease.run_id}).one(), autocommit=True)
         for kind, maximum in limits.items():
             total = int(getattr(used, f"{kind}_tokens"))
             if maximum is not None and total > int(maximum):
@@ -1507,7 +1516,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                     and provider is not None):
                 # One pause for the provider, not one per run: every tenant's runs of
                 # it wait (claims skip them) until the retry-after is over.
-                conn.execute(self._q(sql.PROVIDER_PAUSE), {
+                conn.execute(self._q(providers_sql.PROVIDER_PAUSE), {
                     "provider": provider, "until": now + float(retry_after),
                     "run_id": snap.run_id, "now": now})
             decision = None if snap.finalize_only_after is not None else decide(
@@ -1530,7 +1539,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
                 path = [*prefix, S.FAILED]
                 run_reason = decision.final_reason or reason
         ended = conn.execute(
-            self._q(sql.END_ATTEMPT[self.dialect]),
+            self._q(lease_sql.END_ATTEMPT[self.dialect]),
             {"status": attempt_status, "reason_code": reason, "message": message,
              "retry_after_seconds": retry_after, "lease_status": lease_status, "now": now,
              "run_id": snap.run_id, "token": snap.fencing_token},
@@ -1541,7 +1550,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         if ended is None and snap.lease_status == "ACTIVE":
             # The attempt row was ended without its lease: end the lease, or the run
             # moves on with it still ACTIVE.
-            ended, cleared = conn.execute(self._q(sql.END_LEASE), {
+            ended, cleared = conn.execute(self._q(lease_sql.END_LEASE), {
                 "lease_status": lease_status, "now": now, "run_id": snap.run_id,
                 "token": snap.fencing_token}).first(), False
         held = ended[0] if ended is not None else None
@@ -1576,7 +1585,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         policy's ``[retry]`` layers for its tenant and queue, as admitted), and the
         run's provider. A run admitted before rules were recorded: the policy in
         force's ``[retry]``."""
-        row = conn.execute(self._q(sql.RUN_ADMISSION), {"run_id": run_id}).one()
+        row = conn.execute(self._q(policy_sql.RUN_ADMISSION), {"run_id": run_id}).one()
         record = json.loads(row.admission) if isinstance(row.admission, str) \
             else row.admission
         if isinstance(record, dict) and isinstance(record.get("retry"), dict):
@@ -1664,7 +1673,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             params = {"run_id": lease.run_id, "effect_key": key, "token": lease.fencing_token,
                       "attempt_no": lease.attempt_no, "now": snap.now,
                       "intent": json.dumps(intent) if intent is not None else None}
-            conn.execute(self._q(sql.EFFECT_INTENT_INSERT), params)
+            conn.execute(self._q(lease_sql.EFFECT_INTENT_INSERT), params)
             return self._effect(conn, lease.run_id, key)
 
         return self._transaction(work)
@@ -1675,7 +1684,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
             snap = self._snapshot(conn, lease.run_id, lease.fencing_token)
             if snap is None or not snap.lease_live:
                 raise LeaseLost(f"run {lease.run_id}: effect {key} done after losing the lease")
-            done = conn.execute(self._q(sql.EFFECT_DONE), {
+            done = conn.execute(self._q(lease_sql.EFFECT_DONE), {
                 "run_id": lease.run_id, "effect_key": key, "token": lease.fencing_token,
                 "result": json.dumps(result), "now": snap.now}).rowcount
             if done != 1:
@@ -1687,7 +1696,8 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         self._transaction(work)
 
     def _effect(self, conn: Connection, run_id: str, key: str) -> SideEffect:
-        row = conn.execute(self._q(sql.EFFECT_GET), {"run_id": run_id, "effect_key": key}).one()
+        row = conn.execute(self._q(lease_sql.EFFECT_GET),
+                           {"run_id": run_id, "effect_key": key}).one()
         result = row.result
         if isinstance(result, str):
             result = json.loads(result)
@@ -1738,7 +1748,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         Written at once, a lane came before those rows: a wait cycle with a completion
         of another of their dependencies (``tests/test_lock_order.py``)."""
         def work(conn: Connection) -> CancelResult:
-            if conn.execute(self._q(sql.MARK_TASK_CANCELLED),
+            if conn.execute(self._q(lease_sql.MARK_TASK_CANCELLED),
                             {"task_id": task_id, "now": self.clock.now()}).first() is None:
                 raise NotFound(f"no task {task_id!r}")
             with self._lane_moves_in_order(conn):
@@ -1746,7 +1756,7 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
 
         def cancel_runs(conn: Connection) -> CancelResult:
             outcome: dict[str, str] = {}
-            for r in conn.execute(self._q(sql.RUNS_OF_TASK),
+            for r in conn.execute(self._q(lease_sql.RUNS_OF_TASK),
                                   {"task_id": task_id, "now": self.clock.now()}).all():
                 status = S(r.status)
                 target: RunStatus | None = None
@@ -2055,26 +2065,26 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         or later (backoff)."""
         with self.reads.connect() as conn:
             routes = sorted(self._servable_routes(conn, capabilities))
-            return int(conn.execute(self._q(sql.WAITING_IN_ROUTES, "queues", "routes"),
+            return int(conn.execute(self._q(reads_sql.WAITING_IN_ROUTES, "queues", "routes"),
                                     {"queues": list(queues), "routes": routes}).scalar() or 0)
 
     def has_ready_work(self, queues: Sequence[str],
                        capabilities: dict[str, Any] | None = None) -> bool:
         """Whether a claim in these queues with these capabilities may find a run now
-        (a read: a worker looks before it claims, sql.READY_IN_ROUTES)."""
+        (a read: a worker looks before it claims, reads_sql.READY_IN_ROUTES)."""
         with self.reads.connect() as conn:
             routes = sorted(self._servable_routes(conn, capabilities))
-            return conn.execute(self._q(sql.READY_IN_ROUTES, "queues", "routes"),
+            return conn.execute(self._q(reads_sql.READY_IN_ROUTES, "queues", "routes"),
                                 {"queues": list(queues), "routes": routes,
                                  "now": self.clock.now()}).first() is not None
 
     def look(self, queues: Sequence[str], capabilities: dict[str, Any] | None = None
              ) -> Look:
-        """A worker's look before it claims, one statement (sql.LOOK_IN_QUEUES): whether
+        """A worker's look before it claims, one statement (reads_sql.LOOK_IN_QUEUES): whether
         a claim in these queues with these capabilities may find a run now, and if not,
         how soon the earliest run it may serve stops waiting out a backoff."""
         with self.reads.connect() as conn:
-            rows = conn.execute(self._q(sql.LOOK_IN_QUEUES, "queues"),
+            rows = conn.execute(self._q(reads_sql.LOOK_IN_QUEUES, "queues"),
                                 {"queues": list(queues), "now": self.clock.now()}).all()
         caps = parse_capabilities(capabilities or {})
         key = json.dumps(capabilities or {}, sort_keys=True)
@@ -2093,11 +2103,11 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         return Look(ready, None if ready else next_in)
 
     def cancels_among(self, run_ids: Sequence[str]) -> set[str]:
-        """Those of these runs whose cancel was requested (sql.CANCELS_AMONG)."""
+        """Those of these runs whose cancel was requested (reads_sql.CANCELS_AMONG)."""
         if not run_ids:
             return set()
         with self.reads.connect() as conn:
-            return {r.run_id for r in conn.execute(self._q(sql.CANCELS_AMONG, "run_ids"),
+            return {r.run_id for r in conn.execute(self._q(reads_sql.CANCELS_AMONG, "run_ids"),
                                                    {"run_ids": list(run_ids)})}
 
     def get_task(self, task_id: str) -> dict[str, Any]:
@@ -2115,14 +2125,14 @@ class Store(SchedulingMixin, MaintenanceMixin, EvidenceMixin, CampaignMixin):
         params = {"now": self.clock.now(), "recheck": BLOCKED_LANE_RECHECK_SECONDS,
                   "max_uncharged_releases": self.max_uncharged_releases}
         with self.reads.connect() as conn:
-            for check, statement in {**sql.AUDIT_CHECKS, **msql.AUDIT_CHECKS}.items():
+            for check, statement in {**audit_sql.AUDIT_CHECKS, **msql.AUDIT_CHECKS}.items():
                 used = {k: v for k, v in params.items() if f":{k}" in statement
                         or (k == "now" and "{now}" in statement)}
                 for r in conn.execute(self._q(statement), used):
                     found.append(Violation(check, r.run_id, r.detail,
                                            lane_id=r._mapping.get("lane_id")))
             found.extend(self._audit_slots(conn))
-            for r in conn.execute(text(sql.AUDIT_TRANSITIONS)):
+            for r in conn.execute(text(audit_sql.AUDIT_TRANSITIONS)):
                 source = S(r.from_status) if r.from_status else None
                 if not is_allowed(source, S(r.to_status)):
                     found.append(Violation(

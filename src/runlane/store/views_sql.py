@@ -1,6 +1,6 @@
 """The statements of the read-only views (store/views.py): the runs listing, workers,
 queues, tenants and the policy's versions. Named here, as every statement of the store
-is; ``{now}`` as in sql.py.
+is; ``{now}`` as in dialect_sql.py.
 
 The runs listing is one statement put together from the named filters a call gives
 (``runs_page_sql``): one text per combination of filters, each planned for itself, so

@@ -2,7 +2,7 @@
 
 A tenant's lanes of one queue and priority (one per route) are one flow: they share
 one pass, so a claim advances every lane of the flows it claimed from, and a lane
-that joins a flow takes its pass (sql.FLOW_CLAIMED, sql._FLOW_PASS). The index
+that joins a flow takes its pass (lanes_sql.FLOW_CLAIMED, lanes_sql._FLOW_PASS). The index
 replaces ``ix_lanes_tenant`` (its first column is the tenant, so the lookups of a
 tenant's lanes use it as they used that one). Built ``CONCURRENTLY`` on a populated
 table (online_index).

@@ -6,7 +6,7 @@ serves is never claimed, so its pass never moves; it held that virtual time down
 a tenant arriving later joined far behind the lanes being served and took the next
 claims one after another. The reconciler marks such lanes (and clears the mark, with
 a catch-up of the pass, once a worker serves the route); the virtual time leaves them
-out (sql._virtual_time). A column with a constant default: no table rewrite.
+out (lanes_sql._virtual_time). A column with a constant default: no table rewrite.
 
 Revision ID: 0013
 """
