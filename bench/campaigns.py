@@ -34,7 +34,8 @@ from runlane.domain.states import RunStatus
 from runlane.domain.tasks import TaskSpec
 from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
-from runlane.store.store import Lease, Store
+from runlane.store.records import Lease
+from runlane.store.store import Store
 
 PG = os.environ.get("RUNLANE_BENCH_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 DB = "runlane_bench_campaigns"

@@ -77,7 +77,8 @@ from lifecycle import (
 from runlane.domain.tasks import parse_task
 from runlane.logs import configure_logging
 from runlane.store.engine import build_engine
-from runlane.store.store import Lease, Store
+from runlane.store.records import Lease
+from runlane.store.store import Store
 
 START, END = "<!-- heartbeat:start -->", "<!-- heartbeat:end -->"
 TITLE = "Heartbeats at 1,000 and 10,000 active leases: `bench/heartbeat.py`"

@@ -34,7 +34,7 @@ from claim_forms import CountingStore
 from lifecycle import BENCH_POSTGRES_URL, libpq, percentile, progress, table, with_database
 from runlane.domain.policy import policy_from_document
 from runlane.logs import configure_logging
-from runlane.store.store import Lease
+from runlane.store.records import Lease
 from scheduler import (
     FULL_REPOS,
     FULL_TENANTS,

@@ -85,10 +85,12 @@ from runlane.store import (
     slots_sql,
     submit_sql,
 )
+from runlane.store.core import _NUMBERED_PG
 from runlane.store.engine import PLANNER_OPTIONS, build_engine
 from runlane.store.migrate import upgrade
-from runlane.store.scheduling import same_terms
-from runlane.store.store import _NUMBERED_PG, Lease, Store
+from runlane.store.policy import same_terms
+from runlane.store.records import Lease
+from runlane.store.store import Store
 
 DEFAULT_POSTGRES_URL = BENCH_POSTGRES_URL
 START, END = "<!-- scheduler-claim:start -->", "<!-- scheduler-claim:end -->"

@@ -53,7 +53,7 @@ from runlane.domain.states import RunStatus as S
 from runlane.logs import configure_logging
 from runlane.observability import tracing
 from runlane.store import transition_log
-from runlane.store.store import Lease
+from runlane.store.records import Lease
 from scheduler import lscpu
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,8 @@ from sqlalchemy import text
 from runlane.api import Runlane
 from runlane.domain.tasks import TaskSpec, parse_task
 from runlane.settings import Settings
-from runlane.store.store import Store, Submission
+from runlane.store.records import Submission
+from runlane.store.store import Store
 from runlane.store.wakeup import libpq_url
 
 from . import pgbouncer

@@ -16,7 +16,8 @@ from runlane.clock import ManualClock
 from runlane.domain.policy import parse_policy
 from runlane.domain.states import IllegalTransition, RunStatus
 from runlane.errors import CancelRequested, LeaseLost, TransitionRefused
-from runlane.store.store import Lease, Store
+from runlane.store.records import Lease
+from runlane.store.store import Store
 
 from .support import attempts_of, events_of, run_row, spec, submit
 

@@ -50,8 +50,9 @@ from runlane.domain.reasons import Reason
 from runlane.domain.routing import canonical_requirements, parse_requirements
 from runlane.store import claim_sql, dialect_sql, lanes_sql, migrate, policy_sql, slots_sql
 from runlane.store.engine import PLANNER_OPTIONS, build_engine, normalize_url
+from runlane.store.records import Lease
 from runlane.store.schema import DISPATCH_INDEX_NAME
-from runlane.store.store import Lease, Store
+from runlane.store.store import Store
 
 from .conftest import ADMIN_URL, RUN_TAG, create_pg_database
 

@@ -24,8 +24,10 @@ from runlane.domain.retry import RetryPolicy
 from runlane.domain.states import RunStatus
 from runlane.logs import configure_logging
 from runlane.settings import Settings
+from runlane.store.core import WAKEUP_CHANNEL
 from runlane.store.engine import build_engine
-from runlane.store.store import WAKEUP_CHANNEL, Lease, Store
+from runlane.store.records import Lease
+from runlane.store.store import Store
 from runlane.store.wakeup import Listener, libpq_url
 from runlane.worker.attempt import AttemptState
 from runlane.worker.worker import Worker, WorkerConfig

@@ -25,7 +25,8 @@ from runlane.clock import ManualClock
 from runlane.codehost.base import PullRequest, branch_name
 from runlane.codehost.github import GitHubClient
 from runlane.codehost.local_forge import LocalForge
-from runlane.store.store import Lease, Store
+from runlane.store.records import Lease
+from runlane.store.store import Store
 from runlane.worker.attempt import AttemptDriver, AttemptSettings, AttemptState
 from runlane.worker.finalizer import (
     MAX_PR_BODY_CHARS,

@@ -20,7 +20,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from runlane.clock import ManualClock
 from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
-from runlane.store.store import Look, Store
+from runlane.store.records import Look
+from runlane.store.store import Store
 from runlane.store.wakeup import libpq_url
 
 from .support import bare_remote, run_row, spec, wait_until

@@ -24,8 +24,9 @@ from sqlalchemy import Connection, Engine, event, text
 
 from runlane.store import submit_sql
 from runlane.store.engine import build_engine
+from runlane.store.records import Lease
 from runlane.store.schema import IDEMPOTENCY_INDEX_NAME
-from runlane.store.store import Lease, Store
+from runlane.store.store import Store
 
 N_TASKS = 20_000
 KEYED_EVERY = 10

@@ -18,8 +18,9 @@ from sqlalchemy import text
 from runlane.clock import ManualClock
 from runlane.domain.policy import parse_policy
 from runlane.domain.reasons import Reason
+from runlane.store.records import Submission
 from runlane.store.retention import prune_finished
-from runlane.store.store import Store, Submission
+from runlane.store.store import Store
 from runlane.store.wakeup import libpq_url
 
 from .support import submit, wait_for_a_lock_wait

@@ -33,7 +33,8 @@ from runlane.services.maintenance import Reaper, ReaperConfig, Reconciler, Recon
 from runlane.settings import SettingsInvalid, load_settings
 from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
-from runlane.store.store import Lease, Store
+from runlane.store.records import Lease
+from runlane.store.store import Store
 from runlane.worker.attempt import AttemptState
 
 from .conftest import ADMIN_URL, POLICY, RUN_TAG, T0

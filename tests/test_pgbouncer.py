@@ -23,9 +23,10 @@ from structlog.testing import capture_logs
 from runlane.api import InvalidArgument, Runlane
 from runlane.settings import Settings, SettingsInvalid, load_settings
 from runlane.store import wakeup
+from runlane.store.core import WAKEUP_CHANNEL
 from runlane.store.engine import DatabaseUrlInvalid, build_engine
 from runlane.store.migrate import upgrade
-from runlane.store.store import WAKEUP_CHANNEL, Store
+from runlane.store.store import Store
 from runlane.store.wakeup import LISTEN_APPLICATION, Listener
 
 from . import pgbouncer as pgbouncer_support

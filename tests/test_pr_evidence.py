@@ -36,7 +36,8 @@ from runlane.domain.retry import MAX_FINALIZE_ONLY_ATTEMPTS, RetryPolicy, decide
 from runlane.services.evidence_audit import CHECK, remote_audit
 from runlane.store.evidence import CLOSE_EFFECT, MAX_WITHDRAWAL_TRIES
 from runlane.store.invariants import check_database
-from runlane.store.store import Lease, Store
+from runlane.store.records import Lease
+from runlane.store.store import Store
 from runlane.worker.attempt import AttemptState
 from runlane.worker.withdraw import Withdrawer
 from runlane.workspace import PushFailed, Workspace

@@ -19,7 +19,7 @@ from runlane.domain.states import RunStatus
 from runlane.errors import CostLimitExceeded, LeaseLost, PolicyDenied
 from runlane.services.scheduler import PassTrigger
 from runlane.store import lanes_sql, scheduling
-from runlane.store.scheduling import BLOCKED_LANE_RECHECK_SECONDS
+from runlane.store.lanes import BLOCKED_LANE_RECHECK_SECONDS
 from runlane.store.store import Store
 
 from .conftest import CLAIM_PATHS, claim_path_database, truncate_pg

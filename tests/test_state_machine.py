@@ -39,10 +39,11 @@ from runlane.clock import ManualClock
 from runlane.domain.reasons import DEFAULT_RETRYABLE, Reason
 from runlane.domain.states import LEASED, STAGES, TERMINAL, RunStatus
 from runlane.errors import CancelRequested, Conflict, LeaseLost, NotFound, TransitionRefused
-from runlane.store import store as store_module
+from runlane.store import submit as submit_module
 from runlane.store.engine import build_engine
 from runlane.store.migrate import upgrade
-from runlane.store.store import Lease, Store
+from runlane.store.records import Lease
+from runlane.store.store import Store
 
 from .conftest import POLICY, RUN_TAG, T0, TABLES, migrated_pg_database
 from .support import spec
@@ -173,7 +174,7 @@ class StoreMachine(RuleBasedStateMachine):
         except BaseException:
             self.teardown_database()
             raise
-        self.ids = mock.patch.object(store_module, "new_id", SequentialIds())
+        self.ids = mock.patch.object(submit_module, "new_id", SequentialIds())
         self.ids.start()
         self.tasks: dict[str, ModelTask] = {}
         self.keys: dict[tuple[str, str], str] = {}  # (tenant, key) -> task id

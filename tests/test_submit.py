@@ -21,8 +21,9 @@ from sqlalchemy import event, text
 from runlane.clock import ManualClock
 from runlane.domain.policy import parse_policy
 from runlane.domain.states import RunStatus
-from runlane.store.scheduling import JOIN_AHEAD
-from runlane.store.store import WAKEUP_CHANNEL, Store
+from runlane.store.core import WAKEUP_CHANNEL
+from runlane.store.lanes import JOIN_AHEAD
+from runlane.store.store import Store
 from runlane.store.wakeup import Listener, libpq_url
 
 from .conftest import truncate_pg

@@ -9,7 +9,8 @@ import psycopg
 import pytest
 
 from runlane.domain.states import RunStatus
-from runlane.store.store import CANCEL_CHANNEL, WAKEUP_CHANNEL, Store
+from runlane.store.core import CANCEL_CHANNEL, WAKEUP_CHANNEL
+from runlane.store.store import Store
 from runlane.store.wakeup import RECONNECTED, Listener, libpq_url
 
 from .conftest import truncate_pg

@@ -6,7 +6,8 @@ from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus
 from runlane.errors import CancelRequested, LeaseLost, RunlaneError
 from runlane.logs import log_to_stderr_unless_configured
-from runlane.store.store import Lease, Store
+from runlane.store.records import Lease
+from runlane.store.store import Store
 from runlane.version import __version__
 
 log_to_stderr_unless_configured()

@@ -60,9 +60,10 @@ from runlane.store import details, migrate, tokens
 from runlane.store import events as events_store
 from runlane.store.engine import build_engine, pooler_of
 from runlane.store.engine import sqlite_file as _sqlite_file
+from runlane.store.records import CancelResult, Violation
+from runlane.store.records import Submission as StoreSubmission
 from runlane.store.retry import retry_task
-from runlane.store.store import CancelResult, Store, Violation
-from runlane.store.store import Submission as StoreSubmission
+from runlane.store.store import Store
 from runlane.store.wakeup import CLAIM_GATE_SUFFIX
 from runlane.worker.attempt import AgentRunner, AttemptDriver, AttemptSettings, Judge
 from runlane.worker.worker import Worker, WorkerConfig

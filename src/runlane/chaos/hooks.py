@@ -46,7 +46,7 @@ def _without(statement: str, pattern: str, name: str) -> str:
 
 
 def plant_no_fencing() -> None:
-    from runlane.store import lease_sql, store
+    from runlane.store import lease_sql, records
     from runlane.worker import attempt
 
     token = r"\n\s*AND fencing_token = :token"
@@ -73,7 +73,7 @@ def plant_no_fencing() -> None:
         _without(lease_sql.ADD_ATTEMPT_COST, r"\n\s*AND lease_status = 'ACTIVE'",
                  "ADD_ATTEMPT_COST"),
         r"\n\s*AND lease_expires_at > \{now\}", "ADD_ATTEMPT_COST")
-    _replace(store._Snapshot, "lease_live", property(lambda self: True))
+    _replace(records._Snapshot, "lease_live", property(lambda self: True))
 
     def extended(self: Any, sent_at: float, ttl: float) -> None:
         self.local_deadline = math.inf
@@ -82,7 +82,7 @@ def plant_no_fencing() -> None:
 
 
 def plant_no_lease_expiry() -> None:
-    from runlane.store import lease_sql, maintenance_sql, store
+    from runlane.store import lease_sql, maintenance_sql, records
 
     active = "WHERE a.lease_status = 'ACTIVE'"
     if active not in maintenance_sql.EXPIRED_LEASES:
@@ -94,7 +94,7 @@ def plant_no_lease_expiry() -> None:
     lease_sql.SET_RUN_STATUS_FENCED = _without(lease_sql.SET_RUN_STATUS_FENCED,
                                                r"\s*AND a\.lease_expires_at > \{now\}",
                                                "SET_RUN_STATUS_FENCED")
-    _replace(store._Snapshot, "lease_live", property(
+    _replace(records._Snapshot, "lease_live", property(
         lambda self: self.lease_status == "ACTIVE" and self.run_token == self.fencing_token))
 
 
@@ -116,7 +116,8 @@ def install_plant(name: str) -> None:
 def install_dwell(seconds: float) -> None:
     """Linger ``seconds`` in the stage a task's prompt names."""
     from runlane.domain.states import RunStatus
-    from runlane.store.store import Lease, Store
+    from runlane.store.records import Lease
+    from runlane.store.store import Store
 
     get_task, advance = Store.get_task, Store.advance
     dwell_of: dict[str, str | None] = {}
@@ -134,8 +135,8 @@ def install_dwell(seconds: float) -> None:
         if dwell_of.get(lease.task_id) == stage.value:
             time.sleep(seconds)
 
-    Store.get_task = get_task_then_dwell  # type: ignore[method-assign]
-    Store.advance = advance_then_dwell  # type: ignore[method-assign]
+    Store.get_task = get_task_then_dwell  # type: ignore[method-assign, assignment]
+    Store.advance = advance_then_dwell  # type: ignore[method-assign, assignment]
 
 
 def install_pr_crash() -> None:
@@ -143,7 +144,8 @@ def install_pr_crash() -> None:
     for the attempts the tasks name."""
     import signal
 
-    from runlane.store.store import Lease, Store
+    from runlane.store.records import Lease
+    from runlane.store.store import Store
 
     effect_done = Store.effect_done
 
@@ -158,7 +160,7 @@ def install_pr_crash() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
         effect_done(self, lease, key, result)
 
-    Store.effect_done = crash_then_effect_done  # type: ignore[method-assign]
+    Store.effect_done = crash_then_effect_done  # type: ignore[method-assign, assignment]
 
 
 def install_from_env() -> None:

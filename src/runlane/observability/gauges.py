@@ -14,7 +14,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from runlane.observability import metrics
 from runlane.store.gauges import GaugeReading, read_gauges
-from runlane.store.scheduling import utc_day
+from runlane.store.policy import utc_day
 from runlane.store.store import Store
 
 S = "runlane_scheduler_"

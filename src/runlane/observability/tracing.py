@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
 
-    from runlane.store.store import Lease
+    from runlane.store.records import Lease
 
 TRACER_NAME = "runlane"
 EXPORTERS = ("otlp", "console", "none")

@@ -20,7 +20,8 @@ from typing import Any
 from runlane.codehost.base import CodeHost, CodeHostError, branch_name, pr_marker
 from runlane.codehost.factory import clone_source
 from runlane.store.evidence import CLOSE_EFFECT, PULL_REQUEST_EFFECT, PUSH_EFFECT, Ledger
-from runlane.store.store import Store, Violation
+from runlane.store.records import Violation
+from runlane.store.store import Store
 from runlane.workspace import PushFailed, remote_branch_sha
 
 CHECK = "unrecorded_pull_request_evidence"

@@ -22,7 +22,7 @@ from typing import Any
 from runlane.services.maintenance import MaintenanceService
 from runlane.services.notifications import Notifier
 from runlane.store.approvals import expire_approvals
-from runlane.store.scheduling import SCHEDULE_CHANNEL
+from runlane.store.policy import SCHEDULE_CHANNEL
 from runlane.store.store import Store
 from runlane.store.wakeup import Listener
 

@@ -139,8 +139,8 @@ def _admit_approved(store: Store, conn: Connection, run: Any, version: int, poli
     """An approved run admitted again under the policy in force, past its gates:
     queued (or waiting for dependencies), deferred or denied. Returns its status."""
     from runlane.store import policy_sql
-    from runlane.store.scheduling import first_policy_version
-    from runlane.store.store import WAKEUP_CHANNEL
+    from runlane.store.core import WAKEUP_CHANNEL
+    from runlane.store.policy import first_policy_version
 
     usage = store._tenant_usage(conn, {run.tenant}, now).get(run.tenant, TenantUsage()) \
         if policy.needs_usage else TenantUsage()

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
     from runlane.clock import Clock
-    from runlane.store.store import CancelResult, Submission
+    from runlane.store.records import CancelResult, Submission
 
 log = structlog.get_logger("runlane.store")
 S = RunStatus

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
     from runlane.clock import Clock
     from runlane.domain.retry import RetryPolicy
-    from runlane.store.store import Lease, _Snapshot
+    from runlane.store.records import Lease, _Snapshot
 
 log = structlog.get_logger("runlane.store")
 T = TypeVar("T")

@@ -9,7 +9,8 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from runlane.store.store import Store, Violation
+from runlane.store.records import Violation
+from runlane.store.store import Store
 
 TERMINAL = "('SUCCEEDED', 'FAILED', 'CANCELLED', 'POLICY_DENIED')"
 

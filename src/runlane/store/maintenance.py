@@ -19,7 +19,7 @@ from runlane.domain.reasons import Reason
 from runlane.store import maintenance_sql as msql
 
 if TYPE_CHECKING:
-    from runlane.store.store import Lease, _Snapshot
+    from runlane.store.records import Lease, _Snapshot
 
 log = structlog.get_logger("runlane.store")
 T = TypeVar("T")

@@ -29,9 +29,11 @@ from runlane.domain.tasks import PayloadReport, TaskSpec
 from runlane.errors import NotFound, RetryRefused
 from runlane.models.runs import Submission
 from runlane.store import lanes_sql, submit_sql
-from runlane.store.scheduling import JOIN_AHEAD, policy_needs_usage
+from runlane.store.core import WAKEUP_CHANNEL
+from runlane.store.lanes import JOIN_AHEAD
+from runlane.store.policy import policy_needs_usage
 from runlane.store.schema import runs
-from runlane.store.store import _RUN_COLUMNS, WAKEUP_CHANNEL, _SubmitBatch
+from runlane.store.submit import _RUN_COLUMNS, _SubmitBatch
 
 if TYPE_CHECKING:
     from runlane.store.store import Store

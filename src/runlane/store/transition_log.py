@@ -25,7 +25,7 @@ from runlane.domain.states import RunStatus
 from runlane.logs import enabled_for
 
 if TYPE_CHECKING:
-    from runlane.store.store import Lease
+    from runlane.store.records import Lease
 
 log = structlog.get_logger("runlane.store")
 

@@ -103,7 +103,7 @@ class Occupancy:
 
 
 def occupancy(store: Store) -> Occupancy:
-    from runlane.store.scheduling import utc_day
+    from runlane.store.policy import utc_day
 
     with store.reads.connect() as conn:
         now = float(conn.execute(store._q(vsql.NOW), {"now": store.clock.now()}).scalar_one())

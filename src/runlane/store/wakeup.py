@@ -41,8 +41,8 @@ import structlog
 from sqlalchemy.engine import make_url
 
 from runlane.extras import require
+from runlane.store.core import CANCEL_CHANNEL, WAKEUP_CHANNEL
 from runlane.store.engine import dialect_of, normalize_url, pooler_of, sqlite_file
-from runlane.store.store import CANCEL_CHANNEL, WAKEUP_CHANNEL
 
 log = structlog.get_logger("runlane.wakeup")
 

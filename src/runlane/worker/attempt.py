@@ -27,7 +27,8 @@ from runlane.domain.states import RunStatus
 from runlane.errors import CancelRequested, CostLimitExceeded, LeaseLost, PolicyDenied
 from runlane.observability import tracing
 from runlane.settings import SettingsInvalid
-from runlane.store.store import Lease, Store
+from runlane.store.records import Lease
+from runlane.store.store import Store
 from runlane.worker.effects import perform_effect
 from runlane.worker.finalizer import Finalizer, NothingToFinalize
 from runlane.workspace import (

@@ -27,7 +27,8 @@ from sqlalchemy.exc import DBAPIError
 from runlane.errors import LeaseLost
 from runlane.faults import crash_point
 from runlane.observability import metrics
-from runlane.store.store import Lease, Store
+from runlane.store.records import Lease
+from runlane.store.store import Store
 
 log = structlog.get_logger("runlane.worker")
 

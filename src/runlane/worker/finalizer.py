@@ -42,7 +42,8 @@ from runlane.faults import crash_point, pause_point
 from runlane.observability import tracing
 from runlane.store.evidence import PULL_REQUEST_EFFECT
 from runlane.store.evidence import PUSH_EFFECT as PUSH_EFFECT  # tests import it from here
-from runlane.store.store import Lease, Store
+from runlane.store.records import Lease
+from runlane.store.store import Store
 from runlane.worker.effects import LeaseWindow, perform_effect
 from runlane.workspace import PushFailed, Workspace
 

@@ -24,7 +24,9 @@ from sqlalchemy.exc import DBAPIError
 
 from runlane.domain.states import LEASED, RunStatus
 from runlane.observability import metrics
-from runlane.store.store import CANCEL_CHANNEL, WAKEUP_CHANNEL, Lease, Store
+from runlane.store.core import CANCEL_CHANNEL, WAKEUP_CHANNEL
+from runlane.store.records import Lease
+from runlane.store.store import Store
 from runlane.store.wakeup import CHANGE_POLL_SECONDS, CHANGED, ClaimGate, Listener
 from runlane.version import __version__
 from runlane.worker.attempt import AttemptDriver, AttemptState

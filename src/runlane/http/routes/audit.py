@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from runlane.http.auth import Lane, Who
-from runlane.store.store import Violation
+from runlane.store.records import Violation
 
 router = APIRouter(tags=["audit"])
 

@@ -159,7 +159,7 @@ def upgrade() -> None:
 def _move_scopes(conn: Connection, renamed: dict[str, str], policy: Any) -> None:
     """Live attempts' scopes, the counters and the lanes' blocks: each spelling's
     ``repo:`` scope becomes its canonical one."""
-    from runlane.store.scheduling import scope_limit
+    from runlane.store.policy import scope_limit
 
     held: Counter[str] = Counter()
     updates = []
