@@ -17,7 +17,8 @@ import pytest
 from click.testing import CliRunner
 
 from runlane.api import Runlane
-from runlane.cli import app, run_command
+from runlane.cli import app
+from runlane.cli_run import run_command
 from runlane.errors import Conflict
 from runlane.settings import Settings
 

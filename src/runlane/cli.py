@@ -20,10 +20,10 @@ from sqlalchemy.exc import DBAPIError
 
 from runlane.api import Runlane, shown_url
 from runlane.cli_output import Col, chosen_output, output_options, render
+from runlane.cli_run import run_command
 from runlane.cli_serve import metrics_port_option
-from runlane.domain.policy import MAX_COUNT, PolicyInvalid, read_policy_text
-from runlane.domain.tasks import TaskInvalid
-from runlane.errors import DatabaseUnavailable, RunlaneError
+from runlane.domain.policy import MAX_COUNT, read_policy_text
+from runlane.errors import DatabaseUnavailable
 from runlane.logs import FORMATS, configure_logging
 from runlane.settings import Settings, load_settings
 
@@ -441,39 +441,6 @@ def _register_views() -> None:
 
 
 _register_views()
-
-
-def run_command(command: click.Command, prog_name: str) -> None:
-    """Run a click command: one clear line on stderr for every error, never a
-    traceback; the exit code says which kind (2 bad input, 4 database, 70 internal)."""
-    err = Console(stderr=True, soft_wrap=True)
-    try:
-        code = command.main(standalone_mode=False, prog_name=prog_name)
-        sys.exit(code if isinstance(code, int) else 0)
-    except click.UsageError as exc:
-        hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
-        err.print(f"error: {exc.format_message()}{hint}", markup=False, highlight=False)
-        sys.exit(2)
-    except click.Abort:
-        sys.exit(130)
-    except (TaskInvalid, PolicyInvalid) as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False)
-        sys.exit(2)
-    except RunlaneError as exc:
-        err.print(f"error: {exc}", markup=False, highlight=False)
-        sys.exit(exc.exit_code)
-    except DBAPIError as exc:
-        err.print(f"error: database: {str(exc.orig).strip().splitlines()[0]}", markup=False,
-                  highlight=False)
-        sys.exit(4)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as exc:
-        if os.environ.get("RUNLANE_DEBUG"):
-            raise
-        err.print(f"internal error: {type(exc).__name__}: {exc} (set RUNLANE_DEBUG=1 for the "
-                  "traceback)", markup=False, highlight=False)
-        sys.exit(70)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ from runlane.chaos.checks import evaluate
 from runlane.chaos.harness import Harness, remove_directory
 from runlane.chaos.profiles import FAULTS, PROFILES, build_config
 from runlane.chaos.report import Report, render
+from runlane.cli_run import run_command
 from runlane.logs import configure_logging
 
 
@@ -171,7 +172,5 @@ def _emit(report: Report, as_json: bool) -> None:
 
 def main() -> None:
     """``python -m runlane.chaos``: one clear line on stderr for every error."""
-    from runlane.cli import run_command  # runlane.cli imports this module
-
     configure_logging(os.environ.get("RUNLANE_LOG_LEVEL", "WARNING"))
     run_command(chaos_command, "runlane chaos")

@@ -34,7 +34,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from runlane.chaos import agent as agent_module
 from runlane.chaos.agent import DWELL_ENV
-from runlane.chaos.hooks import PLANT_ENV, PR_CRASH_ENV, PR_CRASH_MARK
+from runlane.chaos.env import PLANT_ENV, PR_CRASH_ENV, PR_CRASH_MARK
 from runlane.chaos.pgbouncer import PgBouncer, database_settings
 from runlane.chaos.pgbouncer import start as start_pgbouncer
 from runlane.chaos.pgcluster import PrivateCluster

@@ -27,10 +27,8 @@ import time
 from typing import Any
 
 from runlane.chaos.agent import DWELL_ENV, parse_prompt
+from runlane.chaos.env import PLANT_ENV, PR_CRASH_ENV, PR_CRASH_MARK
 
-PLANT_ENV = "RUNLANE_CHAOS_PLANT"
-PR_CRASH_ENV = "RUNLANE_CHAOS_PR_CRASH"
-PR_CRASH_MARK = "chaos_pr_crash"
 PLANTS = ("no_fencing", "no_lease_expiry")
 
 
