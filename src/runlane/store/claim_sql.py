@@ -9,7 +9,7 @@ import functools
 
 # --- claim (the dispatch path) -------------------------------------------------------
 #
-# A claim is a few short statements in one transaction (``SchedulingMixin.claim``
+# A claim is a few short statements in one transaction (``Store.claim``
 # drives them), each one round trip whatever the batch size:
 #
 #   PICK_LANES   the lanes to serve, in fair order (one page); when the page is full,
@@ -311,7 +311,7 @@ WHERE r.run_id = :run_id
 # per scope and the policy's maximum), ``picked(run_id, estimated_cost_usd, scopes)``
 # (the runs, each with its scopes as a JSON list) and ``lane_deltas(lane_id, n, gone)``
 # (the runs claimed from each lane, and those that left it at claim without being
-# claimed: denied, deferred or pruned, SchedulingMixin._admit_candidates); and
+# claimed: denied, deferred or pruned, ClaimMixin._admit_candidates); and
 # ``t(now)``. CLAIM_WRITE_PG gives them as parallel arrays (the claim decided in
 # Python), CLAIM_ONE_TRIP_PG computes them from its own pick.
 #
@@ -421,7 +421,7 @@ lane_counts AS (
                                THEN 1 ELSE lanes.tenant_at_limit END
     WHERE lanes.lane_id = ANY(ARRAY(SELECT lane_id FROM lane_locks)))
 """
-# Around the transaction's CLAIM_WRITE_PG (SchedulingMixin._write_claim): a write that
+# Around the transaction's CLAIM_WRITE_PG (ClaimMixin._write_claim): a write that
 # fails its checks gives back the counter locks it took (PostgreSQL releases the row
 # locks of a subtransaction rolled back). Never released: the commit ends it.
 CLAIM_SAVEPOINT = "SAVEPOINT claim_write"
@@ -461,7 +461,7 @@ RUN_SCOPES = """(
 # "one round trip claims up to N"). PICK_AND_WALK_PG's pick and walk; the shares of
 # the page dealt in SQL (SHARE_TURNS: fairness.share_slots, tested against it); then
 # the writes above. It claims only when the claim needs nothing else, and otherwise
-# writes nothing and the claim runs as a transaction (``SchedulingMixin.claim``):
+# writes nothing and the claim runs as a transaction (``Store.claim``):
 #   * every run it would take was admitted under the policy in force, which the
 #     claimer has read and which sets no daily budgets (``:version``): the check at
 #     claim (invariant 7) is then admission again on the same inputs, a pure function

@@ -75,7 +75,7 @@ def _statement_sent(conn: Connection, *_: Any) -> None:
 FREED_SCOPES = "runlane_freed_scopes"
 # conn.info key: the lane moves of a transaction that changes several runs (a claim,
 # a scheduler page), net per lane, written at its end in lane_id order
-# (SchedulingMixin._lane_moves_in_order) instead of as each run meets them: a claim's
+# (LanesMixin._lane_moves_in_order) instead of as each run meets them: a claim's
 # denial wrote its lane before the claim's counters and lanes, and two claims
 # deadlocked on two lanes.
 LANE_MOVES = "runlane_lane_moves"
@@ -135,10 +135,10 @@ class StoreCore:
         # Store.look: whether capabilities (as JSON) serve a route key; both are few.
         self._route_served: dict[tuple[str, str], bool] = {}
         # The policy version in force as this store's claims last saw it, and whether a
-        # claim may then be one statement (PostgreSQL: SchedulingMixin._claim_in_one_trip).
+        # claim may then be one statement (PostgreSQL: ClaimMixin._claim_in_one_trip).
         self._one_trip_policy: tuple[int, bool] | None = None
         # Whether claims skip paused providers' runs: the policy in force, as this store
-        # last read it, declares providers (SchedulingMixin._walk).
+        # last read it, declares providers (ClaimMixin._walk).
         self._walk_pauses = False
         # The providers' tokens per minute, as the last claim read them (report_cost).
         self._token_budgets: dict[str, int] = {}

@@ -138,7 +138,7 @@ ON CONFLICT (scope, lane_id) DO NOTHING
 # The virtual time of a (queue, priority): the lowest pass of the lanes that compete in
 # it (queued runs, not hidden by a full tenant or a backoff sleep), where lanes join,
 # wake and are shown again. Lanes of a route no live worker serves (``unserved``, set by
-# the reconciler, SchedulingMixin._mark_unserved_lanes) are left out while any other
+# the reconciler, RoutesMixin._mark_unserved_lanes) are left out while any other
 # lane competes: such a lane is never claimed, so its pass never moves, and a tenant
 # that came later joined at it, far behind the lanes being served, and took the next
 # claims one after another (banked credit). ``extra``: a further condition on ``v``.

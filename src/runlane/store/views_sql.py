@@ -94,7 +94,7 @@ WHERE worker_id = :worker_id
 
 # --- queues and tenants --------------------------------------------------------------
 
-# The lanes' counters (store/scheduling.py): one row per lane, as many as (queue,
+# The lanes' counters (store/lanes.py): one row per lane, as many as (queue,
 # route, priority, tenant) combinations, never per run. The oldest ready run of each
 # lane is the first entry of the dispatch index (lane_id, created_at, run_id) WHERE
 # status = 'QUEUED' that is visible now: one probe per awake lane with queued runs
