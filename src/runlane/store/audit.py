@@ -9,13 +9,8 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
-from runlane.domain.states import (
-    RunStatus,
-    is_allowed,
-)
-from runlane.store import (
-    audit_sql,
-)
+from runlane.domain.states import RunStatus, is_allowed
+from runlane.store import audit_sql
 from runlane.store import maintenance_sql as msql
 from runlane.store.core import StoreCore
 from runlane.store.lanes import BLOCKED_LANE_RECHECK_SECONDS

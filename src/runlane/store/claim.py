@@ -17,33 +17,14 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from sqlalchemy import Connection
 
-from runlane.domain.admission import (
-    AdmissionRequest,
-    Decision,
-    TenantUsage,
-    admit,
-)
+from runlane.domain.admission import AdmissionRequest, Decision, TenantUsage, admit
 from runlane.domain.fairness import LaneState, flows_of, share_slots
-from runlane.domain.policy import (
-    Policy,
-    run_scopes,
-)
+from runlane.domain.policy import Policy, run_scopes
 from runlane.domain.reasons import Reason
-from runlane.domain.states import (
-    RunStatus,
-    check_path,
-)
-from runlane.errors import (
-    TransitionRefused,
-)
+from runlane.domain.states import RunStatus, check_path
+from runlane.errors import TransitionRefused
 from runlane.observability import metrics
-from runlane.store import (
-    claim_sql,
-    lanes_sql,
-    policy_sql,
-    providers_sql,
-    transition_log,
-)
+from runlane.store import claim_sql, lanes_sql, policy_sql, providers_sql, transition_log
 from runlane.store.core import LANE_MOVES, TENANT_MARKS, StoreCore
 from runlane.store.lanes import JOIN_AHEAD, PolicyChanged
 from runlane.store.policy import has_budgets

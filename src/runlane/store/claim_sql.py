@@ -147,6 +147,8 @@ def with_provider_pauses(statement: str) -> str:
     paused providers."""
     assert _FULL_SCOPES_CTE in statement
     return statement.replace(_FULL_SCOPES_CTE, _FULL_OR_PAUSED_CTE)
+
+
 LANE_RUNS = {
     # Every lane of the page in one statement: (lane, share, cursor) arrays, each lane
     # walked by the same index scan.

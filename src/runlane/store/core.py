@@ -18,32 +18,15 @@ from sqlalchemy.dialects import postgresql as postgresql_dialect
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from runlane.clock import Clock, DatabaseClock
-from runlane.domain.policy import (
-    Policy,
-)
+from runlane.domain.policy import Policy
 from runlane.domain.reasons import Reason
-from runlane.domain.retry import (
-    DEFAULT_MAX_UNCHARGED_RELEASES,
-    RetryPolicy,
-)
-from runlane.domain.states import (
-    TERMINAL,
-    RunStatus,
-    check_path,
-)
-from runlane.domain.tasks import (
-    DEFAULT_PAYLOAD_CAP_BYTES,
-)
+from runlane.domain.retry import DEFAULT_MAX_UNCHARGED_RELEASES, RetryPolicy
+from runlane.domain.states import TERMINAL, RunStatus, check_path
+from runlane.domain.tasks import DEFAULT_PAYLOAD_CAP_BYTES
 from runlane.observability import metrics
-from runlane.store import (
-    dialect_sql,
-    lease_sql,
-    transition_log,
-)
+from runlane.store import dialect_sql, lease_sql, transition_log
 from runlane.store.engine import build_engine, dialect_of
-from runlane.store.evidence import (
-    ENDED_WITHOUT_SUCCESS,
-)
+from runlane.store.evidence import ENDED_WITHOUT_SUCCESS
 from runlane.store.schema import run_events
 
 log = structlog.get_logger("runlane.store")
@@ -70,6 +53,8 @@ def _statement_sent(conn: Connection, *_: Any) -> None:
     sent = conn.info.get(_SENT)
     if sent is not None:
         sent[0] = True
+
+
 # conn.info key: the scopes a transaction's releases took below their limit; the
 # lanes blocked on them are woken just before it commits (Store._transaction).
 FREED_SCOPES = "runlane_freed_scopes"
@@ -102,6 +87,7 @@ class StoreCore:
         def _schedule_close(self, conn: Connection, run_id: str, now: float | None) -> None: ...
         def _wake_blocked_lanes(self, conn: Connection, freed: set[str]) -> set[int]: ...
         def _wake_skipped_lanes(self, lane_ids: set[int]) -> None: ...
+
     def __init__(
         self,
         url: str,

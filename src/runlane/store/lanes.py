@@ -15,15 +15,9 @@ import structlog
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
-from runlane.domain.states import (
-    RunStatus,
-)
+from runlane.domain.states import RunStatus
 from runlane.observability import metrics
-from runlane.store import (
-    lanes_sql,
-    recount_sql,
-    slots_sql,
-)
+from runlane.store import lanes_sql, recount_sql, slots_sql
 from runlane.store.core import FREED_SCOPES, LANE_MOVES, TENANT_MARKS, StoreCore
 
 log = structlog.get_logger("runlane.store")

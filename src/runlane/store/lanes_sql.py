@@ -135,6 +135,8 @@ LANE_BLOCK_INSERT = """
 INSERT INTO lane_blocks (scope, lane_id) VALUES (:scope, :lane_id)
 ON CONFLICT (scope, lane_id) DO NOTHING
 """
+
+
 # The virtual time of a (queue, priority): the lowest pass of the lanes that compete in
 # it (queued runs, not hidden by a full tenant or a backoff sleep), where lanes join,
 # wake and are shown again. Lanes of a route no live worker serves (``unserved``, set by

@@ -41,16 +41,9 @@ from runlane.errors import (
     TransitionRefused,
 )
 from runlane.observability import metrics
-from runlane.store import (
-    lease_sql,
-    policy_sql,
-    providers_sql,
-    transition_log,
-)
+from runlane.store import lease_sql, policy_sql, providers_sql, transition_log
 from runlane.store.core import CANCEL_CHANNEL, CANCELLING, RECOVERY_MARKERS, StoreCore
-from runlane.store.evidence import (
-    Ledger,
-)
+from runlane.store.evidence import Ledger
 from runlane.store.records import (
     CancelResult,
     Completion,
@@ -62,6 +55,7 @@ from runlane.store.records import (
 
 log = structlog.get_logger("runlane.store")
 S = RunStatus
+
 
 def _count_completions(durations: list[float]) -> None:
     for seconds in durations:

@@ -12,30 +12,13 @@ from typing import Any
 import structlog
 from sqlalchemy import Connection
 
-from runlane.domain.admission import (
-    AdmissionRequest,
-    Decision,
-    TenantUsage,
-    admit,
-)
-from runlane.domain.policy import (
-    Policy,
-    policy_digest,
-    policy_document,
-    policy_from_document,
-)
+from runlane.domain.admission import AdmissionRequest, Decision, TenantUsage, admit
+from runlane.domain.policy import Policy, policy_digest, policy_document, policy_from_document
 from runlane.domain.reasons import Reason
-from runlane.domain.routing import (
-    requirements_from_canonical,
-)
-from runlane.errors import (
-    PolicyDenied,
-)
+from runlane.domain.routing import requirements_from_canonical
+from runlane.errors import PolicyDenied
 from runlane.observability import metrics
-from runlane.store import (
-    policy_sql,
-    recount_sql,
-)
+from runlane.store import policy_sql, recount_sql
 from runlane.store.core import FREED_SCOPES, StoreCore
 from runlane.store.lanes import JOIN_AHEAD
 

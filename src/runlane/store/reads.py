@@ -9,22 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, insert, select, text
 
-from runlane.domain.routing import (
-    parse_capabilities,
-    requirements_from_canonical,
-    satisfies,
-)
-from runlane.errors import (
-    NotFound,
-    redact_credentials,
-)
-from runlane.store import (
-    reads_sql,
-)
+from runlane.domain.routing import parse_capabilities, requirements_from_canonical, satisfies
+from runlane.errors import NotFound, redact_credentials
+from runlane.store import reads_sql
 from runlane.store.core import StoreCore
-from runlane.store.evidence import (
-    PULL_REQUEST_EFFECT,
-)
+from runlane.store.evidence import PULL_REQUEST_EFFECT
 from runlane.store.records import Look, SideEffect
 from runlane.store.schema import run_events, runs, task_dependencies, tasks, workers
 

@@ -7,11 +7,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from runlane.domain.states import (
-    RunStatus,
-)
+from runlane.domain.states import RunStatus
 
 S = RunStatus
+
 
 @dataclass
 class Lease:

@@ -13,17 +13,9 @@ import structlog
 from sqlalchemy import Connection, text
 
 from runlane.domain.reasons import Reason
-from runlane.domain.states import (
-    LEASED,
-    TERMINAL,
-    WAITING,
-    RunStatus,
-)
+from runlane.domain.states import LEASED, TERMINAL, WAITING, RunStatus
 from runlane.observability import metrics
-from runlane.store import (
-    lanes_sql,
-    recount_sql,
-)
+from runlane.store import lanes_sql, recount_sql
 from runlane.store import maintenance_sql as msql
 from runlane.store.core import CANCELLING, FREED_SCOPES, RECOVERY_MARKERS, WAKEUP_CHANNEL, StoreCore
 from runlane.store.lanes import BLOCKED_LANE_RECHECK_SECONDS, JOIN_AHEAD

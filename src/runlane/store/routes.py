@@ -17,11 +17,7 @@ from runlane.domain.routing import (
     satisfies,
     unmet,
 )
-from runlane.store import (
-    lanes_sql,
-    reads_sql,
-    submit_sql,
-)
+from runlane.store import lanes_sql, reads_sql, submit_sql
 from runlane.store.core import StoreCore
 from runlane.store.lanes import JOIN_AHEAD
 

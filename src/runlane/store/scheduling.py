@@ -12,22 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection
 
-from runlane.domain.admission import (
-    AdmissionRequest,
-    Decision,
-    TenantUsage,
-    admit,
-)
+from runlane.domain.admission import AdmissionRequest, Decision, TenantUsage, admit
 from runlane.domain.policy import Policy
 from runlane.domain.reasons import Reason
-from runlane.domain.states import (
-    RunStatus,
-)
+from runlane.domain.states import RunStatus
 from runlane.observability import metrics
-from runlane.store import (
-    approvals_sql,
-    policy_sql,
-)
+from runlane.store import approvals_sql, policy_sql
 from runlane.store.core import StoreCore
 from runlane.store.policy import first_policy_version, same_terms
 

@@ -14,26 +14,13 @@ import structlog
 from sqlalchemy import Connection, insert
 from sqlalchemy.dialects import sqlite as sqlite_dialect
 
-from runlane.domain.admission import (
-    AdmissionRequest,
-    Decision,
-    TenantUsage,
-    TimeNeeded,
-    admit,
-)
+from runlane.domain.admission import AdmissionRequest, Decision, TenantUsage, TimeNeeded, admit
 from runlane.domain.ids import new_id
-from runlane.domain.policy import (
-    Policy,
-)
+from runlane.domain.policy import Policy
 from runlane.domain.reasons import Reason
 from runlane.domain.repos import canonical_repo
-from runlane.domain.routing import (
-    parse_requirements,
-)
-from runlane.domain.states import (
-    RunStatus,
-    is_allowed,
-)
+from runlane.domain.routing import parse_requirements
+from runlane.domain.states import RunStatus, is_allowed
 from runlane.domain.tasks import (
     PayloadReport,
     TaskInvalid,
@@ -42,14 +29,9 @@ from runlane.domain.tasks import (
     enforce_payload_cap,
     task_digest,
 )
-from runlane.errors import (
-    Conflict,
-)
+from runlane.errors import Conflict
 from runlane.observability import metrics
-from runlane.store import (
-    policy_sql,
-    submit_sql,
-)
+from runlane.store import policy_sql, submit_sql
 from runlane.store.core import WAKEUP_CHANNEL, StoreCore
 from runlane.store.lanes import JOIN_AHEAD
 from runlane.store.policy import policy_needs_usage
