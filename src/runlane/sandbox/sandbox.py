@@ -38,7 +38,6 @@ from typing import Literal
 
 import structlog
 
-import runlane
 from runlane.sandbox.environment import agent_environment, check_pass_name, code_host_token
 from runlane.sandbox.processes import Members, Namespace, ProcessGroup
 from runlane.sandbox.view import HOME, SECRETS_DIR, View, mount_args
@@ -64,7 +63,7 @@ class SandboxUnavailable(SettingsInvalid):
 def worker_python_paths() -> tuple[str, ...]:
     """The worker's own Python installation and the directory holding the ``runlane``
     package: what ``python -m runlane.demo_agent`` (or the fault harness's agent) needs."""
-    package_parent = Path(runlane.__file__).resolve().parent.parent
+    package_parent = Path(__file__).resolve().parents[2]  # above runlane/sandbox/sandbox.py
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              str(package_parent)}
     return tuple(sorted(p for p in paths if p))
