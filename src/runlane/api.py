@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-import functools
 import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar, cast
-from urllib.parse import unquote
+from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry
-from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import DBAPIError
 
 from runlane.agents.base import AttemptLimits
 from runlane.api_activity import ActivityMixin
 from runlane.api_approvals import ApprovalsMixin
 from runlane.api_campaigns import CampaignsMixin
+from runlane.api_common import InvalidArgument as InvalidArgument
+from runlane.api_common import _first_line, _on_the_database
+from runlane.api_common import shown_url as shown_url
 from runlane.api_views import ViewsMixin
 from runlane.clock import Clock
 from runlane.codehost.base import CodeHost
@@ -34,7 +35,6 @@ from runlane.errors import (
     DatabaseUnavailable,
     Forbidden,
     NotFound,
-    RunlaneError,
     SchemaOutdated,
     Unauthenticated,
 )
@@ -73,36 +73,7 @@ MAX_CONCURRENCY = 1000
 # Events one call of Runlane.events returns at most.
 MAX_EVENTS_PAGE = 10_000
 
-F = TypeVar("F", bound=Callable[..., Any])
 log = structlog.get_logger("runlane.api")
-
-
-class InvalidArgument(RunlaneError, ValueError):
-    """A call's argument that the CLI would refuse as bad input (exit 2)."""
-
-    exit_code = 2
-
-
-def _first_line(exc: DBAPIError) -> str:
-    return (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0]
-
-
-def _on_the_database(method: F) -> F:
-    """Check the schema on a lane's first use, and report a database that is down or
-    unusable as runlane's DatabaseUnavailable (as the CLI does), not a driver error
-    with the SQL in it. Errors of the data itself (a constraint, a bad value) pass."""
-
-    @functools.wraps(method)
-    def wrapper(self: Runlane, *args: Any, **kwargs: Any) -> Any:
-        if not self._schema_checked:
-            self.check_schema()
-        try:
-            return method(self, *args, **kwargs)
-        except (OperationalError, InterfaceError) as exc:
-            raise DatabaseUnavailable(
-                f"database {shown_url(self.store.engine.url)}: {_first_line(exc)}") from exc
-
-    return cast(F, wrapper)
 
 
 def _is_text(value: Any) -> bool:
@@ -116,12 +87,6 @@ def _is_text(value: Any) -> bool:
     except UnicodeEncodeError:
         return False
     return "\x00" not in value
-
-
-def shown_url(url: URL) -> str:
-    """The URL as the user wrote it, password hidden: SQLAlchemy's rendering
-    percent-encodes the database part (``sqlite:///file%3A/...`` for ``file:/...``)."""
-    return unquote(url.render_as_string(hide_password=True))
 
 
 class Runlane(ActivityMixin, ViewsMixin, CampaignsMixin, ApprovalsMixin):

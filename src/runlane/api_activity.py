@@ -15,7 +15,7 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from runlane.api_views import _invalid, _on_the_database
+from runlane.api_common import _invalid, _on_the_database
 from runlane.domain.access import OPERATOR, Principal
 from runlane.errors import redact_credentials
 from runlane.models.top import ClaimRates, FailureView, QueueClaims

@@ -13,7 +13,7 @@ from __future__ import annotations
 import getpass
 from typing import TYPE_CHECKING
 
-from runlane.api_views import _on_the_database
+from runlane.api_common import InvalidArgument, _on_the_database
 from runlane.domain.access import OPERATOR, Principal
 from runlane.domain.tasks import valid_name
 from runlane.errors import Forbidden, NotFound
@@ -49,7 +49,6 @@ class ApprovalsMixin:
     def approvals(self, *, tenant: str | None = None, limit: int = 500,
                   principal: Principal = OPERATOR) -> list[PendingApproval]:
         """Runs waiting for approval, oldest first; a tenant's principal sees its own."""
-        from runlane.api import InvalidArgument
         if tenant is not None and not (isinstance(tenant, str) and valid_name(tenant)):
             raise InvalidArgument(f"tenant {tenant!r} is not a tenant name")
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
@@ -78,7 +77,6 @@ class ApprovalsMixin:
     @_on_the_database
     def _decide(self, run_id: str, approve: bool, note: str | None, by: str | None,
                 principal: Principal) -> ApprovalResult:
-        from runlane.api import InvalidArgument
         verb = "approve" if approve else "reject"
         if not isinstance(run_id, str) or not run_id or len(run_id) > 64:
             raise NotFound(f"no run {run_id!r}")

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runlane.api_views import _on_the_database
+from runlane.api_common import _on_the_database
 from runlane.domain.access import OPERATOR, Principal
 from runlane.domain.campaigns import Campaign, load_campaign, parse_campaign
 from runlane.errors import Forbidden, NotFound

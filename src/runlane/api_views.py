@@ -23,20 +23,20 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import json
 import math
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from runlane.api_common import _invalid, _on_the_database
 from runlane.domain.access import OPERATOR, Principal, require_operator
 from runlane.domain.policy import Policy
 from runlane.domain.repos import canonical_repo
 from runlane.domain.states import RunStatus
 from runlane.domain.tasks import valid_name
-from runlane.errors import NotFound, RunlaneError
+from runlane.errors import NotFound
 from runlane.models.fleet import (
     LeaseView,
     LimitView,
@@ -61,23 +61,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 MAX_PAGE = 1000
 # Scopes whose counter counts the runs of every tenant.
 _SHARED_SCOPES = ("global", "queue:", "repo:", "risk:", "user:")
-
-
-def _on_the_database(method: F) -> F:
-    """``api._on_the_database`` (schema check, database errors as DatabaseUnavailable),
-    looked up at the call: api.py imports this module."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        from runlane.api import _on_the_database as checked
-        return checked(method)(self, *args, **kwargs)
-
-    return cast(F, wrapper)
-
-
-def _invalid(message: str) -> RunlaneError:
-    from runlane.api import InvalidArgument
-    return InvalidArgument(message)
 
 
 # --- cursors ----------------------------------------------------------------------------
