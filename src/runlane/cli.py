@@ -5,44 +5,46 @@ logs and errors go to stderr; an error is one line and a non-zero exit code:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import threading
-from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
 
 import click
-from rich.console import Console
 from sqlalchemy.exc import DBAPIError
 
-from runlane.api import Runlane, shown_url
-from runlane.cli_output import Col, chosen_output, output_options, render
+from runlane.api import shown_url
+from runlane.chaos.cli import chaos_command
+from runlane.cli_approvals import register as register_approvals
+from runlane.cli_campaigns import register as register_campaigns
+from runlane.cli_common import (
+    MAINTENANCE_CONNECTIONS,
+    F,
+    _iso,
+    _join,
+    _lane,
+    _start_maintenance,
+    _stop_on_sigterm,
+    _times,
+    json_flag,
+    out,
+    state,
+)
+from runlane.cli_info import info_command
+from runlane.cli_output import Col, chosen_output, output_options, print_json, render
 from runlane.cli_run import run_command
-from runlane.cli_serve import metrics_port_option
+from runlane.cli_runs import register as register_runs
+from runlane.cli_serve import metrics_port_option, serve_command
+from runlane.cli_submit import submit
+from runlane.cli_tasks import retry_command, tasks_group
+from runlane.cli_tokens import tokens_group
+from runlane.cli_top import register as register_top
+from runlane.cli_views import register as register_views
+from runlane.cli_worker import up, worker
 from runlane.domain.policy import MAX_COUNT, read_policy_text
 from runlane.errors import DatabaseUnavailable
 from runlane.logs import FORMATS, configure_logging
-from runlane.settings import Settings, load_settings
+from runlane.settings import Settings
 
-out = Console()
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def json_flag(fn: F) -> F:
-    return click.option("--json", "as_json", is_flag=True,
-                        help="Print exactly one JSON document on stdout.")(fn)
-
-
-class State:
-    database_url: str | None = None
-    settings: dict[str, str] = {}  # the other settings given as flags, by name
-    logging: dict[str, str] = {}  # --log-level and --log-format as given (for up's workers)
-
-
-state = State()
 # Commands that log at INFO unless told otherwise: what an operator watches run.
 LOUD_COMMANDS = frozenset({"worker", "maintain", "up"})
 # Commands whose spans are exported when tracing is configured (the others make none).
@@ -165,51 +167,6 @@ def runs_app() -> None:
     """Inspect runs."""
 
 
-# Pooled PostgreSQL connections of `maintain`'s (and `up`'s) maintenance services: four
-# threads, each pass a few short transactions; the scheduler's LISTEN is one more.
-MAINTENANCE_CONNECTIONS = 2
-
-
-def _lane(check_schema: bool = True, connections: int | None = None) -> Runlane:
-    """The facade over the settings given; ``connections`` bounds its pool (Runlane)."""
-    lane = Runlane(settings=load_settings(database_url=state.database_url, **state.settings),
-                   connections=connections)
-    if check_schema:
-        lane.check_schema()
-    return lane
-
-
-def _iso(value: Any) -> Any:
-    if isinstance(value, float):
-        return datetime.fromtimestamp(value, UTC).isoformat(timespec="milliseconds")
-    return value
-
-
-# Fields holding a point in time (epoch seconds in the database) that are not named
-# *_at: an event's `at`, an admission's `retry_after`.
-TIME_FIELDS = frozenset({"at", "retry_after"})
-
-
-def _times(row: dict[str, Any]) -> dict[str, Any]:
-    """Every point in time of ``row`` as ISO 8601 UTC, one format for all of them."""
-    return {k: (_iso(v) if k.endswith("_at") or k in TIME_FIELDS else v)
-            for k, v in row.items()}
-
-
-RUN_FIELDS = ("run_id", "task_id", "tenant", "repo", "queue", "status", "priority",
-              "attempt_count", "max_attempts", "fencing_token", "visible_at", "created_at",
-              "updated_at", "ended_at", "reason_code", "message", "outcome", "cost_usd",
-              "estimated_cost_usd", "user_id", "risk_class", "route_key", "policy_version")
-
-
-def run_document(run: dict[str, Any]) -> dict[str, Any]:
-    return _times({k: run.get(k) for k in RUN_FIELDS})
-
-
-def _print_json(document: Any) -> None:
-    sys.stdout.write(json.dumps(document, indent=2, default=str) + "\n")
-
-
 # --- db -----------------------------------------------------------------------------
 
 
@@ -225,7 +182,7 @@ def db_upgrade(as_json: bool) -> None:
                 f"cannot upgrade {shown_url(lane.store.engine.url)}: "
                 f"{str(exc.orig).strip().splitlines()[0]}") from None
     if as_json:
-        _print_json({"from": before, "to": after, "changed": before != after})
+        print_json({"from": before, "to": after, "changed": before != after})
     else:
         out.print(f"schema at {after}" + ("" if before == after else f" (was {before or 'empty'})"))
 
@@ -249,7 +206,7 @@ def policy_apply(file: Path, as_json: bool) -> None:
     with _lane() as lane:
         applied = lane.apply_policy(text, source=source)
     if as_json:
-        _print_json({"version": applied.version, "digest": applied.digest,
+        print_json({"version": applied.version, "digest": applied.digest,
                      "created": applied.created})
     else:
         out.print(f"policy v{applied.version} " + (
@@ -266,7 +223,7 @@ def policy_show(as_json: bool) -> None:
         record = {"version": 0, "digest": None, "source": None, "created_at": None,
                   "policy": None}
     if as_json:
-        _print_json(_times(record))
+        print_json(_times(record))
         return
     if record["version"] == 0:
         out.print("no policy applied: every run is admitted, no limits")
@@ -277,34 +234,6 @@ def policy_show(as_json: bool) -> None:
 
 
 # --- services and prs -------------------------------------------------------------
-
-
-def _stop_on_sigterm() -> threading.Event:
-    """An event SIGTERM sets (a deploy's or a supervisor's stop), instead of killing the
-    process wherever it is."""
-    import signal as signals
-
-    stop = threading.Event()
-    signals.signal(signals.SIGTERM, lambda *_: stop.set())
-    return stop
-
-
-def _start_maintenance(lane: Runlane, stop: threading.Event) -> list[threading.Thread]:
-    """The maintenance services, each on a thread, while this node is the database's
-    maintenance leader (services/leader.py), until ``stop`` is set."""
-    leader = lane.maintenance_leader()
-    thread = threading.Thread(target=leader.run_forever, args=(stop,), daemon=True,
-                              name="runlane-maintenance-leader")
-    thread.start()
-    return [thread]
-
-
-def _join(threads: list[threading.Thread]) -> None:
-    """Let each service finish the pass it is in: a pass is a few short transactions,
-    and one cut short by the exit would only be redone by the next, but stopping
-    between passes leaves nothing to redo and the logs tell the truth."""
-    for t in threads:
-        t.join()
 
 
 @app.group("prs")
@@ -343,7 +272,7 @@ def audit(remote_checks: bool, limit: int, as_json: bool) -> None:
     with _lane() as lane:
         violations = lane.audit(remote_checks=remote_checks, limit=limit)
     if as_json:
-        _print_json({"ok": not violations,
+        print_json({"ok": not violations,
                      "violations": [v.__dict__ for v in violations]})
     elif violations:
         for v in violations:
@@ -368,7 +297,7 @@ def maintain(once: bool, metrics_port: int, as_json: bool) -> None:
         if once:
             counts = lane.maintain_once()
             if as_json:
-                _print_json(counts)
+                print_json(counts)
             else:  # what the pass did; every counter with --json
                 done = {k: v for k, v in counts.items() if v}
                 out.print(", ".join(f"{k}={v}" for k, v in done.items()) if done else
@@ -399,48 +328,25 @@ def demo(directory: Path, as_json: bool) -> None:
 
     summary = run_demo(directory, console=None if as_json else out)
     if as_json:
-        _print_json(summary)
+        print_json(summary)
     if summary["violations"]:
         sys.exit(1)
 
 
-def _register_more() -> None:
-    """Commands kept in modules of their own (this one would pass 800 lines)."""
-    from runlane.chaos.cli import chaos_command
-    from runlane.cli_info import info_command
-    from runlane.cli_serve import serve_command
-    from runlane.cli_submit import submit
-    from runlane.cli_tasks import retry_command, tasks_group
-    from runlane.cli_tokens import tokens_group
-    from runlane.cli_worker import up, worker
-
-    app.add_command(chaos_command)
-    app.add_command(serve_command)
-    app.add_command(worker)
-    app.add_command(up)
-    app.add_command(info_command)
-    app.add_command(submit)
-    app.add_command(tokens_group)
-    app.add_command(retry_command)
-    app.add_command(tasks_group)
-
-
-_register_more()
-
-
-def _register_views() -> None:
-    from runlane.cli_runs import register as register_runs
-    from runlane.cli_top import register as register_top
-    from runlane.cli_views import register
-
-    register(app)
-    register_runs(app)
+def _register() -> None:
+    """Commands kept in modules of their own (this one would pass 800 lines), added in
+    the order the reference (docs/cli.md) lists them."""
+    for command in (chaos_command, serve_command, worker, up, info_command, submit,
+                    tokens_group, retry_command, tasks_group):
+        app.add_command(command)
+    register_views(app, policy_app)
+    register_runs(app, runs_app)
     register_top(app)
-    __import__("runlane.cli_campaigns").cli_campaigns.register(app)
-    __import__("runlane.cli_approvals").cli_approvals.register(app)
+    register_campaigns(app)
+    register_approvals(app)
 
 
-_register_views()
+_register()
 
 
 def main() -> None:

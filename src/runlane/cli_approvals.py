@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import click
 
-from runlane.cli import _lane, _print_json, json_flag, out
-from runlane.cli_output import Col, chosen_output, output_options, render
+from runlane.cli_common import _lane, json_flag, out
+from runlane.cli_output import Col, chosen_output, output_options, print_json, render
 from runlane.domain.tasks import TaskInvalid, valid_name
 from runlane.models.approvals import ApprovalResult
 
@@ -49,7 +49,7 @@ def approvals_list(tenant: str | None, limit: int, output: str | None,
 
 def _decided(result: ApprovalResult, as_json: bool) -> None:
     if as_json:
-        _print_json(result.model_dump(mode="json"))
+        print_json(result.model_dump(mode="json"))
         return
     verb = result.decision.lower()
     again = " (already: nothing changed)" if result.repeated else ""

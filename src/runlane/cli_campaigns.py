@@ -9,7 +9,8 @@ from typing import Any
 import click
 from rich.table import Table
 
-from runlane.cli import _lane, _print_json, json_flag, out
+from runlane.cli_common import _lane, json_flag, out
+from runlane.cli_output import print_json
 
 tenant_option = click.option("--tenant", help="The campaign's tenant (when two tenants "
                              "have a campaign of this name).")
@@ -28,7 +29,7 @@ def campaign_create(file: str, as_json: bool) -> None:
     with _lane() as lane:
         made = lane.create_campaign(path=file)
     if as_json:
-        _print_json(made)
+        print_json(made)
         return
     verb = "created" if made["created"] else "exists already (nothing created)"
     click.echo(f"campaign {made['name']} ({made['tenant']}) {verb}: {made['targets']} "
@@ -43,7 +44,7 @@ def campaign_list(as_json: bool) -> None:
     with _lane() as lane:
         found = lane.campaigns()
     if as_json:
-        _print_json(found)
+        print_json(found)
         return
     table = Table("name", "tenant", "status", "targets", "batch", "active", "created")
     for c in found:
@@ -67,7 +68,7 @@ def campaign_show(name: str, tenant: str | None, fmt: str, as_json: bool) -> Non
             return
         summary = lane.campaign(name, tenant=tenant)
     if as_json:
-        _print_json(summary)
+        print_json(summary)
         return
     _print_summary(summary)
 
@@ -114,7 +115,7 @@ def _move(verb: str, name: str, tenant: str | None, as_json: bool,
         done = getattr(lane, f"{verb.replace('-', '_')}_campaign")(name, tenant=tenant,
                                                                  **options)
     if as_json:
-        _print_json(done)
+        print_json(done)
         return
     if verb == "retry_failed":
         click.echo(f"campaign {done['name']}: {done['retried']} targets to run again; "

@@ -13,7 +13,8 @@ from typing import Any
 
 import click
 
-from runlane.cli import _print_json, json_flag, out, state
+from runlane.cli_common import json_flag, out, state
+from runlane.cli_output import print_json
 
 
 def _sources() -> dict[str, str]:
@@ -93,7 +94,7 @@ def info_command(as_json: bool) -> None:
         "code_hosts": configured_hosts(),
     }
     if as_json:
-        _print_json(document)
+        print_json(document)
         return
     out.print(f"runlane {__version__}", highlight=False)
     out.print(f"database: {url}", soft_wrap=True, highlight=False, markup=False)

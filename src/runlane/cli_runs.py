@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from runlane.api_views import MAX_PAGE
-from runlane.cli import _lane, json_flag, out, run_document, runs_app
+from runlane.cli_common import _lane, json_flag, out, run_document
 from runlane.cli_output import Col, chosen_output, full_time, output_options, print_json, render
 from runlane.cli_views import parse_moment
 from runlane.domain.policy import MAX_COUNT
@@ -281,7 +281,8 @@ def cancel(task_id: str, as_json: bool) -> None:
         out.print(f"run {run_id}: {status}", highlight=False, soft_wrap=True)
 
 
-def register(app: click.Group) -> None:
-    runs_app.add_command(runs_list)
-    runs_app.add_command(runs_show)
+def register(app: click.Group, runs: click.Group) -> None:
+    """`cancel` on the top-level command, `list` and `show` on its `runs` group."""
+    runs.add_command(runs_list)
+    runs.add_command(runs_show)
     app.add_command(cancel)

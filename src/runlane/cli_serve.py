@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 
+from runlane.cli_common import _lane, out
 from runlane.errors import RunlaneError
 
 HOST = "127.0.0.1"
@@ -35,7 +36,6 @@ def metrics_port_option(fn: click.decorators.FC) -> click.decorators.FC:
 def serve_command(host: str, port: int, keepalive_seconds: float) -> None:
     """The HTTP API (/v1, /openapi.json, /docs) and the dashboard, over the same
     settings and database as every other command; SIGTERM or Ctrl-C stops it."""
-    from runlane.cli import _lane, out
     from runlane.http.serve import server
 
     with _lane() as lane:

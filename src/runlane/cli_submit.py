@@ -12,7 +12,8 @@ from typing import Any
 
 import click
 
-from runlane.cli import _lane, _print_json, json_flag, out
+from runlane.cli_common import _lane, json_flag, out
+from runlane.cli_output import print_json
 from runlane.domain.routing import parse_requirements, requirements_to_mapping
 from runlane.domain.tasks import TaskInvalid
 from runlane.errors import RunlaneError
@@ -87,7 +88,7 @@ def submit(tenant: str | None, repo: str | None, prompt: str | None,
             results = lane.submit_batch(rows)
         denied = [s for s in results if s.status == DENIED]
         if as_json:
-            _print_json([_submission(s) for s in results])
+            print_json([_submission(s) for s in results])
         else:
             created = sum(1 for s in results if s.created and s.status != DENIED)
             present = sum(1 for s in results if not s.created)
@@ -126,7 +127,7 @@ def submit(tenant: str | None, repo: str | None, prompt: str | None,
     with _lane() as lane:
         result = lane.submit(**{k: v for k, v in raw.items() if v is not None})
     if as_json:
-        _print_json(_submission(result))
+        print_json(_submission(result))
     else:
         verb = ("denied" if result.status == DENIED else
                 "submitted" if result.created else "already submitted")

@@ -6,7 +6,8 @@ import click
 from rich.table import Column, Table
 from rich.text import Text
 
-from runlane.cli import _lane, _print_json, json_flag, out
+from runlane.cli_common import _lane, json_flag, out
+from runlane.cli_output import print_json
 
 
 @click.command("retry")
@@ -18,7 +19,7 @@ def retry_command(task_id: str, as_json: bool) -> None:
     with _lane() as lane:
         result = lane.retry(task_id)
     if as_json:
-        _print_json(result.model_dump(mode="json"))
+        print_json(result.model_dump(mode="json"))
     else:
         why = f": {result.reason_code}" if result.reason_code else ""
         out.print(f"retried: task {result.task_id} run {result.run_id} ({result.status}{why}),"
@@ -40,7 +41,7 @@ def tasks_show(task_id: str, as_json: bool) -> None:
         task = lane.task(lane.task_id_of(task_id))
     document = task.model_dump(mode="json")
     if as_json:
-        _print_json(document)
+        print_json(document)
         return
     for key in ("task_id", "tenant", "repo", "queue", "priority", "max_attempts",
                 "idempotency_key", "user_id", "depends_on", "created_at",

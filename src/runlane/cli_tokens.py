@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 import click
 
 from runlane.api import KIND_NAMES
-from runlane.cli import _lane, _print_json, json_flag, out
-from runlane.cli_output import Col, chosen_output, output_options, render
+from runlane.cli_common import _lane, json_flag, out
+from runlane.cli_output import Col, chosen_output, output_options, print_json, render
 from runlane.domain.tasks import TaskInvalid
 from runlane.domain.tokens import parse_expiry
 from runlane.errors import NotFound
@@ -50,7 +50,7 @@ def tokens_create(tenant: str | None, role: str, expires: str | None, name: str 
         created = lane.create_token(role=role, tenant=tenant, expires_at=expires_at,
                                     name=name)
     if as_json:
-        _print_json(created.model_dump(mode="json"))
+        print_json(created.model_dump(mode="json"))
         return
     info = created.info
     click.echo(created.token)
@@ -97,7 +97,7 @@ def tokens_revoke(token_id: str, as_json: bool) -> None:
             raise NotFound(f"{exc}: it is {KIND_NAMES[found.kind]} id, not a token's"
                            ) from None
     if as_json:
-        _print_json(info.model_dump(mode="json"))
+        print_json(info.model_dump(mode="json"))
     else:
         out.print(f"token {info.token_id} revoked at {_shown(info.revoked_at)}")
 

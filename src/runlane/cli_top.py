@@ -11,7 +11,8 @@ import click
 from rich.console import Console
 
 from runlane.api_activity import CLAIM_WINDOW_SECONDS, MAX_CLAIM_WINDOW_SECONDS, MAX_FAILURES
-from runlane.cli import _lane, _print_json, json_flag
+from runlane.cli_common import _lane, json_flag
+from runlane.cli_output import print_json
 from runlane.domain.tasks import TaskInvalid
 from runlane.tui.snapshot import FacadeSource, HttpSource, Source
 
@@ -71,7 +72,7 @@ def _show(source: Source, console: Console, *, interval: float, once: bool,
     # not answer at all is an error on a terminal left as it was.
     first = source.fetch()
     if as_json:
-        _print_json(first.model_dump(mode="json"))
+        print_json(first.model_dump(mode="json"))
         return
     from runlane.tui import render
 

@@ -10,14 +10,8 @@ from typing import Any
 
 import click
 
-from runlane.cli import (
-    _lane,
-    _print_json,
-    json_flag,
-    out,
-    policy_app,
-)
-from runlane.cli_output import Col, chosen_output, output_options, render
+from runlane.cli_common import _lane, json_flag, out
+from runlane.cli_output import Col, chosen_output, output_options, print_json, render
 from runlane.domain.tasks import TaskInvalid
 
 _AGO = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
@@ -102,7 +96,7 @@ def workers_drain(worker_id: str, as_json: bool) -> None:
     with _lane() as lane:
         found = lane.drain_worker(worker_id)
     if as_json:
-        _print_json(found.model_dump(mode="json"))
+        print_json(found.model_dump(mode="json"))
         return
     out.print(f"worker {found.worker_id} asked to drain ({found.status}, "
               f"{found.leases_held} lease(s) held); it drains at its next heartbeat",
@@ -175,7 +169,7 @@ def tenants_list(output: str | None, as_json: bool) -> None:
 # --- policy versions -------------------------------------------------------------------
 
 
-@policy_app.command("versions")
+@click.command("versions")
 @output_options
 def policy_versions(output: str | None, as_json: bool) -> None:
     """Every stored version of the policy, newest first (`policy show`: the one in force)."""
@@ -193,6 +187,8 @@ def policy_versions(output: str | None, as_json: bool) -> None:
            empty="no policy applied: every run is admitted, no limits", console=out)
 
 
-def register(app: click.Group) -> None:
+def register(app: click.Group, policy: click.Group) -> None:
+    """The groups on the top-level command, `versions` on its `policy` group."""
     for group in (workers_group, queues_group, tenants_group):
         app.add_command(group)
+    policy.add_command(policy_versions)

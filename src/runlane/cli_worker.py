@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import click
 
 from runlane.api import MAX_CONCURRENCY, Runlane
-from runlane.cli import (
+from runlane.cli_common import (
     MAINTENANCE_CONNECTIONS,
     _join,
     _lane,
