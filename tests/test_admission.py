@@ -442,6 +442,11 @@ def test_the_example_policy_decides_as_its_documentation_says() -> None:
     contractors = admit(AdmissionRequest(tenant="contractors", repo="git@host:acme/web"),
                         policy, 1, IDLE, NOW)
     assert contractors.reason_code == "TENANT_SUSPENDED"
+    costly = admit(AdmissionRequest(tenant="web-team", repo="git@host:acme/web",
+                                    estimated_cost_usd=30.0), policy, 1, IDLE, NOW)
+    assert (costly.decision, costly.reason_code) == ("REQUIRE_APPROVAL",
+                                                     Reason.APPROVAL_REQUIRED)
+    assert java.provider == "openai"
 
 
 @pytest.mark.parametrize("code", [

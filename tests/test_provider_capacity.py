@@ -227,6 +227,12 @@ def test_submit_takes_a_provider_flag_and_a_batch_field(db_url: str, tmp_path: P
     assert provider_of(store, first) == "openai"
     assert provider_of(store, second["run_id"]) == "anthropic"
     store.close()
+    shown = subprocess.run([sys.executable, "-m", "runlane", "runs", "show", first],
+                           env=env, capture_output=True, text=True, check=True)
+    assert "provider openai" in shown.stdout
+    shown = subprocess.run([sys.executable, "-m", "runlane", "runs", "show", first, "--json"],
+                           env=env, capture_output=True, text=True, check=True)
+    assert json.loads(shown.stdout)["provider"] == "openai"
 
 
 def test_a_worker_claims_no_more_than_its_sandbox_slots(db_url: str) -> None:

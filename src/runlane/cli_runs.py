@@ -180,7 +180,8 @@ def summary(run: Any, task: Any, artifacts: Path, *, utc: bool, full_prompt: boo
     _line("run", f"{run.run_id}  {run.status}")
     _line("task", task.task_id)
     _line("tenant", run.tenant + (f" (user {run.user_id})" if run.user_id else ""))
-    _line("queue", f"{run.queue}, priority {run.priority}")
+    _line("queue", f"{run.queue}, priority {run.priority}"
+          + (f", provider {run.provider}" if run.provider else ""))
     repo = redact_credentials(task.repo)
     _line("repo", run.repo + ("" if repo == run.repo else f" (submitted as {repo})"))
     prompt = run.prompt

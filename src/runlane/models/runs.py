@@ -184,6 +184,8 @@ class RunDetail(Indexable):
     # decision (a run an approval gate held: APPROVED, REJECTED or EXPIRED).
     cost_exceeded_at: Timestamp | None = None
     approval: ApprovalDecisionView | None = None
+    # The model provider the run uses (submit --provider or its queue's in the policy).
+    provider: str | None = None
 
 
 class RunRef(Indexable):
