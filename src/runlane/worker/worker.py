@@ -265,11 +265,18 @@ class Worker:
         if not self._ready():
             return 0
         if self.gate.path is None:
-            return self._claim_once()
-        with self.gate.held():
-            if not self._ready():
-                return 0
-            return self._claim_once()
+            claimed = self._claim_once()
+        else:
+            with self.gate.held():
+                if not self._ready():
+                    return 0
+                claimed = self._claim_once()
+        if claimed == 0:
+            # The look saw an awake lane, but its runs wait out a backoff: the empty claim
+            # put the lane to sleep until the first is due. Look again to learn when, or
+            # a retry due in a second would wait for the idle poll (up to 20 s).
+            self._ready()
+        return claimed
 
     def _ready(self) -> bool:
         """The look (one read): remembers when a backoff it saw ends."""
