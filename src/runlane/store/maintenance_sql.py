@@ -43,6 +43,14 @@ LIMIT :limit
 {lock_ra_skip}
 """
 
+# The reaper's lock on one expired lease's run and attempt (skipped when held).
+REAP_LOCK = """
+SELECT r.queue FROM runs r
+JOIN attempts a ON a.run_id = r.run_id AND a.fencing_token = :token
+WHERE r.run_id = :run_id
+{lock_ra_skip}
+"""
+
 # --- reconciler (seed 000 §25) -----------------------------------------------------
 
 # Admitted runs of tasks without dependencies (those wait in ADMITTED on purpose; the

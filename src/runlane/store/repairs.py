@@ -27,15 +27,6 @@ S = RunStatus
 
 # The states in which a run without a live lease is stuck (repair 4).
 RECOVERABLE = LEASED | CANCELLING | RECOVERY_MARKERS
-# The reaper's lock on one expired lease's run and attempt (skipped when held).
-_REAP_LOCK = """
-SELECT r.queue FROM runs r
-JOIN attempts a ON a.run_id = r.run_id AND a.fencing_token = :token
-WHERE r.run_id = :run_id
-{lock_ra_skip}
-"""
-
-
 class RepairsMixin(StoreCore):
     """The reaper and the reconciler."""
 
@@ -81,7 +72,7 @@ class RepairsMixin(StoreCore):
                                            "after_at": after[0], "after_id": after[1]}).all())
 
         def reap_one(conn: Connection, run_id: str, token: int, worker_id: str) -> bool:
-            queue = conn.execute(self._q(_REAP_LOCK), {"run_id": run_id, "token": token}
+            queue = conn.execute(self._q(msql.REAP_LOCK), {"run_id": run_id, "token": token}
                                  ).scalar()
             if queue is None:
                 return False  # held by a claim, a heartbeat or another reaper: next pass
