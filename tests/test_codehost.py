@@ -33,6 +33,7 @@ from runlane.codehost import (
 from runlane.codehost.factory import clone_source
 
 from .fake_github import FakeGitHub
+from .support import wait_until
 
 GIT_ENV = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": os.devnull,
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
@@ -295,6 +296,9 @@ def test_readers_never_see_a_partly_written_file(forge: LocalForge, remote: Path
         for _ in range(25):
             pr = open_pr(forge, remote, "agent/t/r1")
             forge.close_pull_request(str(remote), pr.number)
+        # Let a reader see the last state (on a loaded machine neither may have read
+        # between the last write and the end).
+        wait_until(lambda: 25 in counts, 30, "a reader to see all 25 pull requests")
     finally:
         done.set()
         for t in readers:
