@@ -4,7 +4,7 @@ One database (``runlane_bench_sizes_<pid>``, dropped at the end), migrated with
 runlane's migrations. The rows are copies of what runlane itself writes: the real
 ``Store`` submits two tasks, claims one and completes it (``Store.claim`` +
 ``Store.complete``, the no-op path: QUEUED -> CLAIMED -> FINALIZING -> SUCCEEDED), and
-those rows (task, run, attempt, events) are the templates that set-based
+those rows (task, run, attempt, the events it stores) are the templates that set-based
 ``INSERT ... SELECT ... FROM generate_series`` statements copy a million times each,
 with new time-ordered ids (UUIDv7 layout), 1,000 tenants (one lane each), 10,000
 repositories, an idempotency key per task, 16 workers and shifted timestamps. The
@@ -58,6 +58,7 @@ from lifecycle import (
 )
 from runlane.domain.tasks import parse_task
 from runlane.logs import configure_logging
+from runlane.store import history
 from runlane.store.migrate import upgrade
 from runlane.store.retention import (
     FINISHED,
@@ -87,8 +88,12 @@ TEMPLATE_WORKER = "worker-00"
 class Templates:
     finished_run: str
     queued_run: str
-    events_finished: list[tuple[str | None, str]]  # (from, to) per event, in order
+    # (from, to) per transition of the composed history (store/history.py), in order,
+    # and how many of them are stored as run_events rows
+    events_finished: list[tuple[str | None, str]]
     events_queued: list[tuple[str | None, str]]
+    stored_finished: int = 0
+    stored_queued: int = 0
 
 
 def make_templates(url: str) -> Templates:
@@ -104,11 +109,15 @@ def make_templates(url: str) -> Templates:
         queued = next(s.run_id for s in submitted if s.run_id != finished)
         with store.engine.connect() as conn:
             def events(run_id: str) -> list[tuple[str | None, str]]:
-                rows = conn.execute(text(
-                    "SELECT from_status, to_status FROM run_events WHERE run_id = :r "
-                    "ORDER BY event_id"), {"r": run_id}).all()
+                rows = conn.execute(text(history.RUN_HISTORY), {"run_id": run_id}).all()
                 return [(r.from_status, r.to_status) for r in rows]
-            return Templates(finished, queued, events(finished), events(queued))
+
+            def stored(run_id: str) -> int:
+                return int(conn.execute(text(
+                    "SELECT COUNT(*) FROM run_events WHERE run_id = :r"),
+                    {"r": run_id}).scalar_one())
+            return Templates(finished, queued, events(finished), events(queued),
+                             stored(finished), stored(queued))
     finally:
         store.close()
 
@@ -161,17 +170,27 @@ def population(conn: psycopg.Connection[Any], run_id: str, finished: bool
             "lane_id": f"(SELECT l.lane_id FROM lanes l WHERE l.queue = x.queue "
                        f"AND l.route_key = x.route_key AND l.priority = x.priority "
                        f"AND l.tenant = {tenant})",
+            **positions("created"),
         }, source("runs", "x", "x.run_id = t0.run_id"))),
     ]
     if finished:
         statements.append(("attempts", copy_statement(conn, "attempts", "x", {
             "run_id": v7_sql("run"), "worker_id": worker,
+            **positions("claim"), **positions("end"),
         }, source("attempts", "x", "x.run_id = t0.run_id"))))
     statements.append(("run_events", copy_statement(conn, "run_events", "x", {
         "run_id": v7_sql("run"),
         "actor": f"CASE WHEN x.actor = '{TEMPLATE_WORKER}' THEN {worker} ELSE x.actor END",
     }, source("run_events", "x", "x.run_id = t0.run_id", "g, x.event_id"))))
     return statements
+
+
+def positions(kind: str) -> dict[str, str]:
+    """A copied row's place in the event stream (store/history.py), when the template
+    has one: a transaction id and a position of its own, as each write takes."""
+    return {f"{kind}_tx": f"x.{kind}_tx + g",
+            f"{kind}_seq": f"CASE WHEN x.{kind}_seq IS NOT NULL "
+                           f"THEN nextval('run_events_event_id_seq') END"}
 
 
 def populate(url: str, templates: Templates, runs: int) -> dict[str, float]:
@@ -493,9 +512,12 @@ class Report:
             "",
             f"* a **finished** run: its task, the run (SUCCEEDED, `ended_at`, `lane_id`, "
             f"the admission record), one attempt (SUCCEEDED, lease RELEASED) and "
-            f"{len(self.templates.events_finished)} events ({fin});",
+            f"{len(self.templates.events_finished)} transitions ({fin}), of which "
+            f"{self.templates.stored_finished} stored as `run_events` rows (the run row "
+            f"records its creation, the attempt row its claim and its end);",
             f"* a **queued** run: its task, the run (QUEUED in its lane) and "
-            f"{len(self.templates.events_queued)} event ({que}).",
+            f"{len(self.templates.events_queued)} transition ({que}), "
+            f"{self.templates.stored_queued} stored as `run_events` rows.",
             "",
             f"{TENANTS:,} tenants (one lane each), {REPOS:,} repositories, an idempotency key "
             f"on every task, a one-line prompt (`{PROMPT}`), no context, {WORKERS} workers; "

@@ -16,6 +16,7 @@ from sqlalchemy import text
 from runlane.api import Runlane
 from runlane.domain.tasks import TaskSpec, parse_task
 from runlane.settings import Settings
+from runlane.store import history
 from runlane.store.records import Submission
 from runlane.store.store import Store
 from runlane.store.wakeup import libpq_url
@@ -45,10 +46,10 @@ def attempts_of(store: Store, run_id: str) -> list[Any]:
 
 
 def events_of(store: Store, run_id: str) -> list[tuple[str | None, str]]:
+    """The run's transitions as (from, to): its composed history (store/history.py)."""
     with store.engine.connect() as conn:
         return [(r.from_status, r.to_status) for r in conn.execute(
-            text("SELECT from_status, to_status FROM run_events WHERE run_id = :r "
-                 "ORDER BY event_id"), {"r": run_id})]
+            text(history.RUN_HISTORY), {"run_id": run_id})]
 
 
 def execute(store: Store, sql: str, **params: Any) -> None:

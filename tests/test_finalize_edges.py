@@ -25,6 +25,7 @@ from runlane.clock import ManualClock
 from runlane.codehost.base import PullRequest, branch_name
 from runlane.codehost.github import GitHubClient
 from runlane.codehost.local_forge import LocalForge
+from runlane.store import history
 from runlane.store.records import Lease
 from runlane.store.store import Store
 from runlane.worker.attempt import AttemptDriver, AttemptSettings, AttemptState
@@ -382,8 +383,7 @@ def assert_completed_from_the_ledger(store: Store, run_id: str, remote: Path, fo
         ("FAILED", reason) for reason in attempt_reasons]
     assert events_of(store, run_id)[-1] == ("FINALIZING", "SUCCEEDED")
     with store.engine.connect() as conn:
-        last = conn.execute(text("SELECT reason_code, message FROM run_events WHERE run_id = :r "
-                                 "ORDER BY event_id DESC LIMIT 1"), {"r": run_id}).one()
+        last = conn.execute(text(history.RUN_HISTORY), {"run_id": run_id}).all()[-1]
     assert last.reason_code == attempt_reasons[-1]
     assert last.message.startswith("completed from the recorded pull request ")
     assert f"attempt {len(attempt_reasons)} ended {attempt_reasons[-1]}" in last.message
@@ -441,7 +441,9 @@ def test_a_repository_url_with_credentials_never_reaches_a_run_message(
     with store.engine.connect() as conn:
         written = [str(v) for v in conn.execute(text(
             "SELECT message FROM run_events WHERE run_id = :r UNION ALL "
-            "SELECT message FROM attempts WHERE run_id = :r"), {"r": sub.run_id}).scalars()]
+            "SELECT message FROM attempts WHERE run_id = :r UNION ALL "
+            "SELECT end_message FROM attempts WHERE run_id = :r"), {"r": sub.run_id}
+            ).scalars()]
     for text_ in [run.message, *written]:
         assert SECRET not in text_ and "p@ss" not in text_, text_
     assert store.audit() == []

@@ -527,11 +527,16 @@ def test_0016_a_run_queued_under_a_spelling_is_admitted_again_under_the_canonica
     # Today's store writes columns that came after 0015 (0019's request digest, 0022's
     # traceparent): give it them for the submit, then take them away, leaving the rows
     # 0015 knows.
-    # And 0026's runs.provider.
-    later = (("tasks", "request_digest"), ("tasks", "traceparent"), ("runs", "provider"))
+    # And 0026's runs.provider, 0028's creation columns (and on SQLite its count of
+    # positions, sqlite_sequence: made by any AUTOINCREMENT table).
+    later = (("tasks", "request_digest"), ("tasks", "traceparent"), ("runs", "provider"),
+             ("runs", "created_by"), ("runs", "created_tx"), ("runs", "created_seq"))
     with engine.begin() as conn:
         for table, column in later:
             conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {column} VARCHAR(64)"))
+        if engine.dialect.name == "sqlite":
+            conn.execute(text("CREATE TABLE _count (id INTEGER PRIMARY KEY AUTOINCREMENT)"))
+            conn.execute(text("DROP TABLE _count"))
     Store(fresh_url, engine=engine).submit(
         [parse_task({"tenant": "acme", "repo": written, "prompt": "p"})])
     with engine.begin() as conn:
@@ -1029,3 +1034,46 @@ def test_a_heartbeat_changes_no_indexed_column(fresh_url: str,
                              if k.endswith("_where"))
         touched = written & (set(index["column_names"]) | set(re.findall(r"\w+", predicate)))
         assert not touched, f"{index['name']} indexes {sorted(touched)}, which a beat writes"
+
+
+def test_0028_keeps_old_events_and_positions_after_them(
+        fresh_url: str, make_engine: Callable[[str], Engine]) -> None:
+    """A database populated before 0028 (a run and its claim event, as the old code
+    wrote them): after the upgrade its history shows each transition once, positions
+    taken from then on come after every old event id (a cursor handed out before still
+    means "after that event"), and a stream read from such a cursor gives only what
+    came after."""
+    from runlane.domain.tasks import parse_task
+    from runlane.store import history
+    from runlane.store.events import events_after, parse_cursor
+
+    engine = make_engine(fresh_url)
+    migrate.upgrade(engine, "0027")
+    with engine.begin() as conn:
+        _insert_task_and_run(conn, 1)
+        _insert_attempt(conn, 1, 1, "ACTIVE")
+        for to_status, from_status in (("QUEUED", None), ("CLAIMED", "QUEUED"),
+                                       ("RUNNING", "CLAIMED")):
+            conn.execute(text(
+                "INSERT INTO run_events (run_id, attempt_no, at, actor, from_status, "
+                "to_status) VALUES ('run-1', 1, 1, 'w1', :f, :t)"),
+                {"f": from_status, "t": to_status})
+        old_last = conn.execute(text("SELECT MAX(event_id) FROM run_events")).scalar_one()
+    assert migrate.upgrade(engine) == ("0027", HEAD)
+    with engine.connect() as conn:
+        shown = [(r.from_status, r.to_status) for r in conn.execute(
+            text(history.RUN_HISTORY), {"run_id": "run-1"})]
+    assert shown == [(None, "QUEUED"), ("QUEUED", "CLAIMED"), ("CLAIMED", "RUNNING")]
+    store = Store(fresh_url, engine=engine)
+    [sub] = store.submit([parse_task({"tenant": "acme", "repo": "/srv/git/app.git",
+                                      "prompt": "p"})])
+    cursor = parse_cursor(str(old_last))
+    assert cursor is not None
+    rows, _ = events_after(engine, cursor, tenant=None, limit=10)
+    if engine.dialect.name == "sqlite":  # PostgreSQL's old cursor is "tx-id": not this
+        assert [(r["run_id"], r["to_status"]) for r in rows] == [(sub.run_id, "QUEUED")]
+        assert rows[0]["event_id"] > old_last
+    with engine.connect() as conn:
+        created = conn.execute(text("SELECT created_seq FROM runs WHERE run_id = :r"),
+                               {"r": sub.run_id}).scalar_one()
+    assert created > old_last

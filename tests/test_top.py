@@ -382,9 +382,10 @@ def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
 
 def test_claims_and_failures_read_a_bounded_walk_of_their_indexes(lane: Runlane) -> None:
-    """100,000 runs, each claimed and ended, a fifth of them failed: the claim rate of
-    the last minute reads the index entries of that minute (500), the latest failures
-    read as many entries as they show."""
+    """100,000 runs, each claimed and ended on its attempt's row (migration 0028), a
+    fifth of them failed, and as many older runs whose claims and failures are events:
+    the claim rate reads at most ``cap`` entries of each claims index, the latest
+    failures as many entries of each failures index as they show."""
     if not lane.store.is_postgres:
         pytest.skip("the plan is PostgreSQL's (SQLite: below)")
     with lane.store.engine.begin() as conn:
@@ -393,7 +394,17 @@ def test_claims_and_failures_read_a_bounded_walk_of_their_indexes(lane: Runlane)
                               max_attempts, visible_at, created_at, updated_at)
             SELECT 'r' || g, 't' || g, 'tenant' || (g % 50), '/srv/app', 'q' || (g % 7), 100,
                    'SUCCEEDED', 3, 1e9 + g, 1e9 + g, 1e9 + g
-            FROM generate_series(1, 100000) AS g"""))
+            FROM generate_series(1, 200000) AS g"""))
+        conn.execute(text("""
+            INSERT INTO attempts (run_id, attempt_no, fencing_token, worker_id, status,
+                                  lease_status, lease_expires_at, heartbeat_at, started_at,
+                                  ended_at, claim_tx, claim_seq, end_tx, end_seq,
+                                  end_from_status, end_to_status, end_reason_code)
+            SELECT 'r' || g, 1, 1, 'w', 'SUCCEEDED', 'RELEASED', 2e9, 1e9,
+                   1e9 + g * 0.06 - 30, 1e9 + g * 0.06, g, 2 * g, g, 2 * g + 1, 'RUNNING',
+                   CASE WHEN g % 5 = 0 THEN 'FAILED' ELSE 'SUCCEEDED' END,
+                   CASE WHEN g % 5 = 0 THEN 'TIMEOUT' END
+            FROM generate_series(100001, 200000) AS g"""))
         conn.execute(text("""
             INSERT INTO run_events (run_id, attempt_no, at, actor, from_status, to_status,
                                     reason_code)
@@ -403,27 +414,32 @@ def test_claims_and_failures_read_a_bounded_walk_of_their_indexes(lane: Runlane)
                         ELSE 'SUCCEEDED' END,
                    CASE WHEN x = 0 AND g % 5 = 0 THEN 'TIMEOUT' END
             FROM generate_series(1, 100000) AS g, generate_series(0, 1) AS x"""))
-        conn.execute(text("ANALYZE runs; ANALYZE run_events"))
-    now = 1e9 + 100000 * 0.06
+        conn.execute(text("ANALYZE runs; ANALYZE attempts; ANALYZE run_events"))
+    now = 1e9 + 200000 * 0.06
     with lane.store.engine.connect() as conn:
         def explain(statement: str, **params: Any) -> list[dict[str, Any]]:
             [[plan]] = conn.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + statement),
                                     params).one()
             return list(_plan_nodes(plan["Plan"]))
 
+        def scanned(nodes: list[dict[str, Any]], index: str) -> int:
+            return sum(int(n["Actual Rows"]) for n in nodes if n.get("Index Name") == index)
+
         nodes = explain(activity_sql.CLAIMS_SINCE, since=now - 60, cap=5000)
-        [scan] = [n for n in nodes if n.get("Index Name") == "ix_run_events_claims"]
-        assert 499 <= scan["Actual Rows"] <= 502, scan  # the claims of that minute
+        assert scanned(nodes, "ix_attempts_claim_feed") == 5000  # the newest cap claims
+        assert scanned(nodes, "ix_run_events_claims") == 0  # none that recent
         assert not any(n["Node Type"] == "Seq Scan" for n in nodes), nodes
+        got = conn.execute(text(activity_sql.CLAIMS_SINCE), {"since": now - 60, "cap": 5000})
+        assert 499 <= sum(r.claims for r in got) <= 502  # the claims of that minute
 
         nodes = explain(activity_sql.FAILURES, scan=10)
-        [scan] = [n for n in nodes if n.get("Index Name") == "ix_run_events_failures"]
-        assert scan["Actual Rows"] == 10, scan
-        assert not any(n["Node Type"] in ("Seq Scan", "Sort") for n in nodes), nodes
+        assert scanned(nodes, "ix_attempts_failed_ends") == 10
+        assert scanned(nodes, "ix_run_events_failures") <= 10  # older: merged, stops
+        assert not any(n["Node Type"] == "Seq Scan" for n in nodes), nodes
 
         nodes = explain(activity_sql.TENANT_FAILURES, scan=1000, limit=10, tenant="tenant5")
-        [scan] = [n for n in nodes if n.get("Index Name") == "ix_run_events_failures"]
-        assert scan["Actual Rows"] <= 1000, scan
+        assert scanned(nodes, "ix_attempts_failed_ends") <= 1000
+        assert scanned(nodes, "ix_run_events_failures") <= 1000
         assert not any(n["Node Type"] == "Seq Scan" for n in nodes), nodes
 
 
@@ -437,10 +453,11 @@ def test_sqlite_walks_the_same_indexes(tmp_path: Path) -> None:
                 text("EXPLAIN QUERY PLAN " + statement), params))
 
         claims = plan(activity_sql.CLAIMS_SINCE, since=T0, cap=5000)
+        assert "USING INDEX ix_attempts_claim_feed" in claims, claims
         assert "USING INDEX ix_run_events_claims (at>?)" in claims, claims
         failures = plan(activity_sql.FAILURES, scan=10)
+        assert "USING INDEX ix_attempts_failed_ends" in failures, failures
         assert "USING INDEX ix_run_events_failures" in failures, failures
-        assert "TEMP B-TREE FOR ORDER BY" not in failures.split("runs")[0], failures
 
 
 # --- the frame ----------------------------------------------------------------------------

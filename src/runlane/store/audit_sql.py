@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from runlane.store import history
+
 # --- audit (runlane's invariants, checked on a live database) ----------------------
 
 AUDIT_CHECKS: dict[str, str] = {
@@ -58,7 +60,7 @@ AUDIT_CHECKS: dict[str, str] = {
                || e.to_status || ' with token ' || CAST(e.fencing_token AS TEXT)
                || ' after the lease with token ' || CAST(MIN(b.fencing_token) AS TEXT)
                || ' began' AS detail
-        FROM run_events e
+        FROM """ + history.ALL + """ e
         JOIN attempts a ON a.run_id = e.run_id AND a.fencing_token = e.fencing_token
                        AND a.worker_id = e.actor
         JOIN attempts b ON b.run_id = e.run_id AND b.fencing_token > e.fencing_token
@@ -69,8 +71,8 @@ AUDIT_CHECKS: dict[str, str] = {
     "claimed_after_cancel": """
         SELECT c.run_id, 'claimed again (attempt ' || CAST(MIN(x.attempt_no) AS TEXT)
                || ') after ' || c.to_status AS detail
-        FROM run_events c
-        JOIN run_events x ON x.run_id = c.run_id AND x.event_id > c.event_id
+        FROM """ + history.ALL + """ c
+        JOIN """ + history.ALL + """ x ON x.run_id = c.run_id AND x.event_id > c.event_id
                          AND x.to_status = 'CLAIMED'
         WHERE c.to_status IN ('CANCEL_REQUESTED', 'CANCELLED')
         GROUP BY c.event_id, c.run_id, c.to_status""",
@@ -91,8 +93,9 @@ AUDIT_CHECKS: dict[str, str] = {
         WHERE n.retry_of_run_id IS NOT NULL
           AND (o.status NOT IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'POLICY_DENIED')
                OR o.task_id <> n.task_id)""",
-    # Every status change is a compare-and-set recorded as one event per hop: each
-    # event starts where the run's previous one ended. A status overwritten without
+    # Every status change is a compare-and-set recorded as one transition per hop (an
+    # event, or on the run's or attempt's row: store/history.py): each starts where
+    # the run's previous one ended. A status overwritten without
     # its event (a run taken out of a terminal state, say) breaks the chain.
     "event_chain_broken": """
         SELECT run_id, 'event ' || CAST(event_id AS TEXT) || ' ' || COALESCE(from_status, '-')
@@ -100,7 +103,7 @@ AUDIT_CHECKS: dict[str, str] = {
         FROM (SELECT e.run_id, e.event_id, e.from_status, e.to_status,
                      LAG(e.to_status) OVER (PARTITION BY e.run_id ORDER BY e.event_id)
                        AS prev_status
-              FROM run_events e) c
+              FROM """ + history.ALL + """ e) c
         WHERE prev_status IS NOT NULL
           AND (from_status IS NULL OR from_status <> prev_status)""",
     "fencing_token_not_increasing": """
@@ -227,7 +230,7 @@ WHERE lease_status = 'ACTIVE' AND limit_scopes IS NOT NULL
 # Transitions are checked in Python against the one table.
 AUDIT_TRANSITIONS = """
 SELECT from_status, to_status, MIN(run_id) AS run_id, COUNT(*) AS n
-FROM run_events
+FROM """ + history.ALL + """ e
 WHERE from_status IS NULL OR from_status <> to_status
    OR reason_code IS NULL
    OR reason_code NOT IN ('STALE_PUSH_REPLACED', 'LATE_EFFECT_RECORDED')

@@ -24,7 +24,7 @@ from runlane.domain.reasons import Reason
 from runlane.domain.states import RunStatus, check_path
 from runlane.errors import TransitionRefused
 from runlane.observability import metrics
-from runlane.store import claim_sql, lanes_sql, policy_sql, providers_sql, transition_log
+from runlane.store import claim_sql, history, lanes_sql, policy_sql, providers_sql, transition_log
 from runlane.store.core import LANE_MOVES, TENANT_MARKS, StoreCore
 from runlane.store.lanes import JOIN_AHEAD, PolicyChanged
 from runlane.store.policy import has_budgets
@@ -582,18 +582,15 @@ class ClaimMixin(StoreCore):
             by_id = {r.run_id: r for r in rows}
             estimated = {c.run_id: c.estimated_cost_usd for c, _ in passed}
             held = dict(zip(run_ids, scopes, strict=True))
+            # The attempt is the record of its claim: no event (store/history.py).
+            first = history.reserve(conn, len(by_id)) if by_id else 0
             conn.execute(self._q(claim_sql.INSERT_ATTEMPT), [
                 {"run_id": r.run_id, "attempt_no": r.attempt_count,
                  "fencing_token": r.fencing_token, "worker_id": worker_id,
                  "lease_expires_at": r.now + lease_ttl, "now": r.now,
-                 "estimated_cost_usd": estimated[r.run_id], "limit_scopes": held[r.run_id]}
-                for r in by_id.values()])
-            self._record(conn, [
-                {"run_id": r.run_id, "attempt_no": r.attempt_count, "at": r.now,
-                 "actor": worker_id, "from_status": S.QUEUED.value,
-                 "to_status": S.CLAIMED.value, "reason_code": None,
-                 "fencing_token": r.fencing_token, "message": None}
-                for r in by_id.values()])
+                 "estimated_cost_usd": estimated[r.run_id], "limit_scopes": held[r.run_id],
+                 "claim_seq": first + i}
+                for i, r in enumerate(by_id.values())])
             conn.execute(self._q(lanes_sql.LANE_LEAVE),
                          [{"lane_id": lane, "n": per_lane[lane]} for lane in lanes])
             per_flow = Counter((c.queue, c.priority, c.tenant) for c, _ in passed)

@@ -369,19 +369,16 @@ claimed AS (
     WHERE runs.run_id = ANY({run_ids}) AND runs.status = 'QUEUED'
       AND (SELECT ok FROM room)
     RETURNING runs.run_id, runs.fencing_token, runs.attempt_count),
-new_attempts AS (
+new_attempts AS (  -- the record of the claim too: no event (store/history.py)
     INSERT INTO attempts (run_id, attempt_no, fencing_token, worker_id, status,
                           lease_status, lease_expires_at, heartbeat_at, started_at,
                           cost_usd, input_tokens, output_tokens, estimated_cost_usd,
-                          limit_scopes)
+                          limit_scopes, claim_tx, claim_seq)
     SELECT c.run_id, c.attempt_count, c.fencing_token, :worker_id, 'RUNNING', 'ACTIVE',
-           t.now + :ttl, t.now, t.now, 0, 0, 0, p.estimated_cost_usd, CAST(p.scopes AS json)
+           t.now + :ttl, t.now, t.now, 0, 0, 0, p.estimated_cost_usd, CAST(p.scopes AS json),
+           CAST(CAST(pg_current_xact_id() AS text) AS bigint),
+           nextval('run_events_event_id_seq')
     FROM claimed c JOIN picked p ON p.run_id = c.run_id, t),
-events AS (
-    INSERT INTO run_events (run_id, attempt_no, at, actor, from_status, to_status,
-                            fencing_token)
-    SELECT run_id, attempt_count, t.now, :worker_id, 'QUEUED', 'CLAIMED', fencing_token
-    FROM claimed, t),
 full_tenants AS (
     SELECT substr(scope, 8) AS tenant FROM slots WHERE at_limit AND scope LIKE 'tenant:%'
     UNION SELECT unnest({also_full})),
@@ -573,7 +570,9 @@ RETURNING runs.run_id, runs.fencing_token, runs.attempt_count, {now} AS now
 INSERT_ATTEMPT = """
 INSERT INTO attempts (run_id, attempt_no, fencing_token, worker_id, status, lease_status,
                       lease_expires_at, heartbeat_at, started_at,
-                      cost_usd, input_tokens, output_tokens, estimated_cost_usd, limit_scopes)
+                      cost_usd, input_tokens, output_tokens, estimated_cost_usd, limit_scopes,
+                      claim_tx, claim_seq)
 VALUES (:run_id, :attempt_no, :fencing_token, :worker_id, 'RUNNING', 'ACTIVE',
-        :lease_expires_at, :now, :now, 0, 0, 0, :estimated_cost_usd, :limit_scopes)
+        :lease_expires_at, :now, :now, 0, 0, 0, :estimated_cost_usd, :limit_scopes,
+        0, :claim_seq)
 """

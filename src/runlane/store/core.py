@@ -24,7 +24,7 @@ from runlane.domain.retry import DEFAULT_MAX_UNCHARGED_RELEASES, RetryPolicy
 from runlane.domain.states import TERMINAL, RunStatus, check_path
 from runlane.domain.tasks import DEFAULT_PAYLOAD_CAP_BYTES
 from runlane.observability import metrics
-from runlane.store import dialect_sql, lease_sql, transition_log
+from runlane.store import dialect_sql, history, lease_sql, transition_log
 from runlane.store.engine import build_engine, dialect_of
 from runlane.store.evidence import ENDED_WITHOUT_SUCCESS
 from runlane.store.schema import run_events
@@ -311,11 +311,14 @@ class StoreCore:
         outcome: str | None = None,
         visible_at: float | None = None,
         worker_id: str | None = None,
+        ends_attempt: bool = False,
     ) -> bool:
         """Compare-and-set a run from ``source`` along ``path``; True when it won.
 
         ``path`` may have several hops (``[FAILED_RETRYABLE, QUEUED]``): one UPDATE,
-        one event per hop, every hop checked against the transition table.
+        one event per hop, every hop checked against the transition table. With
+        ``ends_attempt`` (the attempt of ``run_token`` ends by this move) the hop that
+        ends it is recorded on the attempt's row instead (history.record_end).
         """
         check_path([source], path)
         target = path[-1]
@@ -341,10 +344,14 @@ class StoreCore:
                                               outcome)],
                                       float(now if now is not None else row.now))
         self._lane_moved(conn, row.lane_id, source, target)
-        self._record(conn, self._hop_events(
+        hops = self._hop_events(
             run_id, source, path, at=now if now is not None else row.now, actor=actor,
             attempt_no=attempt_no, token=run_token, reason_code=reason_code,
-            message=message))
+            message=message)
+        if ends_attempt:
+            history.record_end(self, conn, hops, history.end_index(source, path))
+        else:
+            self._record(conn, hops)
         transition_log.note(conn, run_id, row.task_id, row.queue, source, path,
                             token=run_token, attempt_no=attempt_no, worker_id=worker_id,
                             actor=actor, reason_code=reason_code)

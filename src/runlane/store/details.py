@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection
 
 from runlane.errors import NotFound
+from runlane.store import history
 
 if TYPE_CHECKING:
     from runlane.store.store import Store
@@ -22,11 +23,9 @@ TASK = "SELECT * FROM tasks WHERE task_id = :task_id"
 DEPENDS_ON = ("SELECT depends_on FROM task_dependencies WHERE task_id = :task_id "
               "ORDER BY depends_on")
 ATTEMPTS = "SELECT * FROM attempts WHERE run_id = :run_id ORDER BY attempt_no"
-EVENTS = """
-SELECT event_id, attempt_no, at, actor, from_status, to_status, reason_code, fencing_token,
-       message
-FROM run_events WHERE run_id = :run_id ORDER BY event_id
-"""
+# The run's transitions: its events, its creation and its attempts' claims and ends
+# (store/history.py), in the order they were written.
+EVENTS = history.RUN_HISTORY
 SIDE_EFFECTS = """
 SELECT effect_key, status, attempt_no, fencing_token, result, created_at, completed_at
 FROM side_effects WHERE run_id = :run_id ORDER BY created_at, effect_key

@@ -36,6 +36,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 
+from runlane.store import history
+
 EVENTS_CHANNEL = "runlane_events"  # NOTIFY'd by a trigger at each commit that adds events
 MAX_BIGINT = 2**63 - 1
 _CURSOR = re.compile(r"(?:(\d{1,19})-)?(\d{1,19})")
@@ -44,37 +46,55 @@ Cursor = tuple[int, int]
 START: Cursor = (0, 0)
 
 # -- name: events_after --
-# The next rows after a cursor, in delivery order, with their run's task and tenant
-# (the principal's scope). Locks nothing. PostgreSQL: ix_run_events_tx from the cursor
-# (a row comparison is an index range), stopping at the first LIMIT rows that pass;
-# only rows of transactions below the horizon (events_horizon, the module docstring).
-# SQLite: the primary key from the cursor's event id. Both: one runs lookup per row.
-EVENTS_AFTER = {
-    "postgresql": """
-        SELECT e.tx_id, e.event_id, e.run_id, r.task_id, r.tenant, e.attempt_no, e.at,
+# The next transitions after a cursor, in delivery order, with their run's task and
+# tenant (the principal's scope). Locks nothing. A transition is an event, a run's
+# creation, an attempt's claim or an attempt's end (store/history.py): four sources,
+# each read from the cursor on its own index, up to LIMIT each, merged in Python (the
+# first LIMIT of the merge are the first LIMIT of all: each source gave its own first
+# LIMIT). PostgreSQL: (tx, position) from the cursor (a row comparison is an index
+# range: ix_run_events_tx, ix_runs_created_feed, ix_attempts_claim_feed,
+# ix_attempts_end_feed), only transactions below the horizon (events_horizon, the
+# module docstring). SQLite: the position from the cursor. Both: one runs lookup per row.
+_SOURCES = {
+    "events": ("""e.tx_id, e.event_id, e.run_id, r.task_id, r.tenant, e.attempt_no, e.at,
                e.actor, e.from_status, e.to_status, e.reason_code, e.fencing_token,
-               e.message
-        FROM run_events e
-        JOIN runs r ON r.run_id = e.run_id
-        WHERE (e.tx_id, e.event_id) > (:tx, :id)
-          AND e.tx_id < :horizon
-          AND (CAST(:tenant AS varchar) IS NULL OR r.tenant = :tenant)
-        ORDER BY e.tx_id, e.event_id
-        LIMIT :limit
-    """,
-    # Why it differs: no transaction ids, and none needed (one writer at a time).
-    "sqlite": """
-        SELECT e.tx_id, e.event_id, e.run_id, r.task_id, r.tenant, e.attempt_no, e.at,
-               e.actor, e.from_status, e.to_status, e.reason_code, e.fencing_token,
-               e.message
-        FROM run_events e
-        JOIN runs r ON r.run_id = e.run_id
-        WHERE e.event_id > :id
-          AND (:tenant IS NULL OR r.tenant = :tenant)
-        ORDER BY e.event_id
-        LIMIT :limit
-    """,
+               e.message""", "run_events e", "e.tx_id", "e.event_id"),
+    "created": ("""r.created_tx AS tx_id, r.created_seq AS event_id, r.run_id, r.task_id,
+               r.tenant, NULL AS attempt_no, r.created_at AS at, r.created_by AS actor,
+               NULL AS from_status, 'QUEUED' AS to_status, NULL AS reason_code,
+               NULL AS fencing_token,
+               'admitted under policy v' || CAST(r.policy_version AS TEXT) AS message""",
+                None, "r.created_tx", "r.created_seq"),
+    "claimed": ("""a.claim_tx AS tx_id, a.claim_seq AS event_id, a.run_id, r.task_id,
+               r.tenant, a.attempt_no, a.started_at AS at, a.worker_id AS actor,
+               'QUEUED' AS from_status, 'CLAIMED' AS to_status, NULL AS reason_code,
+               a.fencing_token, NULL AS message""", "attempts a", "a.claim_tx",
+                "a.claim_seq"),
+    "ended": ("""a.end_tx AS tx_id, a.end_seq AS event_id, a.run_id, r.task_id, r.tenant,
+               a.attempt_no, a.ended_at AS at, COALESCE(a.end_actor, a.worker_id) AS actor,
+               a.end_from_status AS from_status, a.end_to_status AS to_status,
+               a.end_reason_code AS reason_code, a.fencing_token,
+               a.end_message AS message""", "attempts a", "a.end_tx", "a.end_seq"),
 }
+
+
+def _source(dialect: str, columns: str, table: str | None, tx: str, seq: str) -> str:
+    joined = (f"FROM {table} JOIN runs r ON r.run_id = {table.split()[1]}.run_id"
+              if table else "FROM runs r")
+    if dialect == "postgresql":
+        where = (f"({tx}, {seq}) > (:tx, :id) AND {tx} < :horizon"
+                 f" AND (CAST(:tenant AS varchar) IS NULL OR r.tenant = :tenant)")
+        order = f"{tx}, {seq}"
+    else:  # Why it differs: no transaction ids, and none needed (one writer at a time).
+        where = f"{seq} > :id AND (:tenant IS NULL OR r.tenant = :tenant)"
+        order = seq
+    if table is None or "attempts" in table:  # a partial index: only rows with a place
+        where = f"{seq} IS NOT NULL AND {where}"
+    return f"SELECT {columns} {joined} WHERE {where} ORDER BY {order} LIMIT :limit"
+
+
+EVENTS_AFTER = {dialect: {name: _source(dialect, *parts) for name, parts in _SOURCES.items()}
+                for dialect in ("postgresql", "sqlite")}
 
 # -- name: events_horizon --
 # PostgreSQL only (the module docstring says why and why it is safe). Reads the
@@ -92,18 +112,9 @@ EVENTS_HORIZON = """
                      AND a.query = '<insufficient privilege>') AS hidden
 """
 
-# -- name: events_tail --
 # The cursor of "now": every row delivered later is after it, every row deliverable
-# now is not. PostgreSQL: (the horizon, 0), see events_horizon. SQLite: the last event
-# id (primary key, one entry).
-EVENTS_TAIL = {
-    "sqlite": "SELECT 0 AS tx, COALESCE(MAX(event_id), 0) AS id FROM run_events",
-}
-
-# -- name: last_event_id --
-# Whether anything was written since a poll (SQLite's wake-up): the primary key's last
-# entry.
-LAST_EVENT_ID = "SELECT COALESCE(MAX(event_id), 0) FROM run_events"
+# now is not. PostgreSQL: (the horizon, 0), see events_horizon. SQLite: the last
+# position taken (history.LAST_POSITION: an event's id or a reservation's).
 
 
 def parse_cursor(value: str) -> Cursor | None:
@@ -153,11 +164,14 @@ def events_after(engine: Engine, after: Cursor, *, tenant: str | None,
     with engine.connect() as conn:
         below = horizon(conn) if dialect == "postgresql" else 0
         params["horizon"] = below
-        rows = [dict(r._mapping) for r in conn.execute(text(EVENTS_AFTER[dialect]), params)]
+        found = [dict(r._mapping) for statement in EVENTS_AFTER[dialect].values()
+                 for r in conn.execute(text(statement), params)]
+        found.sort(key=lambda r: (int(r["tx_id"]), int(r["event_id"])))
+        rows = found[:limit]
         end = (int(rows[-1]["tx_id"]), int(rows[-1]["event_id"])) if rows else after
-        if len(rows) < limit:
+        if len(found) < limit:  # every source gave all it had: past all of them
             seen = ((below, 0) if dialect == "postgresql"
-                    else (0, int(conn.execute(text(LAST_EVENT_ID)).scalar() or 0)))
+                    else (0, history.last_position(conn)))
             end = max(end, seen)
         return rows, end
 
@@ -166,10 +180,10 @@ def events_tail(engine: Engine) -> Cursor:
     with engine.connect() as conn:
         if engine.dialect.name == "postgresql":
             return horizon(conn), 0
-        row = conn.execute(text(EVENTS_TAIL["sqlite"])).one()
-        return int(row.tx), int(row.id)
+        return 0, history.last_position(conn)
 
 
 def last_event_id(engine: Engine) -> int:
+    """Whether anything was written since a poll (SQLite's wake-up): the last position."""
     with engine.connect() as conn:
-        return int(conn.execute(text(LAST_EVENT_ID)).scalar() or 0)
+        return history.last_position(conn)

@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
+from runlane.store import history
 from runlane.store.records import Violation
 from runlane.store.store import Store
 
@@ -48,7 +49,7 @@ CHAOS_CHECKS: dict[str, str] = {
         SELECT s.run_id, 'effect ' || s.effect_key || ' begun after the cancel' AS detail
         FROM side_effects s
         WHERE s.effect_key <> 'close_pull_request'
-          AND s.created_at > (SELECT MIN(c.at) FROM run_events c
+          AND s.created_at > (SELECT MIN(c.at) FROM """ + history.ALL + """ c
                               WHERE c.run_id = s.run_id
                                 AND c.to_status IN ('CANCEL_REQUESTED', 'CANCELLED'))
                              + :tolerance""",
@@ -197,7 +198,7 @@ RELEASED_AT = {
 
 RUN_STATUSES = "SELECT run_id, task_id, status, attempt_count FROM runs"
 STATUS_COUNTS = "SELECT status, COUNT(*) AS n FROM runs GROUP BY status"
-LAST_EVENT = "SELECT COALESCE(MAX(event_id), 0) FROM run_events"
+LAST_EVENT = history.LAST_WRITTEN
 WITHDRAWALS_PENDING = "SELECT COUNT(*) FROM runs WHERE close_due_at IS NOT NULL"
 # Runs whose ledger holds a pull request, begun or done.
 PULL_REQUESTS_BEGUN = "SELECT DISTINCT run_id FROM side_effects WHERE effect_key = 'pull_request'"
@@ -213,12 +214,12 @@ FROM attempts ORDER BY run_id, attempt_no
 """
 # Cancels a user (the harness) made, with the status each one found the run in.
 USER_CANCELS = """
-SELECT run_id, from_status, to_status, at FROM run_events
+SELECT run_id, from_status, to_status, at FROM """ + history.ALL + """ h
 WHERE actor = 'user' AND to_status IN ('CANCEL_REQUESTED', 'CANCELLED')
 """
 # When maintenance took a lost lease back (the run left its stage for STALE_LEASE).
 RECOVERIES = """
-SELECT run_id, attempt_no, MIN(at) AS at FROM run_events
+SELECT run_id, attempt_no, MIN(at) AS at FROM """ + history.ALL + """ h
 WHERE to_status = 'STALE_LEASE' GROUP BY run_id, attempt_no
 """
 WORKERS = "SELECT worker_id, started_at FROM workers"

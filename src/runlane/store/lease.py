@@ -41,7 +41,7 @@ from runlane.errors import (
     TransitionRefused,
 )
 from runlane.observability import metrics
-from runlane.store import lease_sql, policy_sql, providers_sql, transition_log
+from runlane.store import history, lease_sql, policy_sql, providers_sql, transition_log
 from runlane.store.core import CANCEL_CHANNEL, CANCELLING, RECOVERY_MARKERS, StoreCore
 from runlane.store.evidence import Ledger
 from runlane.store.records import (
@@ -180,9 +180,10 @@ class LeaseMixin(StoreCore):
         Each run moves from its lease's stage to SUCCEEDED (through FINALIZING unless
         it is there; every path checked against the transition table), compare-and-set
         on its fencing token and on its lease being the run's live one; one event per
-        hop; its attempt ended and its lease released; its concurrency slots given back;
-        runs waiting on its task released. A stale, lost or cancelled lease is refused
-        and changes nothing; it never stops the others. Returns both lists.
+        stage hop; its attempt ended (the record of its last hop) and its lease
+        released; its concurrency slots given back; runs waiting on its task released.
+        A stale, lost or cancelled lease is refused and changes nothing; it never stops
+        the others. Returns both lists.
         """
         batch = list(leases)
         refused: dict[int, Exception] = {}
@@ -252,17 +253,18 @@ class LeaseMixin(StoreCore):
                           moves: Sequence[tuple[Lease, Sequence[RunStatus]]],
                           target: RunStatus, outcome: str) -> list[Any]:
         """The fenced compare-and-set of every lease's run along its path (checked
-        already, ending at ``target``), one event per hop of the won runs, their
-        attempts ended and leases released: one statement on PostgreSQL
+        already, ending at ``target``), one event per stage hop of the won runs, their
+        attempts ended with their last hop (FINALIZING -> target, store/history.py) and
+        leases released: one statement on PostgreSQL
         (COMPLETE_WRITE_PG), three on SQLite. Returns ``(run_id, lane_id, task_id,
         created_at, has_dependents, limit_scopes, now)`` per won run; a lost lease
         changed nothing."""
         leases = [lease for lease, _ in moves]
         params = {**self._lease_batch(leases), "to_status": target.value,
                   "outcome": outcome, "now": self.clock.now()}
-        if self.is_postgres:
+        if self.is_postgres:  # the last hop, FINALIZING -> target, on the attempt's row
             hops = [(lease.run_id, a.value, b.value) for lease, path in moves
-                    for a, b in itertools.pairwise([lease.stage, *path])]
+                    for a, b in itertools.pairwise([lease.stage, *path[:-1]])]
             rows = self._driver_rows(conn, lease_sql.COMPLETE_WRITE_PG, {
                 **params, "hop_run_ids": [h[0] for h in hops],
                 "hop_from": [h[1] for h in hops], "hop_to": [h[2] for h in hops]})
@@ -275,7 +277,7 @@ class LeaseMixin(StoreCore):
         won = [(paths[r.run_id], r.now) for r in sorted(rows, key=lambda r: r.run_id)]
         self._record(conn, [
             event for (lease, path), now in won for event in self._hop_events(
-                lease.run_id, lease.stage, path, at=now, actor=lease.worker_id,
+                lease.run_id, lease.stage, path[:-1], at=now, actor=lease.worker_id,
                 attempt_no=lease.attempt_no, token=lease.fencing_token)])
         if won:
             conn.execute(self._q(lease_sql.END_ATTEMPTS), [
@@ -283,6 +285,12 @@ class LeaseMixin(StoreCore):
                  "retry_after_seconds": None, "lease_status": "RELEASED", "now": now,
                  "run_id": lease.run_id, "token": lease.fencing_token}
                 for (lease, _), now in won])
+            first = history.reserve(conn, len(won))  # after the hops' events: later ids
+            conn.execute(self._q(history.END_HOP["sqlite"]), [
+                {"run_id": lease.run_id, "token": lease.fencing_token, "seq": first + i,
+                 "from_status": S.FINALIZING.value, "to_status": target.value,
+                 "actor": lease.worker_id, "reason_code": None, "message": None}
+                for i, ((lease, _), _now) in enumerate(won)])
         return rows
 
     def _lease_batch(self, leases: Sequence[Lease]) -> dict[str, Any]:
@@ -533,7 +541,7 @@ class LeaseMixin(StoreCore):
                 conn, run_id=snap.run_id, source=status, path=path, run_token=snap.run_token,
                 actor=actor, now=now, attempt_no=snap.attempt_no, reason_code=run_reason,
                 message=run_message, outcome=outcome, visible_at=visible_at,
-                worker_id=snap.worker_id,
+                worker_id=snap.worker_id, ends_attempt=True,
             )
             self._give_back_slots(conn, snap.run_id, snap.fencing_token, held,
                                   cleared=cleared)

@@ -216,19 +216,27 @@ events AS (
     JOIN b ON b.run_id = h.run_id
     JOIN won ON won.run_id = h.run_id
     CROSS JOIN t
-    ORDER BY h.n),
+    ORDER BY h.n
+    RETURNING 1),
+-- The attempt is the record of its end (FINALIZING -> SUCCEEDED, store/history.py),
+-- placed after the stage hops above (``events`` read first: their ids come first).
 ended AS (
     UPDATE attempts
     SET status = 'SUCCEEDED',
         lease_status = 'RELEASED',
         lease_ended_at = t.now,
         ended_at = t.now,
-        limit_scopes = NULL  -- given back by this transaction (won returned them), once
+        limit_scopes = NULL,  -- given back by this transaction (won returned them), once
+        end_tx = CAST(CAST(pg_current_xact_id() AS text) AS bigint),
+        end_seq = nextval('run_events_event_id_seq'),
+        end_from_status = 'FINALIZING',
+        end_to_status = :to_status
     FROM won, t
     WHERE attempts.run_id = won.run_id
       AND attempts.fencing_token = won.fencing_token
       AND attempts.lease_status = 'ACTIVE'
       AND attempts.ended_at IS NULL
+      AND (SELECT COUNT(*) FROM events) >= 0
     RETURNING attempts.run_id),
 -- Campaigns' runs among the won (docs/campaigns.md): each target's end, its campaign's
 -- counts and stop-rule window (a success counts, as a "0"), the numbered finishes; the

@@ -11,11 +11,11 @@ from sqlalchemy import Connection, insert, select, text
 
 from runlane.domain.routing import parse_capabilities, requirements_from_canonical, satisfies
 from runlane.errors import NotFound, redact_credentials
-from runlane.store import reads_sql
+from runlane.store import history, reads_sql
 from runlane.store.core import StoreCore
 from runlane.store.evidence import PULL_REQUEST_EFFECT
 from runlane.store.records import Look, SideEffect
-from runlane.store.schema import run_events, runs, task_dependencies, tasks, workers
+from runlane.store.schema import runs, task_dependencies, tasks, workers
 
 
 class ReadsMixin(StoreCore):
@@ -117,8 +117,7 @@ class ReadsMixin(StoreCore):
             ]
             run["events"] = [
                 dict(e._mapping) for e in conn.execute(
-                    select(run_events).where(run_events.c.run_id == run_id)
-                    .order_by(run_events.c.event_id))
+                    text(history.RUN_HISTORY), {"run_id": run_id})
             ]
             return run
 

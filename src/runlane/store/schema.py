@@ -47,6 +47,8 @@ IDEMPOTENCY_INDEX_NAME = "uq_tasks_tenant_idempotency_key_partial"
 IDEMPOTENCY_INDEX_WHERE = "idempotency_key IS NOT NULL"
 FAILURE_EVENTS_WHERE = "to_status IN ('FAILED_RETRYABLE', 'FAILED', 'POLICY_DENIED')"
 CLAIM_EVENTS_WHERE = "to_status = 'CLAIMED'"
+# Attempts that ended a run's try in failure (0028): `runlane top`'s latest failures.
+FAILED_ENDS_WHERE = "end_to_status IN ('FAILED_RETRYABLE', 'FAILED')"
 
 tasks = Table(
     "tasks",
@@ -142,6 +144,13 @@ runs = Table(
     # resolved it (the task's own, else its queue's default in the policy); NULL: none.
     # An attempt holds a slot in the scope ``provider:NAME`` (domain.policy.run_scopes).
     Column("provider", String(128)),
+    # Added by 0028 (leaner rows per run): a run created QUEUED writes no event, its row
+    # is the record of its creation (store/history.py): who submitted it, and its place
+    # in the event stream (the writer's transaction id on PostgreSQL, 0 on SQLite, and a
+    # position taken from run_events' ids). NULL for a run whose creation is an event.
+    Column("created_by", String(255)),
+    Column("created_tx", BigInteger),
+    Column("created_seq", BigInteger),
     Index("ix_runs_task_id", "task_id"),
     # The runs listing (migration 0020, store/listing.py): a page is a walk of one of
     # these from its cursor, newest or oldest first, never a sort.
@@ -162,6 +171,11 @@ runs = Table(
     Index("uq_runs_retry_of", "retry_of_run_id", unique=True,
           postgresql_where=text("retry_of_run_id IS NOT NULL"),
           sqlite_where=text("retry_of_run_id IS NOT NULL")),
+    # The event stream's creations (0028, store/events.py): no entry for a run whose
+    # creation is an event.
+    Index("ix_runs_created_feed", "created_tx", "created_seq",
+          postgresql_where=text("created_seq IS NOT NULL"),
+          sqlite_where=text("created_seq IS NOT NULL")),
 )
 
 # The dispatch index (migration 0004, through the online-index guard; it replaced
@@ -331,6 +345,21 @@ attempts = Table(
     Column("late_cost_usd", Float, nullable=False, server_default="0"),
     # Added by 0025: when this attempt's cost crossed its run's limit; NULL: never.
     Column("cost_exceeded_at", Timestamp),
+    # Added by 0028 (leaner rows per run): the attempt is the record of its claim
+    # (QUEUED -> CLAIMED, at started_at, by worker_id) and of the hop that ended it
+    # (end_from_status -> end_to_status at ended_at, by end_actor or else worker_id):
+    # neither writes an event (store/history.py). Each has its place in the event
+    # stream: the writer's transaction id (PostgreSQL; 0 on SQLite) and a position
+    # taken from run_events' ids. NULL on attempts older than 0028 (their events say).
+    Column("claim_tx", BigInteger),
+    Column("claim_seq", BigInteger),
+    Column("end_tx", BigInteger),
+    Column("end_seq", BigInteger),
+    Column("end_from_status", String(32)),
+    Column("end_to_status", String(32)),
+    Column("end_actor", String(255)),
+    Column("end_reason_code", String(64)),
+    Column("end_message", Text),
     UniqueConstraint("run_id", "fencing_token", name="uq_attempts_run_fencing_token"),
     # Invariant 2: at most one ACTIVE lease per run, enforced by the database.
     Index(
@@ -345,8 +374,22 @@ attempts = Table(
     # names its runs and finds their ACTIVE leases by the one above, and changes no
     # indexed column, so on PostgreSQL a beat can be a HOT update (no index entry). The
     # reaper reads the active leases by the one above too, and sorts them.
+    # The event stream's claims and ends (0028, store/events.py), and the latest failed
+    # ends (`runlane top`). A heartbeat changes none of their columns: still HOT.
+    Index("ix_attempts_claim_feed", "claim_tx", "claim_seq",
+          postgresql_where=text("claim_seq IS NOT NULL"),
+          sqlite_where=text("claim_seq IS NOT NULL")),
+    Index("ix_attempts_end_feed", "end_tx", "end_seq",
+          postgresql_where=text("end_seq IS NOT NULL"),
+          sqlite_where=text("end_seq IS NOT NULL")),
+    Index("ix_attempts_failed_ends", "ended_at", "end_seq",
+          postgresql_where=text(FAILED_ENDS_WHERE), sqlite_where=text(FAILED_ENDS_WHERE)),
 )
 
+# The transitions no other row records (0028): admission decisions, a creation other
+# than QUEUED, stage hops, cancels, requeues, repairs, notes. On SQLite the ids are
+# AUTOINCREMENT: claims, ends and creations take their positions from the same count
+# (sqlite_sequence, store/history.py), so no id is ever taken twice.
 run_events = Table(
     "run_events",
     metadata,
@@ -377,6 +420,7 @@ run_events = Table(
     Index("ix_run_events_failures", "at", "event_id",
           postgresql_where=text(FAILURE_EVENTS_WHERE),
           sqlite_where=text(FAILURE_EVENTS_WHERE)),
+    sqlite_autoincrement=True,
 )
 
 # The side-effect ledger (invariant 8): one row per external effect of a run, keyed

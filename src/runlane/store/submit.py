@@ -3,6 +3,7 @@ The SQL is in ``submit_sql``."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
@@ -31,7 +32,7 @@ from runlane.domain.tasks import (
 )
 from runlane.errors import Conflict
 from runlane.observability import metrics
-from runlane.store import policy_sql, submit_sql
+from runlane.store import history, policy_sql, submit_sql
 from runlane.store.core import WAKEUP_CHANNEL, StoreCore
 from runlane.store.lanes import JOIN_AHEAD
 from runlane.store.policy import policy_needs_usage
@@ -466,17 +467,22 @@ class SubmitMixin(StoreCore):
         conn.execute(self._q(submit_sql.ROUTE_INSERT), [{"route_key": k, "now": batch.now}
                                                  for k in sorted({k[1] for k in lane_plan})])
         lane_ids = self._lane_ids(conn, lane_plan)
+        # A run admitted QUEUED records its creation itself (store/history.py).
+        in_row = [history.created_in_row(run) for run in created]
+        seqs = itertools.count(history.reserve(conn, sum(in_row)) if any(in_row) else 0)
         self._bulk_insert(conn, runs, [
             {column: run[column] for column in _RUN_COLUMNS}
             | {"attempt_count": 0, "fencing_token": 0, "cost_usd": 0.0,
                "created_at": batch.now, "updated_at": batch.now,
                "lane_id": lane_ids[(run["queue"], run["route_key"], run["priority"],
                                     run["tenant"])]}
-            for run in created])
+            | ({"created_by": batch.actor, "created_tx": 0, "created_seq": next(seqs)}
+               if row else {"created_by": None, "created_tx": None, "created_seq": None})
+            for run, row in zip(created, in_row, strict=True)])
         self._record(conn, [
             {"run_id": run["run_id"], "attempt_no": None, "at": batch.now,
              "actor": batch.actor, "from_status": None, "to_status": run["status"],
              "reason_code": run["reason_code"], "fencing_token": None,
              "message": run["event_message"]}
-            for run in created])
+            for run, row in zip(created, in_row, strict=True) if not row])
         return skipped

@@ -58,6 +58,11 @@ _TASKS_FROM_ITEMS = """
     FROM items
     WHERE idempotency_key IS {keyed}
       AND (SELECT version FROM policy) = CAST(:version AS integer)  -- see "Policy" above"""
+# A run created QUEUED by an admission (its event would say only that, store/history.py):
+# the run row is the record of its creation, no event.
+CREATED_IN_ROW = ("r.status = 'QUEUED' AND r.reason_code IS NULL "
+                  "AND r.event_message = 'admitted under policy v' "
+                  "|| CAST(r.policy_version AS TEXT)")
 SUBMIT_WRITE_PG = """
 WITH policy AS MATERIALIZED (
     SELECT COALESCE(MAX(version), 0) AS version FROM policy_versions),
@@ -149,13 +154,18 @@ inserted_runs AS (
                       attempt_count, max_attempts, fencing_token, visible_at, created_at,
                       updated_at, ended_at, reason_code, message, cost_usd, user_id,
                       risk_class, route_key, lane_id, policy_version, admission, limits,
-                      estimated_cost_usd, provider)
+                      estimated_cost_usd, provider, created_by, created_tx, created_seq)
     SELECT r.run_id, r.task_id, r.tenant, r.repo, r.queue, r.priority, r.status,
            0, r.max_attempts, 0, COALESCE(r.visible_at, c.now), c.now, c.now,
            COALESCE(r.ended_at, CASE WHEN r.status = 'POLICY_DENIED' THEN c.now END),
            r.reason_code, r.message, 0,
            r.user_id, r.risk_class, r.route_key, l.lane_id, r.policy_version,
-           r.admission, r.limits, r.estimated_cost_usd, r.provider
+           r.admission, r.limits, r.estimated_cost_usd, r.provider,
+           -- a run admitted QUEUED records its creation itself (store/history.py)
+           CASE WHEN """ + CREATED_IN_ROW + """ THEN :actor END,
+           CASE WHEN """ + CREATED_IN_ROW + """
+                THEN CAST(CAST(pg_current_xact_id() AS text) AS bigint) END,
+           CASE WHEN """ + CREATED_IN_ROW + """ THEN nextval('run_events_event_id_seq') END
     FROM new_runs r CROSS JOIN clock c
     JOIN lane_ids l ON l.queue = r.queue AND l.route_key = r.route_key
                    AND l.priority = r.priority AND l.tenant = r.tenant
@@ -165,7 +175,8 @@ events AS (
                             reason_code, fencing_token, message)
     SELECT r.run_id, NULL, (SELECT now FROM clock), :actor, NULL, r.status,
            r.reason_code, NULL, r.event_message
-    FROM new_runs r JOIN inserted_runs i ON i.run_id = r.run_id),
+    FROM new_runs r JOIN inserted_runs i ON i.run_id = r.run_id
+    WHERE NOT (""" + CREATED_IN_ROW + """)),
 -- The queues that got QUEUED runs: every run of new_runs is inserted (its lane is
 -- upserted above), so lane_plan names them without reading the inserted runs again.
 woken AS (
