@@ -133,7 +133,7 @@ def copy_statement(conn: psycopg.Connection[Any], table_name: str, alias: str,
                    overrides: dict[str, str], source: str) -> str:
     """INSERT INTO table (every column but the serial ones) SELECT, per column, the
     override, or a time column shifted by ``delta``, or the template's own value."""
-    cols = [c for c in columns(conn, table_name) if c != "event_id"]
+    cols = [c for c in columns(conn, table_name) if c != "event_id" or c in overrides]
     exprs = []
     for c in cols:
         if c in overrides:
@@ -179,18 +179,22 @@ def population(conn: psycopg.Connection[Any], run_id: str, finished: bool
             **positions("claim"), **positions("end"),
         }, source("attempts", "x", "x.run_id = t0.run_id"))))
     statements.append(("run_events", copy_statement(conn, "run_events", "x", {
-        "run_id": v7_sql("run"),
+        "run_id": v7_sql("run"), "event_id": f"x.event_id + g * {SPAN}",
         "actor": f"CASE WHEN x.actor = '{TEMPLATE_WORKER}' THEN {worker} ELSE x.actor END",
     }, source("run_events", "x", "x.run_id = t0.run_id", "g, x.event_id"))))
     return statements
 
 
+# A copy's positions in the event stream (store/history.py): the template's, moved by
+# ``g * SPAN`` (the templates' are below it), so each copy's transitions keep their
+# order (the audit checks it) and no two copies share one.
+SPAN = 1_000
+
+
 def positions(kind: str) -> dict[str, str]:
-    """A copied row's place in the event stream (store/history.py), when the template
-    has one: a transaction id and a position of its own, as each write takes."""
-    return {f"{kind}_tx": f"x.{kind}_tx + g",
-            f"{kind}_seq": f"CASE WHEN x.{kind}_seq IS NOT NULL "
-                           f"THEN nextval('run_events_event_id_seq') END"}
+    """A copied row's place in the event stream, when the template has one: a
+    transaction id and a position of its own, as each write takes."""
+    return {f"{kind}_tx": f"x.{kind}_tx + g", f"{kind}_seq": f"x.{kind}_seq + g * {SPAN}"}
 
 
 def populate(url: str, templates: Templates, runs: int) -> dict[str, float]:
@@ -238,6 +242,9 @@ def populate(url: str, templates: Templates, runs: int) -> dict[str, float]:
             "SELECT lane_id, COUNT(*) FILTER (WHERE status = 'QUEUED') AS queued, "
             "COUNT(*) FILTER (WHERE status <> 'QUEUED') AS claimed FROM runs "
             "GROUP BY lane_id) c WHERE c.lane_id = l.lane_id")
+        # Positions taken from now on come after every copy's.
+        conn.execute("SELECT setval('run_events_event_id_seq', %s)",
+                     ((2 * runs + 1) * SPAN,))
         conn.commit()
         seconds["templates out, lanes"] = time.monotonic() - step
     step = time.monotonic()
