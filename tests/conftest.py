@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -160,11 +161,23 @@ def migrated_sqlite(path: Path) -> str:
     return url
 
 
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One SQLite file migrated to head per test process, copied for each test: the
+    migrations take about 0.2 s a file, and a thousand tests start from an empty one."""
+    path = tmp_path_factory.mktemp("sqlite_template") / "template.db"
+    migrated_sqlite(path)
+    assert not Path(f"{path}-wal").exists()  # checkpointed: the file alone is the database
+    return path
+
+
 def empty_database(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> str:
     """A migrated, empty database: ``kind`` is "sqlite", "postgresql" or
     "postgresql-pgbouncer" (the PostgreSQL one through the tests' PgBouncer)."""
     if kind == "sqlite":
-        return migrated_sqlite(tmp_path / "runlane.db")
+        path = tmp_path / "runlane.db"
+        shutil.copyfile(request.getfixturevalue("sqlite_template"), path)
+        return f"sqlite:///{path}"
     url = str(request.getfixturevalue("pg_url"))
     truncate_pg(url)
     if kind == "postgresql-pgbouncer":
