@@ -22,7 +22,7 @@ from runlane.domain.states import RunStatus
 from runlane.services.scheduler import Scheduler
 from runlane.store.store import Store
 
-from .conftest import empty_database
+from .conftest import migrated_sqlite
 from .support import attempts_of, run_row, spec, submit
 from .test_worker import forge_dir, pstore, remote, wait_until, workers  # noqa: F401
 
@@ -174,7 +174,7 @@ def test_a_reader_does_not_wait_for_a_long_write_transaction(tmp_path: Path) -> 
     transaction of the engine does, engine._on_begin) and queue behind the writer: for
     the whole write here, and past the 60 s busy timeout they fail with "database is
     locked" (no retry on the read path)."""
-    url = empty_database(None, "sqlite", tmp_path)  # type: ignore[arg-type]
+    url = migrated_sqlite(tmp_path / "runlane.db")
     store = Store(url)
     run = submit(store)[0]
     store.close()
