@@ -306,17 +306,7 @@ class LeaseMixin(StoreCore):
                                       for lease in leases])}
 
     def _fenced_path(self, lease: Lease, path: list[RunStatus]) -> None:
-        def work(conn: Connection) -> None:
-            won = self._set_status(
-                conn, run_id=lease.run_id, source=lease.stage, path=path,
-                run_token=lease.fencing_token, actor=lease.worker_id, now=self.clock.now(),
-                fenced=True, attempt_no=lease.attempt_no, worker_id=lease.worker_id,
-            )
-            if not won:
-                raise self._refusal(conn, lease, path[-1])
-
-        self._transaction(work)
-        lease.stage = path[-1]
+        self._fenced_path_from(lease, lease.stage, path)
 
     def report_cost(self, lease: Lease, usd: float, *, input_tokens: int = 0,
                     output_tokens: int = 0) -> None:
